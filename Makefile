@@ -1,0 +1,46 @@
+# make demo: create .venv, install, run the CPU demo (RL from random init, then SFT → RL).
+# make test: create .venv, install, run the test suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export DO_NOT_TRACK := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
+export HF_HUB_OFFLINE := 1
+export PREFECT_HOME := $(CURDIR)/.prefect
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
+export PREFECT_LOGGING_LEVEL ?= WARNING
+
+.PHONY: venv demo test lint format bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/miles train --config examples/say_a.yaml
+	$(BIN)/miles train --config examples/reverse_sft_rl.yaml
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: venv
+	$(BIN)/python benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV) .prefect mlflow.db mlruns checkpoints *.egg-info

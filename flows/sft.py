@@ -1,0 +1,25 @@
+"""Supervised fine-tuning flow: the warm start of a policy before RL.
+
+    prepare model → SFT steps (masked cross-entropy on reference answers) → save HF dir
+
+Run it alone with `miles sft --config FILE`, or let `flows/rl_train.py` call it when the config
+has an `sft:` section.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from miles_core.config import RunConfig
+from miles_core.runtime import new_workdir
+from tasks.setup import prepare_model, start_tracking
+from tasks.sft import sft_train
+
+
+@flow(name="sft", log_prints=True)
+def sft(config: RunConfig, parent_run_id: str | None = None) -> str:
+    if config.sft is None:
+        raise ValueError("the sft flow needs an `sft:` section in the config")
+    tracker = start_tracking(config, f"{config.name}-sft", parent_run_id)
+    model_dir = prepare_model(config, new_workdir())
+    return sft_train(config, model_dir, tracker)

@@ -1,0 +1,134 @@
+"""`miles` command line: `miles train`, `miles sft`.
+
+    miles train --config examples/say_a.yaml --set train.lr=5e-4 --set train.num_steps=20
+    miles train --config examples/say_a.yaml --resume
+    miles sft --config examples/reverse.yaml
+
+With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
+flow, ranks 1..N-1 replay the trainer's calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+from pydantic import ValidationError
+
+from miles_core.config import RunConfig, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="miles", description="RL post-training on Prefect + MLflow")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("train", "RL training run (rl-train flow)"),
+        ("sft", "supervised fine-tuning run (sft flow)"),
+    ):
+        c = sub.add_parser(name, help=help_text)
+        c.add_argument("--config", required=False, help="YAML config file")
+        c.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a dotted config key",
+        )
+        c.add_argument(
+            "--no-progress", action="store_true", help="log lines instead of a progress bar"
+        )
+        if name == "train":
+            c.add_argument(
+                "--resume", action="store_true", help="continue from the run's latest checkpoint"
+            )
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"miles: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _relaunch_under_torchrun(world_size: int) -> int:
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun,
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        "-m",
+        "miles_core.cli",
+        *sys.argv[1:],
+    ]
+    return subprocess.call(cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ValidationError as e:
+        return _fail(f"invalid config:\n{e}")
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
+
+    from miles_core.train import distributed
+
+    world = config.train.world_size
+    if world > 1 and distributed.launched_world_size() == 1:
+        return _relaunch_under_torchrun(world)
+    if int(os.environ.get("RANK", "0")) > 0:
+        distributed.init_distributed()
+        distributed.follow()
+        return 0
+
+    from miles_core.preflight import preflight
+
+    try:
+        preflight(config, resume=getattr(args, "resume", False))
+    except (ValueError, OSError) as e:
+        _shutdown(world)
+        return _fail(str(e))
+    return _run(args, config, world)
+
+
+def _shutdown(world: int) -> None:
+    if world > 1:
+        from miles_core.train import distributed
+
+        distributed.init_distributed()
+        distributed.shutdown_followers()
+
+
+def _run(args, config: RunConfig, world: int) -> int:
+    from miles_core.progress import RichReporter, set_reporter
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("httpx", "httpcore", "mlflow.store.db.utils", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not args.no_progress and sys.stderr.isatty():
+        set_reporter(RichReporter())
+    try:
+        if args.command == "train":
+            from flows.rl_train import rl_train
+
+            result = rl_train(config, resume=args.resume)
+        else:
+            from flows.sft import sft
+
+            result = {"policy": sft(config)}
+    finally:
+        _shutdown(world)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

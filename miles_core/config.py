@@ -1,0 +1,239 @@
+"""The run configuration: one pydantic tree, validated before anything starts.
+
+The same object is the Prefect flow parameter (the UI renders it as a form), the YAML file a user
+edits, and the flattened MLflow params of the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from miles_core.data.tasks import get_task
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    preset: Literal["tiny", "small", "medium"] = Field(
+        "tiny", description="architecture preset for a random init"
+    )
+    path: str | None = Field(
+        None,
+        description="HF directory (local or fsspec URL) to start from instead of a random init",
+    )
+    seed: int = Field(0, description="seed of the random init")
+
+
+class DataConfig(_Strict):
+    task: str = Field(
+        "say_a", description="built-in task (say_a, reverse, add) or 'package.module:object'"
+    )
+    path: str | None = Field(
+        None, description="JSONL prompts (local path or fsspec URL); default: the task's generator"
+    )
+    num_prompts: int = Field(2048, gt=0, description="prompts to generate when no path is given")
+    seed: int = 0
+    shuffle: bool = True
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        get_task(v)  # raises ValueError with the list of known tasks
+        return v
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["embedded"] = "embedded"
+    prompts_per_step: int = Field(
+        16, gt=0, description="prompts sampled per rollout (rollout batch size)"
+    )
+    n_samples_per_prompt: int = Field(8, gt=0, description="GRPO group size")
+    max_new_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 disables top-k")
+    seed: int = 0
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(32, gt=0)
+    world_size: int = Field(
+        1, gt=0, description="trainer ranks; >1 runs under torchrun (gloo on CPU)"
+    )
+    threads: int | None = Field(None, description="torch threads per process (default: all cores)")
+
+
+class TrainConfig(OptimConfig):
+    backend: Literal["fsdp"] = "fsdp"
+    num_steps: int = Field(50, gt=0, description="rollout → train → weight update iterations")
+    global_batch_size: int = Field(128, gt=0, description="samples per optimizer step")
+    advantage_estimator: Literal["grpo"] = "grpo"
+    normalize_advantage_std: bool = True
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = Field(
+        None, description="upper clip (DAPO clip-higher); default eps_clip"
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    kl_coef: float = Field(
+        0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model"
+    )
+    entropy_coef: float = Field(0.0, ge=0)
+
+
+class SFTConfig(OptimConfig):
+    task: str = "reverse"
+    path: str | None = Field(
+        None,
+        description="JSONL rows with 'prompt' and 'answer'; default: the task's demonstrations",
+    )
+    num_examples: int = Field(4096, gt=0)
+    num_steps: int = Field(200, gt=0)
+    batch_size: int = Field(64, gt=0)
+    seed: int = 0
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        get_task(v)
+        return v
+
+    @model_validator(mode="after")
+    def _divides(self) -> SFTConfig:
+        unit = self.micro_batch_size * self.world_size
+        if self.batch_size % unit:
+            raise ValueError(
+                f"sft.batch_size ({self.batch_size}) must be divisible by micro_batch_size × world_size ({unit})"
+            )
+        return self
+
+
+class WeightSyncConfig(_Strict):
+    transport: Literal["colocated"] = "colocated"
+    bucket_mb: int = Field(64, gt=0)
+    check_equal: bool = Field(
+        False, description="verify engine weights bitwise after every push (slow)"
+    )
+
+
+class CheckpointConfig(_Strict):
+    root: str = Field("checkpoints", description="fsspec root: a local path or s3://bucket/prefix")
+    interval: int = Field(0, ge=0, description="save every N steps; 0 saves only at the end")
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrackingConfig(_Strict):
+    experiment: str = "miles"
+    tracking_uri: str | None = Field(
+        None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"
+    )
+    run_name: str | None = None
+    register_policy: bool = Field(
+        True, description="record each checkpoint as a registered model version"
+    )
+
+
+class RunConfig(_Strict):
+    name: str = "miles-run"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    sft: SFTConfig | None = Field(None, description="supervised warm start before RL")
+
+    @model_validator(mode="after")
+    def _batch_invariant(self) -> RunConfig:
+        r, t = self.rollout, self.train
+        if t.advantage_estimator == "grpo" and r.n_samples_per_prompt < 2:
+            raise ValueError(
+                "rollout.n_samples_per_prompt must be at least 2 for GRPO (advantages are group-relative)"
+            )
+        samples = r.prompts_per_step * r.n_samples_per_prompt
+        if samples % t.global_batch_size:
+            raise ValueError(
+                f"rollout.prompts_per_step × n_samples_per_prompt ({samples}) must be divisible by "
+                f"train.global_batch_size ({t.global_batch_size})"
+            )
+        unit = t.micro_batch_size * t.world_size
+        if t.global_batch_size % unit:
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"micro_batch_size × world_size ({unit})"
+            )
+        if self.sft is not None and self.sft.world_size != t.world_size:
+            raise ValueError(
+                "sft.world_size must equal train.world_size (they share the trainer ranks)"
+            )
+        return self
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return (
+            self.rollout.prompts_per_step
+            * self.rollout.n_samples_per_prompt
+            // self.train.global_batch_size
+        )
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        if node.get(k) is None:
+            node[k] = {}
+        node = node[k]
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {dotted}: {k!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set expects dotted.key=value, got {item!r}")
+        key, _, raw = item.partition("=")
+        out.append((key.strip(), yaml.safe_load(raw)))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Reads a YAML file, applies `dotted.key=value` overrides (values parsed as YAML), validates."""
+    tree: dict = {}
+    if path is not None:
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    return RunConfig.model_validate(tree)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

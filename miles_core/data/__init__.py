@@ -1,0 +1,22 @@
+from miles_core.data.dataset import (
+    DatasetError,
+    PromptSource,
+    load_examples,
+    read_jsonl,
+    to_messages,
+)
+from miles_core.data.tasks import Example, Score, Task, get_task, register_task, task_names
+
+__all__ = [
+    "DatasetError",
+    "Example",
+    "PromptSource",
+    "Score",
+    "Task",
+    "get_task",
+    "load_examples",
+    "read_jsonl",
+    "register_task",
+    "task_names",
+    "to_messages",
+]

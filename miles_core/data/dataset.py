@@ -1,0 +1,96 @@
+"""Prompt datasets: JSONL files read through fsspec (local paths or s3://), or a task's generator."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from miles_core.data.tasks import Example, get_task
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
+    """Rows need a `prompt` (string or chat messages); `label` and `answer` are optional."""
+    examples = []
+    try:
+        with fsspec.open(url, "rt", **(storage_options or {})) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError as e:
+        raise DatasetError(f"dataset {url!r} not found") from e
+    for row_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{url}: row {row_number} is not valid JSON ({e.msg})") from e
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise DatasetError(f"{url}: row {row_number} has no 'prompt' field")
+        prompt = row["prompt"]
+        if not isinstance(prompt, str | list) or not prompt:
+            raise DatasetError(
+                f"{url}: row {row_number}: 'prompt' must be a non-empty string or message list"
+            )
+        examples.append(Example(prompt=prompt, label=row.get("label"), answer=row.get("answer")))
+    if not examples:
+        raise DatasetError(f"dataset {url!r} has no rows")
+    return examples
+
+
+def load_examples(
+    task: str, path: str | None, num_prompts: int, seed: int, storage_options: dict | None = None
+) -> list[Example]:
+    if path:
+        return read_jsonl(path, storage_options)
+    return get_task(task).generate(num_prompts, seed)
+
+
+def to_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+@dataclass
+class PromptSource:
+    """Serves prompts in epochs, shuffled per epoch by seed; `state()` resumes at the same prompt."""
+
+    examples: list[Example]
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[tuple[int, Example]]:
+        """The next n (dataset index, example) pairs, wrapping into new epochs."""
+        out = []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._make_order()
+            idx = self._order[self.offset]
+            out.append((idx, self.examples[idx]))
+            self.offset += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._make_order()

@@ -1,0 +1,119 @@
+"""Built-in tasks: a seeded prompt generator and a reward function each.
+
+A task turns a label and the decoded completion into a reward in [0, 1] plus named per-sample
+metrics (e.g. `exact_match`). Users register their own with `register_task` or name one by
+import path (`package.module:object`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import string
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Score:
+    reward: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Example:
+    prompt: str
+    label: Any
+    answer: str | None = None  # a reference completion, used for SFT demonstrations
+
+
+class Task(Protocol):
+    name: str
+
+    def generate(self, n: int, seed: int) -> list[Example]: ...
+
+    def score(self, completion: str, label: Any) -> Score: ...
+
+
+class SayA:
+    """Reward = fraction of the completion's characters that are the letter `a`."""
+
+    name = "say_a"
+
+    def generate(self, n: int, seed: int) -> list[Example]:
+        rng = random.Random(seed)
+        words = ["say a", "a please", "write a", "letters", "go", "aaa?", "speak", "now"]
+        return [Example(prompt=rng.choice(words), label=None, answer="a" * 8) for _ in range(n)]
+
+    def score(self, completion: str, label: Any) -> Score:
+        if not completion:
+            return Score(0.0)
+        return Score(completion.count("a") / len(completion))
+
+
+class Reverse:
+    """Reverse a 4–8 letter string. Reward = per-position match; exact match is logged."""
+
+    name = "reverse"
+
+    def generate(self, n: int, seed: int) -> list[Example]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 8)))
+            out.append(Example(prompt=f"reverse {word}", label=word[::-1], answer=word[::-1]))
+        return out
+
+    def score(self, completion: str, label: Any) -> Score:
+        target = str(label)
+        got = completion.strip()
+        width = max(len(target), len(got))
+        matches = sum(1 for a, b in zip(got, target, strict=False) if a == b)
+        exact = float(got == target)
+        return Score(matches / width if width else 1.0, {"exact_match": exact})
+
+
+class Add:
+    """Two- and three-digit addition; reward = exact match of the sum."""
+
+    name = "add"
+
+    def generate(self, n: int, seed: int) -> list[Example]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(n):
+            a = rng.randint(10, 999)
+            b = rng.randint(10, 999)
+            out.append(Example(prompt=f"{a}+{b}=", label=a + b, answer=str(a + b)))
+        return out
+
+    def score(self, completion: str, label: Any) -> Score:
+        exact = float(completion.strip() == str(label))
+        return Score(exact, {"exact_match": exact})
+
+
+_REGISTRY: dict[str, Task] = {t.name: t for t in (SayA(), Reverse(), Add())}
+
+
+def register_task(task: Task) -> None:
+    _REGISTRY[task.name] = task
+
+
+def task_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_task(name: str) -> Task:
+    """A built-in task by name, or any object by import path `package.module:object`."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot import task {name!r}: {e}") from e
+        return obj() if isinstance(obj, type) else obj
+    raise ValueError(
+        f"unknown task {name!r}; built-in tasks are {task_names()} (or give 'package.module:object')"
+    )

@@ -1,0 +1,64 @@
+"""A character-level chat tokenizer built locally with `tokenizers` (no model hub).
+
+Every printable ASCII character, newline and tab is one token; chat special tokens are single ids.
+The Jinja chat template is ChatML-shaped, so multi-turn renders are prefix-stable:
+rendering turn N+1 starts with exactly the ids of turn N plus the assistant reply.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+PAD = "<|pad|>"
+EOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK = "<|unk|>"
+SPECIAL_TOKENS = [
+    PAD,
+    EOS,
+    IM_START,
+    IM_END,
+    UNK,
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Builds the character-level tokenizer; ids are stable across builds."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=IM_END,
+        unk_token=UNK,
+        bos_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, directory: str | Path) -> None:
+    tok.save_pretrained(str(directory))

@@ -1,0 +1,178 @@
+"""The embedded engine: batched sampling with a KV cache on the model's own modules.
+
+Prompts are left-padded into one batch; every decode step feeds one token per row through the
+model with a `DynamicCache`, samples all rows at once, and records the log-prob of each sampled
+token. Output ids are returned as generated; nothing is re-tokenized.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+import torch
+from transformers import DynamicCache
+
+from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse, MetaInfo
+from miles_core.rollout.sampler import sample_next
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot serve (bad ids, lengths); the HTTP server maps it to 4xx."""
+
+
+class EmbeddedEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0, max_batch_size: int = 512):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_context = int(model.config.max_position_embeddings)
+        self.pad_id = int(tokenizer.pad_token_id)
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._lock = threading.Lock()
+        self._params = dict(model.named_parameters())
+        self.stats = {"generated_tokens": 0, "decode_seconds": 0.0}
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def pause(
+        self, mode: str = "abort"
+    ) -> None:  # single-call engine: nothing in flight between calls
+        self._lock.acquire()
+
+    def resume(self) -> None:
+        self._lock.release()
+
+    # ---------------------------------------------------------------- weights
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        copied = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"engine has no parameter named {name!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
+                    )
+                param.copy_(tensor)
+                copied += tensor.numel() * tensor.element_size()
+        return copied
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self._params.items()}
+
+    # ---------------------------------------------------------------- generation
+    def validate(self, req: GenerateRequest) -> None:
+        sp = req.sampling_params
+        if not req.input_ids:
+            raise EngineRequestError("input_ids is empty")
+        bad = [t for t in req.input_ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise EngineRequestError(
+                f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if sp.max_new_tokens < 0:
+            raise EngineRequestError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+        if len(req.input_ids) + sp.max_new_tokens > self.max_context:
+            raise EngineRequestError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+                f"exceeds the context length {self.max_context}"
+            )
+        if sp.temperature <= 0:
+            raise EngineRequestError("temperature must be > 0")
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+        for r in requests:
+            self.validate(r)
+        out: list[GenerateResponse] = []
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(requests), self.max_batch_size):
+                out.extend(self._generate_batch(requests[start : start + self.max_batch_size]))
+        return out
+
+    def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+        t0 = time.perf_counter()
+        bsz = len(requests)
+        prompt_lens = [len(r.input_ids) for r in requests]
+        width = max(prompt_lens)
+        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((bsz, width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, width - prompt_lens[i] :] = torch.tensor(r.input_ids)
+            mask[i, width - prompt_lens[i] :] = 1
+        sps = [r.sampling_params for r in requests]
+        temperature = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
+        top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
+        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
+        limits = torch.tensor([sp.max_new_tokens for sp in sps])
+        stop_sets = [set(sp.stop_token_ids or []) for sp in sps]
+        max_steps = int(limits.max()) if bsz else 0
+
+        outputs: list[list[int]] = [[] for _ in range(bsz)]
+        logps: list[list[float]] = [[] for _ in range(bsz)]
+        finish: list[FinishReason | None] = [None] * bsz
+        for i in range(bsz):
+            if limits[i] == 0:
+                finish[i] = FinishReason(type="length", length=0)
+
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        step_ids, step_pos = ids, position
+        for _ in range(max_steps):
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                cache=cache,
+                use_cache=True,
+            ).logits[:, -1, :]
+            tokens, token_lp = sample_next(logits, temperature, top_k, top_p, self.generator)
+            tok_list, lp_list = tokens.tolist(), token_lp.tolist()
+            for i in range(bsz):
+                if finish[i] is not None:
+                    continue
+                outputs[i].append(tok_list[i])
+                logps[i].append(lp_list[i])
+                if tok_list[i] in stop_sets[i]:
+                    finish[i] = FinishReason(type="stop", matched=tok_list[i])
+                elif len(outputs[i]) >= limits[i]:
+                    finish[i] = FinishReason(type="length", length=len(outputs[i]))
+            if all(f is not None for f in finish):
+                break
+            step_ids = tokens.unsqueeze(1)
+            step_pos = step_pos[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype)], dim=1)
+
+        n_tokens = sum(len(o) for o in outputs)
+        self.stats["generated_tokens"] += n_tokens
+        self.stats["decode_seconds"] += time.perf_counter() - t0
+        version = str(self._version)
+        responses = []
+        for i, r in enumerate(requests):
+            responses.append(
+                GenerateResponse(
+                    text=self.tokenizer.decode(outputs[i], skip_special_tokens=True),
+                    output_ids=outputs[i],
+                    meta_info=MetaInfo(
+                        id=r.rid,
+                        finish_reason=finish[i],
+                        prompt_tokens=prompt_lens[i],
+                        completion_tokens=len(outputs[i]),
+                        cached_tokens=0,
+                        weight_version=version,
+                        output_token_logprobs=[
+                            (lp, t, None) for lp, t in zip(logps[i], outputs[i], strict=True)
+                        ],
+                    ),
+                )
+            )
+        return responses

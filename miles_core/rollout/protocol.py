@@ -1,0 +1,65 @@
+"""Request and response shapes of SGLang's native `/generate` API (the subset the runtime uses).
+
+Field names follow `sglang/srt/managers/io_struct.py` (GenerateReqInput) and
+`sglang/srt/sampling/sampling_params.py`, so the embedded engine and a real SGLang server answer
+the same payloads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TOP_K_OFF = 1 << 30  # SGLang's "no top-k" value
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool = True
+    sampling_seed: int | None = None
+
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k <= 0 or self.top_k >= TOP_K_OFF else self.top_k
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input_ids: list[int]
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = True
+    rid: str | None = None
+
+
+class FinishReason(BaseModel):
+    type: Literal["stop", "length", "abort"]
+    matched: int | None = None
+    length: int | None = None
+
+
+class MetaInfo(BaseModel):
+    id: str | None = None
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str
+    # SGLang's layout: one [logprob, token_id, text] triple per output token.
+    output_token_logprobs: list[tuple[float, int, str | None]] = Field(default_factory=list)
+
+
+class GenerateResponse(BaseModel):
+    text: str = ""
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+    @property
+    def output_log_probs(self) -> list[float]:
+        return [lp for lp, _, _ in self.meta_info.output_token_logprobs]

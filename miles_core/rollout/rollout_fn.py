@@ -1,0 +1,122 @@
+"""The default rollout function: prompts → n samples each → rewards → SampleGroups.
+
+It renders each prompt once with the chat template, asks the engine for token ids and log-probs,
+and keeps the engine's ids as they are (the response text is decoded only for the reward).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from miles_core.config import RolloutConfig
+from miles_core.data.dataset import to_messages
+from miles_core.data.tasks import Example, Task
+from miles_core.rollout.engine import RolloutEngine
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.types import FINISH_REASON_TO_STATUS, Sample, SampleGroup, Status
+
+
+@dataclass
+class RolloutResult:
+    groups: list[SampleGroup]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        to_messages(prompt), add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_params(cfg: RolloutConfig, tokenizer) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        stop_token_ids=[tokenizer.eos_token_id],
+        no_stop_trim=True,
+    )
+
+
+def generate_groups(
+    engine: RolloutEngine,
+    tokenizer,
+    task: Task,
+    prompts: list[tuple[int, Example]],
+    cfg: RolloutConfig,
+    step: int,
+) -> RolloutResult:
+    t0 = time.perf_counter()
+    sp = sampling_params(cfg, tokenizer)
+    n = cfg.n_samples_per_prompt
+    encoded = [encode_prompt(tokenizer, ex.prompt) for _, ex in prompts]
+    requests = [
+        GenerateRequest(input_ids=ids, sampling_params=sp, rid=f"{step}-{g}-{k}")
+        for g, ids in enumerate(encoded)
+        for k in range(n)
+    ]
+    responses = engine.generate(requests)
+    gen_seconds = time.perf_counter() - t0
+
+    groups: list[SampleGroup] = []
+    for g, ((data_index, ex), ids) in enumerate(zip(prompts, encoded, strict=True)):
+        samples = []
+        for k in range(n):
+            resp = responses[g * n + k]
+            out = resp.output_ids
+            status = FINISH_REASON_TO_STATUS[resp.meta_info.finish_reason.type]
+            score = task.score(resp.text, ex.label)
+            sample = Sample(
+                group_index=g,
+                index=g * n + k,
+                rollout_id=f"s{step}-g{g}-{k}",
+                prompt=ex.prompt,
+                tokens=ids + out,
+                response_length=len(out),
+                loss_mask=[1] * len(out),
+                rollout_log_probs=resp.output_log_probs,
+                weight_versions=[int(resp.meta_info.weight_version)],
+                reward=score.reward,
+                status=status,
+                label=ex.label,
+                response=resp.text,
+                metadata={"data_index": data_index, "metrics": score.metrics},
+            )
+            sample.validate()
+            samples.append(sample)
+        groups.append(SampleGroup(group_index=g, samples=samples))
+    result = RolloutResult(groups)
+    result.metrics = rollout_metrics(result.samples, gen_seconds)
+    return result
+
+
+def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:
+    import statistics
+
+    rewards = [float(s.reward or 0.0) for s in samples]
+    lengths = [s.response_length for s in samples]
+    versions = [v for s in samples for v in s.weight_versions]
+    metrics = {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/response_len_mean": statistics.fmean(lengths),
+        "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples)
+        / len(samples),
+        "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
+        "rollout/weight_version/mean": statistics.fmean(versions),
+        "rollout/weight_version/min": float(min(versions)),
+        "rollout/weight_version/max": float(max(versions)),
+        "perf/rollout_generate_time_s": seconds,
+    }
+    extra_keys = {k for s in samples for k in s.metadata.get("metrics", {})}
+    for key in sorted(extra_keys):
+        vals = [s.metadata["metrics"][key] for s in samples if key in s.metadata.get("metrics", {})]
+        metrics[f"rollout/{key}"] = statistics.fmean(vals)
+    return metrics

@@ -1,0 +1,40 @@
+"""Token sampling from one step's logits: temperature, top-k, top-p, per row.
+
+Log-probs are those of the temperature-scaled distribution before top-k/top-p truncation, which
+is what the trainer recomputes (it divides its logits by the same temperature).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] → (token ids [B], log-probs of those tokens [B])."""
+    scaled = logits.float() / temperature.unsqueeze(1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    filtered = logprobs
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        filtered = _truncate(logprobs, top_k, top_p)
+    probs = filtered.exp()
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _truncate(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_lp, order = torch.sort(logprobs, dim=-1, descending=True)
+    vocab = logprobs.shape[-1]
+    ranks = torch.arange(vocab, device=logprobs.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    drop = ranks >= k
+    # top-p: keep the smallest prefix whose mass reaches p (the first token is always kept)
+    cum_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
+    drop |= cum_before >= top_p.unsqueeze(1)
+    sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+    return torch.full_like(logprobs, float("-inf")).scatter(1, order, sorted_lp)

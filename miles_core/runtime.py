@@ -1,0 +1,161 @@
+"""The RL runtime: the objects one run holds (engine, trainer, transport, data, tracker, store)
+and the phase functions the flow's tasks call, one per phase.
+
+Nothing here knows about Prefect; `tasks/` wraps these functions, `flows/` orders them.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from miles_core.config import RunConfig
+from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
+from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
+from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
+from miles_core.tracking import Tracker
+from miles_core.train.advantages import grpo_advantages
+from miles_core.train.batch import TrainBatch
+from miles_core.train.fsdp import FSDPBackend
+from miles_core.weights import make_transport, mismatched_tensors
+
+log = logging.getLogger("miles")
+
+
+def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
+    """The HF directory the run starts from: `model.path` if set, else a seeded random init."""
+    if config.model.path:
+        return fetch_model_dir(config.model.path, config.checkpoint.storage_options)
+    model, tok = build_model(config.model.preset, config.model.seed)
+    return save_hf_dir(model, tok, workdir / "init_model")
+
+
+class RLRuntime:
+    """Everything one RL run holds between steps. A plain class: Prefect passes it by reference."""
+
+    def __init__(self, config: RunConfig, model_dir: Path, tracker: Tracker | None):
+        self.config = config
+        self.model_dir = model_dir
+        self.tracker = tracker
+        if config.train.threads:
+            torch.set_num_threads(config.train.threads)
+        self.task = get_task(config.data.task)
+        examples = load_examples(
+            config.data.task,
+            config.data.path,
+            config.data.num_prompts,
+            config.data.seed,
+            config.data.storage_options,
+        )
+        self.source = PromptSource(examples, seed=config.data.seed, shuffle=config.data.shuffle)
+        model, self.tokenizer = load_hf_dir(model_dir)
+        self.architecture = architecture_of(model.config)
+        self.engine = EmbeddedEngine(model, self.tokenizer, seed=config.rollout.seed + config.seed)
+        train = config.train
+        self.trainer = FSDPBackend(
+            str(model_dir),
+            optim=train.model_dump(),
+            loss=train.model_dump(),
+            total_steps=train.num_steps * config.optimizer_steps_per_rollout,
+            seed=config.seed,
+        )
+        self.transport = make_transport(config.weight_sync.transport)
+        self.transport.connect([self.engine])
+        self.store = CheckpointStore(
+            config.checkpoint.root, config.name, config.checkpoint.storage_options
+        )
+        self.policy_version = 0
+        self.start_step = 0
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, step: int) -> RolloutResult:
+        prompts = self.source.next_batch(self.config.rollout.prompts_per_step)
+        return generate_groups(
+            self.engine, self.tokenizer, self.task, prompts, self.config.rollout, step
+        )
+
+    def train(self, result: RolloutResult) -> dict[str, float]:
+        cfg = self.config
+        advantages = grpo_advantages(result.groups, cfg.train.normalize_advantage_std)
+        batch = TrainBatch.from_samples(result.samples, advantages, cfg.rollout.temperature)
+        batch.old_log_probs = self.trainer.compute_log_probs(batch)
+        per_step: list[dict[str, float]] = []
+        size = cfg.train.global_batch_size
+        for start in range(0, len(batch), size):
+            per_step.append(
+                self.trainer.train_step(batch.slice(start, start + size), loss="policy")
+            )
+        keys = per_step[0].keys()
+        return {f"train/{k}": sum(m[k] for m in per_step) / len(per_step) for k in keys}
+
+    def update_weights(self) -> dict[str, float]:
+        self.policy_version += 1
+        bucket = self.config.weight_sync.bucket_mb << 20
+        stats = self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
+        if self.config.weight_sync.check_equal:
+            self.check_weights_equal()
+        return stats.as_metrics()
+
+    def check_weights_equal(self) -> None:
+        expected = [x for b in self.trainer.named_weights(64 << 20) for x in b]
+        bad = mismatched_tensors(expected, self.engine.named_tensors())
+        if bad:
+            raise RuntimeError(
+                f"engine weights differ from the trainer's after the push: {bad[:5]}"
+            )
+
+    def save(self, step: int) -> str:
+        state = {
+            "step": step,
+            "policy_version": self.policy_version,
+            "data": self.source.state(),
+            "engine_rng": base64.b64encode(
+                self.engine.generator.get_state().numpy().tobytes()
+            ).decode(),
+            "mlflow_run_id": self.tracker.run_id if self.tracker else None,
+            "architecture": self.architecture,
+        }
+
+        def write(directory: Path) -> None:
+            self.trainer.save(str(directory))
+            self.tokenizer.save_pretrained(str(directory))
+
+        uri = self.store.save(step, write, state)
+        if self.tracker and self.config.tracking.register_policy:
+            self.tracker.log_policy_version(self.config.name, step, self.policy_version, uri)
+        return uri
+
+    def resume(self, step: int) -> None:
+        """Loads a checkpoint of this run: weights, optimizer, data position, RNG, version."""
+        uri = self.store.uri(step)
+        check_checkpoint_matches(self.architecture, uri, self.config.checkpoint.storage_options)
+        local = self.store.fetch(step)
+        state = self.store.read_state(step)
+        self.trainer.load(str(local))
+        self.source.load_state(state["data"])
+        rng = torch.frombuffer(bytearray(base64.b64decode(state["engine_rng"])), dtype=torch.uint8)
+        self.engine.generator.set_state(rng)
+        self.policy_version = int(state["policy_version"])
+        self.transport.push(self.trainer.named_weights(), self.policy_version)
+        self.start_step = int(state["step"]) + 1
+
+    def close(self) -> None:
+        self.trainer.close()
+        self.store.close()
+
+
+def new_workdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="miles-run-"))
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,117 @@
+"""Checkpoints under an fsspec root: a local path by default, or `s3://bucket/prefix`.
+
+A checkpoint is a directory `<root>/<run>/step_<N>/` holding an ordinary HF model directory
+(config.json, model.safetensors, tokenizer files), the optimizer state written with
+torch.distributed.checkpoint (`optimizer/`), `trainer_state.json` and the run's `state.json`
+(step, policy version, data position, RNG, MLflow run id). `<root>/<run>/latest` names the newest.
+Remote roots are staged in a local directory and uploaded; loading downloads first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from miles_core.models.builder import architecture_of, check_same_architecture
+
+STATE_FILE = "state.json"
+
+
+class CheckpointStore:
+    def __init__(self, root: str, run_name: str, storage_options: dict[str, Any] | None = None):
+        self.root = root.rstrip("/")
+        self.run_name = run_name
+        self.fs, base = url_to_fs(self.root, **(storage_options or {}))
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.base = f"{base}/{run_name}"
+        self._staging = Path(tempfile.mkdtemp(prefix="miles-ckpt-"))
+
+    def _url(self, path: str) -> str:
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def uri(self, step: int) -> str:
+        return self._url(f"{self.base}/step_{step:06d}")
+
+    def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> str:
+        """`write(local_dir)` fills a directory; it is then published as step `step`."""
+        name = f"step_{step:06d}"
+        target = f"{self.base}/{name}"
+        if self.is_local:
+            Path(self.base).mkdir(parents=True, exist_ok=True)
+            tmp = Path(self.base) / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write(tmp)
+            _write_json(tmp / STATE_FILE, state)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        else:
+            local = self._staging / name
+            shutil.rmtree(local, ignore_errors=True)
+            write(local)
+            _write_json(local / STATE_FILE, state)
+            if self.fs.exists(target):
+                self.fs.rm(target, recursive=True)
+            self.fs.put(str(local), target, recursive=True)
+            shutil.rmtree(local, ignore_errors=True)
+        self.fs.pipe_file(f"{self.base}/latest", str(step).encode())
+        return self._url(target)
+
+    def latest_step(self) -> int | None:
+        marker = f"{self.base}/latest"
+        if not self.fs.exists(marker):
+            return None
+        return int(self.fs.cat_file(marker).decode().strip())
+
+    def fetch(self, step: int) -> Path:
+        """A local directory with the checkpoint's files (downloaded for remote roots)."""
+        target = f"{self.base}/step_{step:06d}"
+        if not self.fs.exists(target):
+            raise FileNotFoundError(f"no checkpoint at {self._url(target)}")
+        if self.is_local:
+            return Path(target)
+        local = self._staging / f"fetched_step_{step:06d}"
+        shutil.rmtree(local, ignore_errors=True)
+        self.fs.get(target + "/", str(local), recursive=True)
+        return local
+
+    def read_state(self, step: int) -> dict[str, Any]:
+        with self.fs.open(f"{self.base}/step_{step:06d}/{STATE_FILE}", "rt") as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def fetch_model_dir(url: str, storage_options: dict[str, Any] | None = None) -> Path:
+    """A local copy of an HF model directory given as a local path or fsspec URL."""
+    fs, path = url_to_fs(url, **(storage_options or {}))
+    if not fs.exists(f"{path}/config.json"):
+        raise FileNotFoundError(f"{url} is not a model directory (no config.json)")
+    if isinstance(fs, LocalFileSystem):
+        return Path(path)
+    local = Path(tempfile.mkdtemp(prefix="miles-model-"))
+    fs.get(path + "/", str(local), recursive=True)
+    return local
+
+
+def check_checkpoint_matches(
+    expected_architecture: dict, url: str, storage_options: dict | None = None
+) -> None:
+    """Refuses a checkpoint whose model config differs from the model being trained."""
+    with fsspec.open(f"{url.rstrip('/')}/config.json", "rt", **(storage_options or {})) as f:
+        found = architecture_of(json.load(f))
+    check_same_architecture(expected_architecture, found, url)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)

@@ -1,0 +1,259 @@
+"""MLflow tracking for one training run.
+
+Everything goes through :class:`mlflow.tracking.MlflowClient` with an explicit ``run_id``; the
+fluent API (``mlflow.log_metric`` & co.) keeps its active run in thread-local state and is not
+used here, so a :class:`Tracker` can be driven from any thread or process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+from mlflow.tracking import MlflowClient
+
+# MLflow's per-request limits (mlflow.utils.validation).
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VALUE_LENGTH = 6000
+
+# Alias pointing at the newest policy version. MLflow reserves the alias "latest"
+# (case-insensitive) because ``models:/<name>/latest`` already means "highest version number";
+# set_registered_model_alias(..., "latest", ...) fails with INVALID_PARAMETER_VALUE.
+NEWEST_POLICY_ALIAS = "newest"
+
+DEFAULT_CURVE_KEYS = ("rollout/reward_mean",)
+
+_BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
+_ALREADY_EXISTS = ErrorCode.Name(RESOURCE_ALREADY_EXISTS)
+
+T = TypeVar("T")
+
+
+def resolve_tracking_uri(explicit: str | None) -> str:
+    """``explicit`` if given, else ``$MLFLOW_TRACKING_URI``, else a SQLite DB in the cwd."""
+    if explicit:
+        return explicit
+    from_env = os.environ.get("MLFLOW_TRACKING_URI")
+    if from_env:
+        return from_env
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
+    """Flatten a nested dict into MLflow params: dotted, sanitised keys and ``str`` values."""
+    flat: dict[str, str] = {}
+    for raw_key, value in tree.items():
+        key = f"{prefix}.{raw_key}" if prefix else str(raw_key)
+        if isinstance(value, dict) and value:
+            flat.update(flatten_params(value, key))
+            continue
+        text = "{}" if isinstance(value, dict) else str(value)
+        flat[_BAD_KEY_CHARS.sub("_", key)] = text[:MAX_PARAM_VALUE_LENGTH]
+    return flat
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _git_commit() -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() or None
+
+
+def _is_finite_number(value: Any) -> bool:
+    return value is not None and math.isfinite(float(value))
+
+
+class Tracker:
+    """One MLflow run: params at start, buffered metrics, artifacts and policy versions."""
+
+    def __init__(
+        self,
+        tracking_uri: str | None,
+        experiment: str,
+        run_name: str,
+        params: dict | None = None,
+        tags: dict[str, str] | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+    ) -> None:
+        self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self.run_name = run_name
+        self._buffer: list[Metric] = []
+        self._history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self._artifact_dir: Path | None = None
+
+        run_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        run_tags["mlflow.runName"] = run_name
+        if parent_run_id:
+            run_tags["mlflow.parentRunId"] = parent_run_id
+        commit = _git_commit()
+        if commit:
+            run_tags["mlflow.source.git.commit"] = commit
+
+        if run_id is None:
+            self.experiment_id = self._get_or_create_experiment(experiment)
+            run = self.client.create_run(self.experiment_id, tags=run_tags, run_name=run_name)
+            self.run_id = run.info.run_id
+        else:
+            run = self.client.get_run(run_id)
+            self.run_id = run.info.run_id
+            self.experiment_id = run.info.experiment_id
+            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+            self.set_tags(run_tags)
+
+        # Re-logging an identical param on re-attach is accepted; a changed value is refused.
+        flat = [Param(k, v) for k, v in flatten_params(params or {}).items()]
+        for chunk in _chunks(flat, MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=chunk)
+
+    def _get_or_create_experiment(self, name: str) -> str:
+        existing = self.client.get_experiment_by_name(name)
+        if existing is not None:
+            return existing.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException as exc:  # created concurrently by another process
+            if exc.error_code != _ALREADY_EXISTS:
+                raise
+            existing = self.client.get_experiment_by_name(name)
+            assert existing is not None
+            return existing.experiment_id
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffer ``metrics`` at ``step`` (no MLflow call); None/NaN/inf values are dropped."""
+        timestamp = int(time.time() * 1000)
+        for key, value in metrics.items():
+            if not _is_finite_number(value):
+                continue
+            val = float(value)
+            self._buffer.append(Metric(key, val, timestamp, int(step)))
+            self._history[key].append((int(step), val))
+
+    def flush(self) -> None:
+        """Send buffered metrics, one ``log_batch`` per <=1000 of them."""
+        buffered, self._buffer = self._buffer, []
+        for chunk in _chunks(buffered, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=chunk)
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        return list(self._history.get(key, []))
+
+    # -- tags and artifacts ----------------------------------------------------------------
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        run_tags = [RunTag(str(k), str(v)) for k, v in tags.items()]
+        for chunk in _chunks(run_tags, MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, tags=chunk)
+
+    def log_dict_artifact(self, data: dict, filename: str) -> None:
+        self.client.log_dict(self.run_id, data, filename)
+
+    def log_reward_curve(
+        self,
+        keys: list[str] | None = None,
+        filename: str = "reward_curve.png",
+        also_to: Path | None = None,
+    ) -> Path:
+        """Plot metric histories against step, log the PNG as a run artifact, return its path.
+
+        ``keys`` defaults to ``rollout/reward_mean`` plus every ``*exact_match`` history key.
+        ``also_to`` is a directory (the PNG is copied in as ``filename``) or a ``.png`` path.
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure  # no pyplot: no global figure state
+
+        if keys is None:
+            keys = [*DEFAULT_CURVE_KEYS]
+            keys += sorted(k for k in self._history if k.endswith("exact_match") and k not in keys)
+
+        fig = Figure(figsize=(8, 5))
+        ax = fig.subplots()
+        for key in keys:
+            points = self._history.get(key)
+            if points:
+                steps, values = zip(*sorted(points), strict=True)
+                ax.plot(steps, values, marker="o", markersize=3, label=key)
+        ax.set_title(self.run_name)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+
+        if self._artifact_dir is None:
+            self._artifact_dir = Path(tempfile.mkdtemp(prefix="miles-mlflow-"))
+        path = self._artifact_dir / filename
+        fig.savefig(path, format="png", dpi=100)
+        self.client.log_artifact(self.run_id, str(path))
+
+        if also_to is not None:
+            dest = Path(also_to)
+            dest = dest if dest.suffix == ".png" else dest / filename
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
+        return path
+
+    # -- model registry --------------------------------------------------------------------
+
+    def log_policy_version(
+        self,
+        model_name: str,
+        step: int,
+        policy_version: int,
+        source_uri: str,
+        tags: dict[str, str] | None = None,
+    ) -> str:
+        """Register a saved checkpoint as a model version of ``model_name``; return the version.
+
+        The version is tagged with ``step`` and ``policy_version`` and gets the alias
+        :data:`NEWEST_POLICY_ALIAS`; the run gets tag ``miles.policy_version``.
+
+        ``source_uri`` is passed through unchanged: a plain local absolute path and an
+        ``s3://`` URI are both accepted by the SQL (sqlite) registry store, which does not
+        validate sources. Note that an MLflow *tracking server* (http:// URI) rejects local
+        sources, plain or ``file://``, unless they lie inside the run's artifact directory, so
+        against a server checkpoints should live in object storage.
+        """
+        try:
+            self.client.create_registered_model(model_name)
+        except MlflowException as exc:
+            if exc.error_code != _ALREADY_EXISTS:
+                raise
+        version_tags = {"step": str(step), "policy_version": str(policy_version)}
+        version_tags.update({str(k): str(v) for k, v in (tags or {}).items()})
+        model_version = self.client.create_model_version(
+            name=model_name, source=source_uri, run_id=self.run_id, tags=version_tags
+        )
+        version = str(model_version.version)
+        self.client.set_registered_model_alias(model_name, NEWEST_POLICY_ALIAS, version)
+        self.set_tags({"miles.policy_version": str(policy_version)})
+        return version
+
+    def finish(self, status: str = "FINISHED") -> None:
+        self.flush()
+        self.client.set_terminated(self.run_id, status)

@@ -1,0 +1,93 @@
+"""The trainer's input: samples flattened into token lists plus per-sample advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from miles_core.types import Sample
+
+
+@dataclass
+class TrainBatch:
+    tokens: list[list[int]]
+    response_lengths: list[int]
+    loss_masks: list[list[int]]
+    advantages: list[float] | None = None
+    rollout_log_probs: list[list[float]] | None = None
+    old_log_probs: list[list[float]] | None = None
+    temperature: float = 1.0
+    sample_ids: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def slice(self, start: int, end: int) -> TrainBatch:
+        def cut(x):
+            return None if x is None else x[start:end]
+
+        return replace(
+            self,
+            tokens=self.tokens[start:end],
+            response_lengths=self.response_lengths[start:end],
+            loss_masks=self.loss_masks[start:end],
+            advantages=cut(self.advantages),
+            rollout_log_probs=cut(self.rollout_log_probs),
+            old_log_probs=cut(self.old_log_probs),
+            sample_ids=self.sample_ids[start:end],
+        )
+
+    @classmethod
+    def from_samples(
+        cls, samples: list[Sample], advantages: list[float] | None, temperature: float
+    ) -> TrainBatch:
+        return cls(
+            tokens=[s.tokens for s in samples],
+            response_lengths=[s.response_length for s in samples],
+            loss_masks=[s.loss_mask for s in samples],
+            advantages=advantages,
+            rollout_log_probs=[s.rollout_log_probs for s in samples],
+            temperature=temperature,
+            sample_ids=[f"{s.rollout_id}" for s in samples],
+        )
+
+
+@dataclass
+class PaddedBatch:
+    """Right-padded tensors for one micro-batch, with response-aligned gather indices."""
+
+    input_ids: torch.Tensor  # [B, T]
+    targets_index: torch.Tensor  # [B, R]: position in logits predicting each response token
+    targets: torch.Tensor  # [B, R]: the response token ids
+    mask: torch.Tensor  # [B, R]: loss mask (0 on padding)
+
+    @classmethod
+    def build(cls, batch: TrainBatch, pad_id: int) -> PaddedBatch:
+        bsz = len(batch)
+        width = max(len(t) for t in batch.tokens)
+        resp = max(max(batch.response_lengths), 1)
+        input_ids = torch.full((bsz, width), pad_id, dtype=torch.long)
+        index = torch.zeros((bsz, resp), dtype=torch.long)
+        targets = torch.full((bsz, resp), pad_id, dtype=torch.long)
+        mask = torch.zeros((bsz, resp), dtype=torch.float32)
+        for i, (toks, n, lm) in enumerate(
+            zip(batch.tokens, batch.response_lengths, batch.loss_masks, strict=True)
+        ):
+            input_ids[i, : len(toks)] = torch.tensor(toks)
+            p = len(toks) - n
+            if n:
+                index[i, :n] = torch.arange(p - 1, p - 1 + n)
+                targets[i, :n] = torch.tensor(toks[p:])
+                mask[i, :n] = torch.tensor(lm, dtype=torch.float32)
+        return cls(input_ids, index, targets, mask)
+
+    def per_token(self, rows: list[list[float]]) -> torch.Tensor:
+        out = torch.zeros_like(self.mask)
+        for i, r in enumerate(rows):
+            if r:
+                out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+        return out
+
+    def unpad(self, values: torch.Tensor, lengths: list[int]) -> list[list[float]]:
+        return [values[i, :n].tolist() for i, n in enumerate(lengths)]

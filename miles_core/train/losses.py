@@ -1,0 +1,57 @@
+"""Token-level losses: PPO-clip policy loss, k3 KL, entropy, masked cross-entropy (SFT).
+
+All functions take per-token tensors of shape [B, T] and a 0/1 `mask`; aggregation is left to
+`aggregate`, so the same masked sum can be normalised by the global token count (token_mean) or
+per sequence (seq_mean_token_mean).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(targets) under softmax(logits / temperature); logits [B, T, V], targets [B, T]."""
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(lp.exp() * lp).sum(-1)
+
+
+def ppo_clip_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token (pg_loss, clipped indicator, approx kl old→new)."""
+    log_ratio = log_probs - old_log_probs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    return loss, clipfrac, -log_ratio
+
+
+def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(π || π_ref): exp(ref − logp) − (ref − logp) − 1 ≥ 0."""
+    d = (ref_log_probs - log_probs).clamp(-20.0, 20.0)
+    return d.exp() - d - 1.0
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, denom: float) -> torch.Tensor:
+    """Masked sum / denom. token_mean: denom = tokens in the global batch;
+    seq_mean_token_mean: each row is first averaged over its own tokens, denom = sequences."""
+    if mode == "token_mean":
+        return (values * mask).sum() / denom
+    if mode == "seq_mean_token_mean":
+        per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / denom
+    raise ValueError(f"unknown loss aggregation {mode!r}")

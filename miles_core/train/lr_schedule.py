@@ -1,0 +1,27 @@
+"""Learning-rate schedule: linear warmup, then constant, cosine or linear decay to min_lr."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_lambda(step: int, lr: float, min_lr: float, warmup: int, total: int, style: str) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if style == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    floor = min_lr / lr
+    if style == "cosine":
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if style == "linear":
+        return floor + (1 - floor) * (1 - progress)
+    raise ValueError(f"unknown lr_decay_style {style!r}")
+
+
+def build_scheduler(optimizer, lr: float, min_lr: float, warmup: int, total: int, style: str):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, lr, min_lr, warmup, total, style)
+    )

@@ -1,0 +1,97 @@
+"""Supervised fine-tuning data: chat-rendered prompt + reference answer, loss only on the answer.
+
+The loss itself is the masked cross-entropy in `FSDPBackend.train_step(batch, loss="sft")`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+from miles_core.data.dataset import DatasetError
+from miles_core.data.tasks import Example
+from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.train.batch import TrainBatch
+
+
+def sft_sample(tokenizer, example: Example) -> tuple[list[int], int]:
+    """(prompt + answer + eos ids, answer length incl. eos)."""
+    if example.answer is None:
+        raise DatasetError(f"SFT example {example.prompt!r} has no 'answer'")
+    prompt = encode_prompt(tokenizer, example.prompt)
+    answer = tokenizer.encode(example.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    return prompt + answer, len(answer)
+
+
+def sft_batches(
+    tokenizer, examples: list[Example], batch_size: int, seed: int
+) -> Iterator[TrainBatch]:
+    """Endless shuffled batches (a new order every epoch)."""
+    encoded = [sft_sample(tokenizer, ex) for ex in examples]
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            more = list(range(len(encoded)))
+            rng.shuffle(more)
+            order.extend(more)
+        take, order = order[:batch_size], order[batch_size:]
+        rows = [encoded[i] for i in take]
+        yield TrainBatch(
+            tokens=[t for t, _ in rows],
+            response_lengths=[n for _, n in rows],
+            loss_masks=[[1] * n for _, n in rows],
+        )
+
+
+def run_sft(config, model_dir, tracker) -> str:
+    """Trains `config.sft.num_steps` steps from `model_dir`; saves and returns the policy's URI."""
+    import time
+    from pathlib import Path
+
+    from miles_core.data import load_examples
+    from miles_core.models import load_hf_dir
+    from miles_core.progress import reporter
+    from miles_core.storage import CheckpointStore
+    from miles_core.train.fsdp import FSDPBackend
+
+    sft = config.sft
+    _, tokenizer = load_hf_dir(model_dir)
+    examples = load_examples(sft.task, sft.path, sft.num_examples, sft.seed)
+    trainer = FSDPBackend(
+        str(model_dir), optim=sft.model_dump(), total_steps=sft.num_steps, seed=config.seed
+    )
+    batches = sft_batches(tokenizer, examples, sft.batch_size, sft.seed)
+    report = reporter()
+    report.start(sft.num_steps, "sft")
+    try:
+        for step in range(sft.num_steps):
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(next(batches), loss="sft")
+            step_time = time.perf_counter() - t0
+            tracker.log_metrics(
+                {f"sft/{k}": v for k, v in metrics.items()} | {"perf/sft_step_time_s": step_time},
+                step,
+            )
+            if step % 20 == 0 or step + 1 == sft.num_steps:
+                tracker.flush()
+            report.update(step, {"loss": metrics["loss"], "step_s": step_time})
+        store = CheckpointStore(
+            config.checkpoint.root, f"{config.name}-sft", config.checkpoint.storage_options
+        )
+
+        def write(directory: Path) -> None:
+            trainer.save(str(directory))
+            tokenizer.save_pretrained(str(directory))
+
+        uri = store.save(
+            sft.num_steps,
+            write,
+            {"step": sft.num_steps, "kind": "sft", "mlflow_run_id": tracker.run_id},
+        )
+        store.close()
+    finally:
+        trainer.close()
+        report.stop()
+    tracker.finish()
+    return uri

@@ -1,0 +1,41 @@
+"""Colocated transport: engine and trainer share one process; tensors are copied in place."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from miles_core.rollout.engine import RolloutEngine
+from miles_core.weights.transport import Bucket, PushStats, register_transport
+
+
+class ColocatedTransport:
+    def __init__(self) -> None:
+        self.engines: list[RolloutEngine] = []
+        self.last = PushStats()
+
+    def connect(self, engines: list[RolloutEngine]) -> None:
+        self.engines = list(engines)
+
+    def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
+        t0 = time.perf_counter()
+        for e in self.engines:
+            e.pause(pause_mode)
+        try:
+            copied = 0
+            for bucket in buckets:
+                for e in self.engines:
+                    copied += e.update_weights_from_tensor(bucket)
+            for e in self.engines:
+                e.set_weight_version(version)
+        finally:
+            for e in self.engines:
+                e.resume()
+        self.last = PushStats(bytes=copied, seconds=time.perf_counter() - t0, version=version)
+        return self.last
+
+    def metrics(self) -> dict[str, float]:
+        return self.last.as_metrics()
+
+
+register_transport("colocated", ColocatedTransport)

@@ -1,0 +1,19 @@
+"""Thin Prefect tasks: each calls one miles_core function and adds what Prefect is good at
+(names in the UI, retries for I/O, logging). No RL logic lives here."""
+
+from tasks.checkpoint import save_checkpoint
+from tasks.rollout import rollout_batch
+from tasks.setup import prepare_runtime, start_tracking
+from tasks.sft import sft_train
+from tasks.train import train_step
+from tasks.weights import update_weights
+
+__all__ = [
+    "prepare_runtime",
+    "rollout_batch",
+    "save_checkpoint",
+    "sft_train",
+    "start_tracking",
+    "train_step",
+    "update_weights",
+]

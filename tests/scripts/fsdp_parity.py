@@ -1,0 +1,54 @@
+"""Run under torchrun: rank 0 drives an FSDP2 trainer for two steps on a fixed batch, the other
+ranks follow (SPMD replay); rank 0 writes the final weights and metrics."""
+
+import json
+import random
+import sys
+
+from safetensors.torch import save_file
+
+import miles_core  # noqa: F401
+from miles_core.config import RunConfig
+from miles_core.models import load_hf_dir
+from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.train import distributed
+from miles_core.train.batch import TrainBatch
+from miles_core.train.fsdp import FSDPBackend
+
+model_dir, out_prefix = sys.argv[1], sys.argv[2]
+rank, world = distributed.init_distributed()
+if rank > 0:
+    distributed.follow()
+    sys.exit(0)
+
+model, tok = load_hf_dir(model_dir)
+rng = random.Random(0)
+reqs = [
+    GenerateRequest(
+        input_ids=encode_prompt(tok, rng.choice(["say a", "reverse abcdef", "12+34="])),
+        sampling_params=SamplingParams(
+            max_new_tokens=rng.randint(3, 12), stop_token_ids=[tok.eos_token_id]
+        ),
+    )
+    for _ in range(16)
+]
+out = EmbeddedEngine(model, tok, seed=0).generate(reqs)
+batch = TrainBatch(
+    tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
+    response_lengths=[len(r.output_ids) for r in out],
+    loss_masks=[[1] * len(r.output_ids) for r in out],
+    advantages=[rng.gauss(0, 1) for _ in out],
+    rollout_log_probs=[r.output_log_probs for r in out],
+)
+cfg = RunConfig().train.model_copy(update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2})
+trainer = FSDPBackend(model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10)
+batch.old_log_probs = trainer.compute_log_probs(batch)
+metrics = [trainer.train_step(batch), trainer.train_step(batch)]
+weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
+trainer.close()
+distributed.shutdown_followers()
+save_file(weights, f"{out_prefix}.safetensors")
+with open(f"{out_prefix}.json", "w") as f:
+    json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs}, f)

@@ -1,0 +1,116 @@
+"""Bad input fails before anything starts, with a message that says what to fix."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from miles_core.config import load_config
+from miles_core.data import DatasetError, read_jsonl
+from miles_core.preflight import preflight
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.global_batch_size=100"], "must be divisible by train.global_batch_size"),
+        (
+            ["train.micro_batch_size=48"],
+            r"must be divisible by micro_batch_size × world_size \(48\)",
+        ),
+        (["train.world_size=3"], r"micro_batch_size × world_size \(96\)"),
+        (["data.task=translate"], "unknown task 'translate'; built-in tasks are"),
+        (["train.lr=0"], "train.lr"),
+        (["train.lr=-1e-3"], "greater than 0"),
+        (["rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt"),
+        (["rollout.n_samples_per_prompt=1"], "at least 2 for GRPO"),
+        (["train.lr_rate=1"], "train.lr_rate"),
+        (["sft.batch_size=50", "sft.micro_batch_size=32"], "sft.batch_size"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, overrides)
+
+
+def test_override_syntax_error():
+    with pytest.raises(ValueError, match="dotted.key=value"):
+        load_config(None, ["train.lr"])
+
+
+def test_dataset_row_without_prompt_names_the_row(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "a"})
+        + "\n"
+        + json.dumps({"prompt": "b"})
+        + "\n"
+        + json.dumps({"question": "c"})
+        + "\n"
+    )
+    with pytest.raises(DatasetError, match="row 3 has no 'prompt' field"):
+        read_jsonl(str(path))
+    path.write_text('{"prompt": "a"}\n{not json\n')
+    with pytest.raises(DatasetError, match="row 2 is not valid JSON"):
+        read_jsonl(str(path))
+    with pytest.raises(DatasetError, match="not found"):
+        read_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+def test_jsonl_rows_are_read_through_fsspec(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "say a", "label": 1}\n\n{"prompt": [{"role": "user", "content": "hi"}]}\n'
+    )
+    rows = read_jsonl(f"file://{path}")
+    assert [r.prompt for r in rows] == ["say a", [{"role": "user", "content": "hi"}]]
+    assert rows[0].label == 1
+
+
+def test_preflight_refuses_a_checkpoint_of_another_model(tmp_path):
+    from miles_core.models import build_model
+    from miles_core.storage import CheckpointStore
+
+    model, tok = build_model("tiny", 0)
+    store = CheckpointStore(str(tmp_path), "r")
+    store.save(0, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)), {"step": 0})
+    ok = load_config(None, ["name=r", "model.preset=tiny", f"checkpoint.root={tmp_path}"])
+    preflight(ok, resume=True)
+    bad = load_config(None, ["name=r", "model.preset=small", f"checkpoint.root={tmp_path}"])
+    with pytest.raises(ValueError, match="does not match the model config"):
+        preflight(bad, resume=True)
+    with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+        preflight(load_config(None, ["name=other", f"checkpoint.root={tmp_path}"]), resume=True)
+
+
+def test_cli_rejects_bad_input_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"nothing": 1}\n')
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+    }  # any Prefect call would fail loudly
+    cases = [
+        (["--set", "train.global_batch_size=100"], "must be divisible"),
+        (["--set", "data.task=nope"], "unknown task 'nope'"),
+        (["--set", f"data.path={bad}"], "row 2 has no 'prompt' field"),
+        (["--set", "train.lr=0"], "train.lr"),
+    ]
+    for args, message in cases:
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles_core.cli", "train", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr
+        assert not (tmp_path / "mlflow.db").exists()

@@ -1,0 +1,121 @@
+import copy
+
+import pytest
+import torch
+
+from miles_core.rollout.embedded import EmbeddedEngine, EngineRequestError
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.rollout_fn import encode_prompt
+
+
+@pytest.fixture
+def engine(tiny):
+    model, tok = tiny
+    return EmbeddedEngine(copy.deepcopy(model), tok, seed=7)
+
+
+def _req(tok, text="say a", **sp):
+    return GenerateRequest(input_ids=encode_prompt(tok, text), sampling_params=SamplingParams(**sp))
+
+
+def test_logprobs_match_a_full_forward_recompute(engine, tiny):
+    model, tok = tiny
+    reqs = [_req(tok, t, max_new_tokens=12) for t in ["say a", "reverse abcdefgh", "1+2=", "go"]]
+    out = engine.generate(reqs)
+    for req, resp in zip(reqs, out, strict=True):
+        full = torch.tensor([req.input_ids + resp.output_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(full).logits[0].float(), -1)
+        p = len(req.input_ids)
+        ref = lp[p - 1 : p - 1 + len(resp.output_ids)].gather(
+            1, torch.tensor(resp.output_ids)[:, None]
+        )[:, 0]
+        assert torch.allclose(ref, torch.tensor(resp.output_log_probs), atol=1e-5, rtol=0)
+        assert len(resp.output_ids) == 12 and resp.meta_info.finish_reason.type == "length"
+
+
+def test_temperature_scales_the_reported_logprobs(engine, tiny):
+    model, tok = tiny
+    req = _req(tok, max_new_tokens=6, temperature=0.5)
+    resp = engine.generate([req])[0]
+    full = torch.tensor([req.input_ids + resp.output_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(full).logits[0].float() / 0.5, -1)
+    p = len(req.input_ids)
+    ref = lp[p - 1 : p - 1 + 6].gather(1, torch.tensor(resp.output_ids)[:, None])[:, 0]
+    assert torch.allclose(ref, torch.tensor(resp.output_log_probs), atol=1e-5, rtol=0)
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus(engine, tiny):
+    model, tok = tiny
+    req = _req(tok, max_new_tokens=8, top_k=1)
+    resp = engine.generate([req])[0]
+    ids = list(req.input_ids)
+    with torch.no_grad():
+        for t in resp.output_ids:
+            assert int(model(torch.tensor([ids])).logits[0, -1].argmax()) == t
+            ids.append(t)
+    # a tiny top-p keeps only the most likely token, so it is greedy too
+    assert (
+        engine.generate([_req(tok, max_new_tokens=8, top_p=1e-6)])[0].output_ids == resp.output_ids
+    )
+
+
+def test_stop_token_ends_the_sequence_and_is_kept(engine, tiny):
+    _, tok = tiny
+    first = engine.generate([_req(tok, max_new_tokens=8, top_k=1)])[0].output_ids
+    stop = first[2]
+    resp = engine.generate([_req(tok, max_new_tokens=8, top_k=1, stop_token_ids=[stop])])[0]
+    assert resp.output_ids == first[: first.index(stop) + 1]
+    assert (
+        resp.meta_info.finish_reason.type == "stop" and resp.meta_info.finish_reason.matched == stop
+    )
+
+
+def test_batched_rows_with_different_prompt_lengths_equal_single_runs(tiny):
+    model, tok = tiny
+    reqs = [_req(tok, t, max_new_tokens=10, top_k=1) for t in ["a", "reverse abcdefgh", "12+345="]]
+    batched = EmbeddedEngine(model, tok).generate(reqs)
+    for req, b in zip(reqs, batched, strict=True):
+        single = EmbeddedEngine(model, tok).generate([req])[0]
+        assert single.output_ids == b.output_ids
+        assert torch.allclose(
+            torch.tensor(single.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5
+        )
+
+
+def test_same_seed_same_samples(tiny):
+    model, tok = tiny
+    reqs = [_req(tok, max_new_tokens=10) for _ in range(4)]
+    a = EmbeddedEngine(model, tok, seed=1).generate(reqs)
+    b = EmbeddedEngine(model, tok, seed=1).generate(reqs)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+
+
+def test_weight_version_is_carried(engine, tiny):
+    _, tok = tiny
+    engine.set_weight_version(3)
+    assert engine.generate([_req(tok, max_new_tokens=2)])[0].meta_info.weight_version == "3"
+
+
+@pytest.mark.parametrize(
+    "ids, sp, message",
+    [
+        ([1, 2, 9999], {}, "outside the vocabulary"),
+        ([], {}, "empty"),
+        ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
+        ([5] * 500, {"max_new_tokens": 100}, "exceeds the context length"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_reason(engine, ids, sp, message):
+    with pytest.raises(EngineRequestError, match=message):
+        engine.generate([GenerateRequest(input_ids=ids, sampling_params=SamplingParams(**sp))])
+
+
+def test_loads_named_tensors_and_rejects_unknown_names(engine):
+    name, t = next(iter(engine.named_tensors().items()))
+    new = torch.randn_like(t)
+    assert engine.update_weights_from_tensor([(name, new)]) == new.numel() * 4
+    assert torch.equal(engine.named_tensors()[name], new)
+    with pytest.raises(KeyError, match="no parameter"):
+        engine.update_weights_from_tensor([("nope.weight", new)])

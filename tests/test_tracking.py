@@ -1,0 +1,205 @@
+"""Tests for miles_core.tracking against a real SQLite-backed MLflow store (no mocks)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from miles_core.tracking import (
+    NEWEST_POLICY_ALIAS,
+    Tracker,
+    flatten_params,
+    resolve_tracking_uri,
+)
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One SQLite DB for the module: creating the schema takes seconds, so do it once."""
+    db_dir = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{db_dir}/mlflow.db"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(db_dir)
+        MlflowClient(tracking_uri=uri).search_experiments()  # creates the tables
+    return uri
+
+
+@pytest.fixture
+def make_tracker(tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request):
+    """Build Trackers in a per-test experiment with the cwd in tmp_path.
+
+    Run artifacts land under the module DB dir: MLflow caches the SQL store per URI and resolves
+    its default artifact root (./mlruns) against the cwd once, when the store is first built.
+    """
+    monkeypatch.chdir(tmp_path)
+
+    def make(**kwargs) -> Tracker:
+        kwargs.setdefault("run_name", "run")
+        return Tracker(tracking_uri=tracking_uri, experiment=request.node.name, **kwargs)
+
+    return make
+
+
+def test_flatten_params() -> None:
+    flat = flatten_params(
+        {
+            "train": {"lr": 0.001, "opt": {"betas": (0.9, 0.95)}},
+            "none": None,
+            "list": [1, 2],
+            "empty": {},
+            "bad key!": {"a=b": 1},
+            "long": "x" * 7000,
+        }
+    )
+    assert flat == {
+        "train.lr": "0.001",
+        "train.opt.betas": "(0.9, 0.95)",
+        "none": "None",
+        "list": "[1, 2]",
+        "empty": "{}",
+        "bad key_.a_b": "1",
+        "long": "x" * 6000,
+    }
+    assert flatten_params({"a": 1}, prefix="cfg") == {"cfg.a": "1"}
+
+
+def test_params_flattened_and_logged(make_tracker) -> None:
+    params = {"train": {"lr": 0.001, "batch": 8}, "model": "tiny", "extra": {}}
+    params.update({f"k{i}": i for i in range(150)})  # > 100 params: several log_batch calls
+    tracker = make_tracker(params=params, tags={"team": "rl"})
+
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.data.params["train.lr"] == "0.001"
+    assert run.data.params["train.batch"] == "8"
+    assert run.data.params["model"] == "tiny"
+    assert run.data.params["extra"] == "{}"
+    assert run.data.params["k149"] == "149"
+    assert len(run.data.params) == 154
+    assert run.data.tags["team"] == "rl"
+    assert run.data.tags["mlflow.runName"] == "run"
+    assert run.info.run_name == "run"
+    assert run.info.experiment_id == tracker.experiment_id
+
+
+def test_metrics_buffered_until_flush(make_tracker) -> None:
+    tracker = make_tracker()
+    client = tracker.client
+    for step in range(3):
+        tracker.log_metrics(
+            {
+                "loss": 1.0 / (step + 1),
+                "rollout/reward_mean": 0.1 * step,
+                "skipped_none": None,  # type: ignore[dict-item]
+                "skipped_nan": math.nan,
+                "skipped_inf": math.inf,
+            },
+            step=step,
+        )
+
+    assert client.get_metric_history(tracker.run_id, "loss") == []
+    assert client.get_metric_history(tracker.run_id, "rollout/reward_mean") == []
+
+    tracker.flush()
+    for key, expected in [
+        ("loss", [(0, 1.0), (1, 0.5), (2, 1.0 / 3)]),
+        ("rollout/reward_mean", [(0, 0.0), (1, 0.1 * 1), (2, 0.1 * 2)]),
+    ]:
+        got = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, key))
+        assert got == expected  # floats round-trip exactly through SQLite
+        assert tracker.history(key) == expected
+    for key in ("skipped_none", "skipped_nan", "skipped_inf"):
+        assert client.get_metric_history(tracker.run_id, key) == []
+        assert tracker.history(key) == []
+
+    tracker.flush()  # buffer was cleared: nothing is logged twice
+    assert len(client.get_metric_history(tracker.run_id, "loss")) == 3
+
+
+def test_log_policy_version(make_tracker, tmp_path: Path) -> None:
+    tracker = make_tracker()
+    client = tracker.client
+    model = "policy-test"
+    local_ckpt = tmp_path / "checkpoints" / "step_000001"
+    local_ckpt.mkdir(parents=True)
+
+    v1 = tracker.log_policy_version(model, step=1, policy_version=1, source_uri=str(local_ckpt))
+    s3_source = "s3://bucket/x/step_000002"
+    v2 = tracker.log_policy_version(
+        model, step=2, policy_version=2, source_uri=s3_source, tags={"note": "second"}
+    )
+    assert (v1, v2) == ("1", "2")
+
+    mv1 = client.get_model_version(model, v1)
+    assert mv1.source == str(local_ckpt)
+    assert mv1.run_id == tracker.run_id
+    assert mv1.tags == {"step": "1", "policy_version": "1"}
+
+    mv2 = client.get_model_version(model, v2)
+    assert mv2.source == s3_source
+    assert mv2.tags == {"step": "2", "policy_version": "2", "note": "second"}
+
+    newest = client.get_model_version_by_alias(model, NEWEST_POLICY_ALIAS)
+    assert str(newest.version) == "2"
+    assert client.get_run(tracker.run_id).data.tags["miles.policy_version"] == "2"
+
+
+def test_log_reward_curve(make_tracker, tmp_path: Path) -> None:
+    tracker = make_tracker(run_name="curve-run")
+    for step in range(5):
+        tracker.log_metrics(
+            {"rollout/reward_mean": step / 4, "eval/gsm8k/exact_match": step / 8}, step=step
+        )
+
+    path = tracker.log_reward_curve(also_to=tmp_path / "plots")
+    assert path.read_bytes().startswith(b"\x89PNG")
+    assert (tmp_path / "plots" / "reward_curve.png").read_bytes() == path.read_bytes()
+    artifacts = [a.path for a in tracker.client.list_artifacts(tracker.run_id)]
+    assert "reward_curve.png" in artifacts
+
+    tracker.log_dict_artifact({"a": 1}, "summary.json")
+    artifacts = [a.path for a in tracker.client.list_artifacts(tracker.run_id)]
+    assert "summary.json" in artifacts
+
+
+def test_nested_run_and_finish(make_tracker) -> None:
+    parent = make_tracker(run_name="parent")
+    child = make_tracker(run_name="child", parent_run_id=parent.run_id)
+    child.log_metrics({"loss": 0.5}, step=1)
+    child.finish()
+    parent.finish()
+
+    client = parent.client
+    child_run = client.get_run(child.run_id)
+    assert child_run.data.tags["mlflow.parentRunId"] == parent.run_id
+    assert child_run.info.status == "FINISHED"
+    assert child_run.info.end_time is not None
+    assert [(m.step, m.value) for m in client.get_metric_history(child.run_id, "loss")] == [
+        (1, 0.5)
+    ]
+    assert client.get_run(parent.run_id).info.status == "FINISHED"
+    assert "mlflow.parentRunId" not in client.get_run(parent.run_id).data.tags
+
+
+def test_reattach_to_run(make_tracker) -> None:
+    first = make_tracker(params={"lr": 0.1})
+    first.finish(status="FAILED")
+    assert first.client.get_run(first.run_id).info.status == "FAILED"
+
+    resumed = make_tracker(params={"lr": 0.1}, run_id=first.run_id)
+    assert resumed.run_id == first.run_id
+    assert resumed.experiment_id == first.experiment_id
+    assert resumed.client.get_run(first.run_id).info.status == "RUNNING"
+    resumed.finish()
+    assert resumed.client.get_run(first.run_id).info.status == "FINISHED"
+
+
+def test_resolve_tracking_uri(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert resolve_tracking_uri("sqlite:////explicit.db") == "sqlite:////explicit.db"
+    assert resolve_tracking_uri(None) == "http://mlflow.example:5000"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert resolve_tracking_uri(None) == f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,0 +1,143 @@
+import random
+
+import pytest
+import torch
+
+from miles_core.config import RunConfig
+from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.train.advantages import grpo_advantages
+from miles_core.train.batch import TrainBatch
+from miles_core.train.fsdp import FSDPBackend
+from miles_core.train.losses import aggregate, k3_kl, ppo_clip_loss
+from miles_core.types import Sample, SampleGroup
+from miles_core.weights import make_transport, mismatched_tensors
+
+
+def _trainer(model_dir, **overrides):
+    cfg = RunConfig().train.model_copy(update={"micro_batch_size": 8, **overrides})
+    return FSDPBackend(
+        str(model_dir), optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
+    )
+
+
+def _rollout(engine, tok, n=16, seed=0):
+    rng = random.Random(seed)
+    prompts = ["say a", "reverse abcdef", "12+34=", "go"]
+    reqs = [
+        GenerateRequest(
+            input_ids=encode_prompt(tok, rng.choice(prompts)),
+            sampling_params=SamplingParams(
+                max_new_tokens=rng.randint(3, 12), stop_token_ids=[tok.eos_token_id]
+            ),
+        )
+        for _ in range(n)
+    ]
+    out = engine.generate(reqs)
+    return TrainBatch(
+        tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
+        response_lengths=[len(r.output_ids) for r in out],
+        loss_masks=[[1] * len(r.output_ids) for r in out],
+        advantages=[rng.gauss(0, 1) for _ in out],
+        rollout_log_probs=[r.output_log_probs for r in out],
+    )
+
+
+def test_trainer_recompute_matches_engine_logprobs(tiny_dir, tiny):
+    model, tok = tiny
+    batch = _rollout(EmbeddedEngine(model, tok, seed=0), tok)
+    recomputed = _trainer(tiny_dir).compute_log_probs(batch)
+    diffs = [
+        abs(a - b)
+        for r, o in zip(recomputed, batch.rollout_log_probs, strict=True)
+        for a, b in zip(r, o, strict=True)
+    ]
+    assert len(diffs) == sum(batch.response_lengths)
+    assert max(diffs) < 1e-5
+
+
+def test_step_zero_is_exactly_on_policy_then_weights_move_and_sync_bitwise(tiny_dir, tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(type(model).from_pretrained(tiny_dir), tok, seed=0)
+    trainer = _trainer(tiny_dir)
+    batch = _rollout(engine, tok)
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    before = {n: t.clone() for n, t in engine.named_tensors().items()}
+    m = trainer.train_step(batch)
+    assert m["ppo_kl"] == 0.0
+    assert m["pg_clipfrac"] == 0.0
+    assert m["train_rollout_logprob_abs_diff"] < 1e-5
+    assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-3)
+
+    transport = make_transport("colocated")
+    transport.connect([engine])
+    stats = transport.push(trainer.named_weights(bucket_bytes=1 << 16), version=1)
+    assert engine.weight_version == 1 and stats.bytes > 0
+    expected = [x for b in trainer.named_weights() for x in b]
+    assert {n for n, _ in expected} == set(engine.named_tensors())
+    assert mismatched_tensors(expected, engine.named_tensors()) == []
+    assert any(not torch.equal(before[n], t) for n, t in expected)
+    # a second step on the same (now off-policy) batch sees a non-zero KL
+    assert trainer.train_step(batch)["ppo_kl"] != 0.0
+
+
+def test_sft_loss_goes_down(tiny_dir, tiny):
+    _, tok = tiny
+    trainer = _trainer(tiny_dir, lr=1e-2)
+    prompt = encode_prompt(tok, "say a")
+    answer = tok.encode("aaaa", add_special_tokens=False) + [tok.eos_token_id]
+    batch = TrainBatch(
+        tokens=[prompt + answer] * 8,
+        response_lengths=[len(answer)] * 8,
+        loss_masks=[[1] * len(answer)] * 8,
+    )
+    losses = [trainer.train_step(batch, loss="sft")["loss"] for _ in range(15)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_kl_to_reference_is_zero_at_start_and_grows(tiny_dir, tiny):
+    model, tok = tiny
+    trainer = _trainer(tiny_dir, kl_coef=0.1, lr=1e-2)
+    batch = _rollout(EmbeddedEngine(model, tok, seed=1), tok)
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    first = trainer.train_step(batch)
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-12)
+    for _ in range(3):
+        last = trainer.train_step(batch)
+    assert last["kl_loss"] > 1e-6
+
+
+def test_grpo_advantages_are_group_normalised():
+    def group(i, rewards):
+        return SampleGroup(
+            i, [Sample(i, k, f"r{k}", "p", [1], 0, [], [], reward=r) for k, r in enumerate(rewards)]
+        )
+
+    adv = grpo_advantages([group(0, [1.0, 0.0, 1.0, 0.0]), group(1, [0.5, 0.5])])
+    std = torch.tensor([1.0, 0.0, 1.0, 0.0]).std().item()
+    assert adv[:4] == pytest.approx([0.5 / std, -0.5 / std, 0.5 / std, -0.5 / std], rel=1e-5)
+    assert adv[4:] == [0.0, 0.0]
+    assert grpo_advantages([group(0, [2.0, 0.0])], normalize_std=False) == [1.0, -1.0]
+
+
+def test_ppo_clip_is_asymmetric_and_masks_count_in_the_numerator_only():
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    old = torch.zeros(1, 3)
+    adv = torch.ones(1, 3)
+    loss, clipped, _ = ppo_clip_loss(logp, old, adv, eps_clip=0.2, eps_clip_high=0.3)
+    # ratio 1.5 clipped at 1.3 for positive advantages; 0.5 and 1.1 unclipped
+    assert loss.tolist()[0] == pytest.approx([-1.3, -0.5, -1.1], rel=1e-6)
+    assert clipped.tolist()[0] == [1.0, 0.0, 0.0]
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert float(aggregate(loss, mask, "token_mean", 4.0)) == pytest.approx((-1.3 - 0.5) / 4)
+    assert float(aggregate(loss, mask, "seq_mean_token_mean", 1.0)) == pytest.approx(
+        (-1.3 - 0.5) / 2
+    )
+
+
+def test_k3_kl_is_nonnegative_and_zero_at_equality():
+    a = torch.randn(100)
+    b = torch.randn(100)
+    assert torch.all(k3_kl(a, b) >= 0)
+    assert torch.equal(k3_kl(a, a), torch.zeros(100))
