@@ -25,7 +25,8 @@ class ModelConfig(_Strict):
     )
     path: str | None = Field(
         None,
-        description="HF directory (local or fsspec URL) to start from instead of a random init",
+        description="HF directory to start from instead of a random init (local path, or an fsspec "
+        "URL read with checkpoint.storage_options)",
     )
     seed: int = Field(0, description="seed of the random init")
 
@@ -102,6 +103,7 @@ class SFTConfig(OptimConfig):
         description="JSONL rows with 'prompt' and 'answer'; default: the task's demonstrations",
     )
     num_examples: int = Field(4096, gt=0)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
     num_steps: int = Field(200, gt=0)
     batch_size: int = Field(64, gt=0)
     seed: int = 0
@@ -123,11 +125,19 @@ class SFTConfig(OptimConfig):
 
 
 class WeightSyncConfig(_Strict):
-    transport: Literal["colocated"] = "colocated"
+    transport: str = Field("colocated", description="a registered weight transport (colocated)")
     bucket_mb: int = Field(64, gt=0)
     check_equal: bool = Field(
         False, description="verify engine weights bitwise after every push (slow)"
     )
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, v: str) -> str:
+        from miles_core.weights import make_transport
+
+        make_transport(v)  # raises ValueError naming the registered transports
+        return v
 
 
 class CheckpointConfig(_Strict):
@@ -183,6 +193,10 @@ class RunConfig(_Strict):
                 "sft.world_size must equal train.world_size (they share the trainer ranks)"
             )
         return self
+
+    def with_model_path(self, path: str | None) -> RunConfig:
+        """The same config starting from the HF directory `path` (e.g. an SFT output)."""
+        return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
 
     @property
     def optimizer_steps_per_rollout(self) -> int:

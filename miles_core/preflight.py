@@ -32,12 +32,14 @@ def preflight(config: RunConfig, resume: bool = False) -> None:
         config.data.seed,
         config.data.storage_options,
     )
-    if config.sft is not None and config.sft.path:
-        rows = load_examples(config.sft.task, config.sft.path, 1, 0)
+    if config.sft is not None:
+        sft = config.sft
+        rows = load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
         missing = [i + 1 for i, ex in enumerate(rows) if ex.answer is None]
         if missing:
+            where = sft.path or f"task {sft.task!r}"
             raise ValueError(
-                f"{config.sft.path}: row {missing[0]} has no 'answer' (SFT needs reference answers)"
+                f"{where}: row {missing[0]} has no 'answer' (SFT needs reference answers)"
             )
     arch = expected_architecture(config)
     if resume:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from miles_core.tracking import Tracker
 from miles_core.train.advantages import grpo_advantages
 from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
-from miles_core.weights import make_transport, mismatched_tensors
+from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
 
 log = logging.getLogger("miles")
 
@@ -35,6 +34,16 @@ def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
         return fetch_model_dir(config.model.path, config.checkpoint.storage_options)
     model, tok = build_model(config.model.preset, config.model.seed)
     return save_hf_dir(model, tok, workdir / "init_model")
+
+
+def latest_state(config: RunConfig) -> dict:
+    """`state.json` of the run's latest checkpoint ({} if it has none)."""
+    store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
+    try:
+        latest = store.latest_step()
+        return {} if latest is None else store.read_state(latest)
+    finally:
+        store.close()
 
 
 class RLRuntime:
@@ -73,6 +82,13 @@ class RLRuntime:
         )
         self.policy_version = 0
         self.start_step = 0
+        self.last_saved_step: int | None = None
+        if tracker is not None:
+            origin = (
+                config.model.path
+                or f"random init: preset {config.model.preset}, seed {config.model.seed}"
+            )
+            tracker.set_tags({"miles.init_model": origin})
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
@@ -101,7 +117,7 @@ class RLRuntime:
         stats = self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
         if self.config.weight_sync.check_equal:
             self.check_weights_equal()
-        return stats.as_metrics()
+        return stats.as_metrics() | {"train/policy_version": float(self.policy_version)}
 
     def check_weights_equal(self) -> None:
         expected = [x for b in self.trainer.named_weights(64 << 20) for x in b]
@@ -111,10 +127,17 @@ class RLRuntime:
                 f"engine weights differ from the trainer's after the push: {bad[:5]}"
             )
 
+    def is_save_step(self, step: int) -> bool:
+        interval = self.config.checkpoint.interval
+        return bool(interval) and (step + 1) % interval == 0
+
     def save(self, step: int) -> str:
+        checksum = weights_checksum(self.engine.named_tensors().items())
         state = {
             "step": step,
             "policy_version": self.policy_version,
+            "weights_sha256": checksum,
+            "init_model": self.config.model.path,
             "data": self.source.state(),
             "engine_rng": base64.b64encode(
                 self.engine.generator.get_state().numpy().tobytes()
@@ -128,8 +151,13 @@ class RLRuntime:
             self.tokenizer.save_pretrained(str(directory))
 
         uri = self.store.save(step, write, state)
-        if self.tracker and self.config.tracking.register_policy:
-            self.tracker.log_policy_version(self.config.name, step, self.policy_version, uri)
+        self.last_saved_step = step
+        if self.tracker:
+            self.tracker.set_tags({"miles.last_checkpoint": uri})
+            if self.config.tracking.register_policy:
+                self.tracker.log_policy_version(
+                    self.config.name, step, self.policy_version, uri, {"weights_sha256": checksum}
+                )
         return uri
 
     def resume(self, step: int) -> None:
@@ -143,8 +171,10 @@ class RLRuntime:
         rng = torch.frombuffer(bytearray(base64.b64decode(state["engine_rng"])), dtype=torch.uint8)
         self.engine.generator.set_state(rng)
         self.policy_version = int(state["policy_version"])
-        self.transport.push(self.trainer.named_weights(), self.policy_version)
-        self.start_step = int(state["step"]) + 1
+        bucket = self.config.weight_sync.bucket_mb << 20
+        self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
+        self.start_step = self.last_saved_step = int(state["step"])
+        self.start_step += 1
 
     def close(self) -> None:
         self.trainer.close()
@@ -153,9 +183,3 @@ class RLRuntime:
 
 def new_workdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="miles-run-"))
-
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

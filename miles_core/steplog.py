@@ -20,9 +20,7 @@ class StepLog:
         self._carry = 0.0  # time of the previous MLflow flush, charged to orchestration
         report.start(total_steps, "rl")
 
-    def step(
-        self, step: int, t0: float, *parts: dict[str, float], policy_version: int, saved: str | None
-    ) -> None:
+    def step(self, step: int, t0: float, *parts: dict[str, float]) -> None:
         metrics: dict[str, float] = {}
         for p in parts:
             metrics.update(p)
@@ -30,37 +28,33 @@ class StepLog:
         inner = sum(metrics.get(k, 0.0) for k in PHASES)
         metrics["perf/step_time_s"] = step_time
         metrics["perf/orchestration_time_s"] = max(0.0, step_time - inner)
-        metrics["rollout/policy_version"] = float(policy_version)
         self.history.append(metrics)
         t_flush = time.perf_counter()
         self.tracker.log_metrics(metrics, step)
         self.tracker.flush()
-        if saved is not None:
-            self.tracker.set_tags({"miles.last_checkpoint": saved})
         self._carry = time.perf_counter() - t_flush
-        self.report.update(
-            step,
-            {"reward": metrics["rollout/reward_mean"], "step_s": step_time}
-            | _maybe(metrics, "rollout/exact_match"),
-        )
+        fields = {"reward": metrics["rollout/reward_mean"], "step_s": step_time}
+        if "rollout/exact_match" in metrics:
+            fields["exact_match"] = metrics["rollout/exact_match"]
+        self.report.update(step, fields)
 
     def finish(self) -> dict[str, float]:
+        """Closes the MLflow run (reward-curve PNG attached); returns a summary of this invocation."""
         self.report.stop()
-        self.tracker.log_reward_curve()
+        if self.history:
+            self.tracker.log_reward_curve()
         self.tracker.finish()
-        last = self.history[-5:]
+        if not self.history:
+            return {"steps": 0.0}
+        first, last = self.history[:5], self.history[-5:]
         summary = {
-            "reward_first5": statistics.fmean(m["rollout/reward_mean"] for m in self.history[:5]),
+            "reward_first5": statistics.fmean(m["rollout/reward_mean"] for m in first),
             "reward_last5": statistics.fmean(m["rollout/reward_mean"] for m in last),
             "steps": float(len(self.history)),
         }
         if "rollout/exact_match" in self.history[0]:
             summary["exact_match_first5"] = statistics.fmean(
-                m["rollout/exact_match"] for m in self.history[:5]
+                m["rollout/exact_match"] for m in first
             )
             summary["exact_match_last5"] = statistics.fmean(m["rollout/exact_match"] for m in last)
         return summary
-
-
-def _maybe(metrics: dict[str, float], key: str) -> dict[str, float]:
-    return {key.split("/")[-1]: metrics[key]} if key in metrics else {}

@@ -123,10 +123,18 @@ class Tracker:
             self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
             self.set_tags(run_tags)
 
-        # Re-logging an identical param on re-attach is accepted; a changed value is refused.
-        flat = [Param(k, v) for k, v in flatten_params(params or {}).items()]
-        for chunk in _chunks(flat, MAX_PARAMS_PER_BATCH):
+        # MLflow params are write-once: on re-attach (resume) only new keys are logged, and a
+        # changed value is kept as a tag `miles.resume.<key>` instead of being refused.
+        flat = flatten_params(params or {})
+        existing = run.data.params if run_id is not None else {}
+        changed = {
+            f"miles.resume.{k}": v for k, v in flat.items() if k in existing and existing[k] != v
+        }
+        fresh = [Param(k, v) for k, v in flat.items() if k not in existing]
+        for chunk in _chunks(fresh, MAX_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=chunk)
+        if changed:
+            self.set_tags(changed)
 
     def _get_or_create_experiment(self, name: str) -> str:
         existing = self.client.get_experiment_by_name(name)

@@ -3,12 +3,15 @@
 
 from tasks.checkpoint import save_checkpoint
 from tasks.rollout import rollout_batch
-from tasks.setup import prepare_runtime, start_tracking
+from tasks.setup import check_inputs, prepare_model, prepare_runtime, resumed_config, start_tracking
 from tasks.sft import sft_train
 from tasks.train import train_step
 from tasks.weights import update_weights
 
 __all__ = [
+    "check_inputs",
+    "resumed_config",
+    "prepare_model",
     "prepare_runtime",
     "rollout_batch",
     "save_checkpoint",

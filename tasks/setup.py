@@ -5,21 +5,40 @@ from pathlib import Path
 from prefect.runtime import flow_run
 
 from miles_core.config import RunConfig
-from miles_core.runtime import RLRuntime, prepare_model_dir
+from miles_core.preflight import preflight
+from miles_core.runtime import RLRuntime, latest_state, prepare_model_dir
 from miles_core.tracking import Tracker
 from tasks._task import step_task
 
 
+@step_task(name="check_inputs")
+def check_inputs(config: RunConfig, resume: bool = False) -> None:
+    """Dataset rows, SFT answers, the checkpoint to resume: refused here, before anything starts."""
+    preflight(config, resume)
+
+
+@step_task(name="resumed_config")
+def resumed_config(config: RunConfig) -> RunConfig:
+    """On resume: the config with `model.path` = the model the run started from (e.g. its SFT output)."""
+    return config.with_model_path(latest_state(config).get("init_model") or config.model.path)
+
+
 @step_task(name="start_tracking")
-def start_tracking(config: RunConfig, run_name: str, parent_run_id: str | None = None) -> Tracker:
-    """One MLflow run per training run; params are the flattened config."""
-    tags = {"prefect.flow_run_id": str(flow_run.id or ""), "miles.policy_version": "0"}
+def start_tracking(
+    config: RunConfig, run_name: str, parent_run_id: str | None = None, resume: bool = False
+) -> Tracker:
+    """One MLflow run per training run; params are the flattened config. On resume, the run
+    recorded in the latest checkpoint is re-attached, so its curves continue."""
+    tags = {"prefect.flow_run_id": str(flow_run.id or "")}
+    if not resume:
+        tags["miles.policy_version"] = "0"
     return Tracker(
         config.tracking.tracking_uri,
         config.tracking.experiment,
         run_name,
         params=config.model_dump(mode="json"),
         tags=tags,
+        run_id=latest_state(config).get("mlflow_run_id") if resume else None,
         parent_run_id=parent_run_id,
     )
 

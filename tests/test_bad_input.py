@@ -104,7 +104,7 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path):
     ]
     for args, message in cases:
         proc = subprocess.run(
-            [sys.executable, "-m", "miles_core.cli", "train", *args],
+            [sys.executable, "-m", "flows.cli", "train", *args],
             cwd=tmp_path,
             env=env,
             capture_output=True,

@@ -90,3 +90,89 @@ def test_rl_flow_learns_say_a_and_writes_mlflow(prefect_server, tmp_path, monkey
     assert mvs[-1].source == f"{tmp_path}/ckpt/flow-test/step_000029"
     assert client.get_model_version_by_alias("flow-test", "newest").version == mvs[-1].version
     assert "reward_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def _tiny_config(tmp_path, name, steps, extra=()):
+    return load_config(
+        None,
+        [
+            f"name={name}",
+            "model.preset=tiny",
+            "rollout.prompts_per_step=8",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            f"train.num_steps={steps}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.lr=3e-3",
+            f"checkpoint.root={tmp_path}/ckpt",
+            "checkpoint.interval=2",
+            f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            "tracking.experiment=resume",
+            *extra,
+        ],
+    )
+
+
+def _histories(client, run_id, keys):
+    return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_run_bit_identically(prefect_server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from flows.rl_train import rl_train
+
+    rl_train(_tiny_config(tmp_path, "full", 6))
+    rl_train(_tiny_config(tmp_path, "part", 4))  # checkpoints after steps 1 and 3
+    rl_train(_tiny_config(tmp_path, "part", 6), resume=True)
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("resume").experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([exp])}
+    assert set(runs) == {"full", "part"}  # the resumed job re-attached to its MLflow run
+    assert runs["part"].data.tags["miles.resume.train.num_steps"] == "6"
+    keys = [
+        "rollout/reward_mean",
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+        "rollout/weight_version/mean",
+    ]
+    full = _histories(client, runs["full"].info.run_id, keys)
+    part = _histories(client, runs["part"].info.run_id, keys)
+    for k in keys:
+        assert [s for s, _ in part[k]] == list(range(6)), k
+        assert part[k] == full[k], k  # bit-identical, steps 4 and 5 included
+
+
+@pytest.mark.slow
+def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from flows.rl_train import rl_train
+
+    config = _tiny_config(
+        tmp_path,
+        "warm",
+        2,
+        [
+            "data.task=reverse",
+            "sft.task=reverse",
+            "sft.num_steps=20",
+            "sft.batch_size=16",
+            "sft.micro_batch_size=8",
+            "sft.lr=3e-3",
+        ],
+    )
+    rl_train(config)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("resume").experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([exp])}
+    sft_run, rl_run = runs["warm-sft"], runs["warm"]
+    assert sft_run.data.tags["mlflow.parentRunId"] == rl_run.info.run_id
+    loss = [m.value for m in client.get_metric_history(sft_run.info.run_id, "sft/loss")]
+    assert len(loss) == 20 and loss[-1] < loss[0]
+    assert (
+        rl_run.data.params["model.path"] == "None"
+    )  # the flow param; the RL run started from the SFT output
+    assert (tmp_path / "ckpt" / "warm-sft" / "step_000020" / "model.safetensors").exists()

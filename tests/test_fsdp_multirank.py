@@ -49,3 +49,44 @@ def test_two_rank_step_matches_one_rank(tiny_dir, tmp_path):
     flat1 = [x for row in r1["old_log_probs"] for x in row]
     flat2 = [x for row in r2["old_log_probs"] for x in row]
     assert max(abs(a - b) for a, b in zip(flat1, flat2, strict=True)) < 1e-5
+
+
+def _cli_run(tmp_path: Path, world: int) -> dict[str, list[float]]:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    name = f"cli-{world}"
+    args = [
+        f"name={name}",
+        "model.preset=tiny",
+        "rollout.prompts_per_step=8",
+        "rollout.n_samples_per_prompt=4",
+        "train.num_steps=3",
+        "train.global_batch_size=32",
+        "train.micro_batch_size=8",
+        f"train.world_size={world}",
+        f"checkpoint.root={tmp_path}/ckpt",
+        f"tracking.tracking_uri={uri}",
+    ]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--no-progress"]
+    for a in args:
+        cmd += ["--set", a]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(uri)
+    run = client.search_runs(
+        [client.get_experiment_by_name("miles").experiment_id], f"tags.mlflow.runName = '{name}'"
+    )[0]
+    keys = ("rollout/reward_mean", "train/loss", "train/grad_norm")
+    return {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
+
+
+@pytest.mark.slow
+def test_miles_train_on_two_ranks_under_torchrun(tmp_path):
+    """`miles train` with train.world_size=2 re-launches under torchrun; rank 0 runs the flow."""
+    one = _cli_run(tmp_path, 1)
+    two = _cli_run(tmp_path, 2)
+    assert len(two["train/loss"]) == 3
+    assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"][0]  # same init, same samples
+    assert two["train/loss"][0] == pytest.approx(one["train/loss"][0], abs=1e-5)
+    assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"][0], abs=1e-5)

@@ -22,7 +22,7 @@ class Score:
 
 @dataclass
 class Example:
-    prompt: str
+    prompt: str | list[dict[str, Any]]  # a string, or chat messages
     label: Any
     answer: str | None = None  # a reference completion, used for SFT demonstrations
 

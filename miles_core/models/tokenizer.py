@@ -8,7 +8,6 @@ rendering turn N+1 starts with exactly the ids of turn N plus the assistant repl
 from __future__ import annotations
 
 import string
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
@@ -58,7 +57,3 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def save_tokenizer(tok: PreTrainedTokenizerFast, directory: str | Path) -> None:
-    tok.save_pretrained(str(directory))

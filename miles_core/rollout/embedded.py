@@ -8,7 +8,6 @@ token. Output ids are returned as generated; nothing is re-tokenized.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
 
 import torch
@@ -19,7 +18,7 @@ from miles_core.rollout.sampler import sample_next
 
 
 class EngineRequestError(ValueError):
-    """A request the engine cannot serve (bad ids, lengths); the HTTP server maps it to 4xx."""
+    """A request the engine cannot serve (bad ids, lengths): a client error, not an engine fault."""
 
 
 class EmbeddedEngine:
@@ -34,7 +33,6 @@ class EmbeddedEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._params = dict(model.named_parameters())
-        self.stats = {"generated_tokens": 0, "decode_seconds": 0.0}
 
     @property
     def weight_version(self) -> int:
@@ -100,7 +98,6 @@ class EmbeddedEngine:
         return out
 
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
-        t0 = time.perf_counter()
         bsz = len(requests)
         prompt_lens = [len(r.input_ids) for r in requests]
         width = max(prompt_lens)
@@ -152,9 +149,6 @@ class EmbeddedEngine:
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype)], dim=1)
 
-        n_tokens = sum(len(o) for o in outputs)
-        self.stats["generated_tokens"] += n_tokens
-        self.stats["decode_seconds"] += time.perf_counter() - t0
         version = str(self._version)
         responses = []
         for i, r in enumerate(requests):

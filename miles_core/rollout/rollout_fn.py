@@ -7,7 +7,6 @@ and keeps the engine's ids as they are (the response text is decoded only for th
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from miles_core.config import RolloutConfig
 from miles_core.data.dataset import to_messages
@@ -17,10 +16,13 @@ from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.types import FINISH_REASON_TO_STATUS, Sample, SampleGroup, Status
 
 
-@dataclass
 class RolloutResult:
-    groups: list[SampleGroup]
-    metrics: dict[str, float] = field(default_factory=dict)
+    """One rollout batch. A plain class on purpose: orchestrators that walk dataclasses and lists
+    (Prefect's task-input tracking) pass it by reference instead of visiting every token id."""
+
+    def __init__(self, groups: list[SampleGroup], metrics: dict[str, float] | None = None):
+        self.groups = groups
+        self.metrics = metrics or {}
 
     @property
     def samples(self) -> list[Sample]:

@@ -199,9 +199,8 @@ class FSDPBackend:
         pg, clipped, approx_kl = ppo_clip_loss(lp, old, adv, cfg["eps_clip"], eps_high)
         pg_loss = aggregate(pg, mask, agg, denom)
         total = pg_loss
-        entropy = entropy_from_logits(
-            resp_logits.detach() if not cfg.get("entropy_coef") else resp_logits, 1.0
-        )
+        logits_for_entropy = resp_logits if cfg.get("entropy_coef") else resp_logits.detach()
+        entropy = entropy_from_logits(logits_for_entropy, mb.temperature)
         if cfg.get("entropy_coef"):
             total = total - cfg["entropy_coef"] * aggregate(entropy, mask, agg, denom)
         stats = {

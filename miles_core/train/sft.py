@@ -57,7 +57,7 @@ def run_sft(config, model_dir, tracker) -> str:
 
     sft = config.sft
     _, tokenizer = load_hf_dir(model_dir)
-    examples = load_examples(sft.task, sft.path, sft.num_examples, sft.seed)
+    examples = load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
     trainer = FSDPBackend(
         str(model_dir), optim=sft.model_dump(), total_steps=sft.num_steps, seed=config.seed
     )
@@ -90,6 +90,9 @@ def run_sft(config, model_dir, tracker) -> str:
             {"step": sft.num_steps, "kind": "sft", "mlflow_run_id": tracker.run_id},
         )
         store.close()
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
     finally:
         trainer.close()
         report.stop()

@@ -2,7 +2,7 @@
 
     miles train --config examples/say_a.yaml --set train.lr=5e-4 --set train.num_steps=20
     miles train --config examples/say_a.yaml --resume
-    miles sft --config examples/reverse.yaml
+    miles sft --config examples/reverse_sft_rl.yaml
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
 flow, ranks 1..N-1 replay the trainer's calls.
@@ -56,13 +56,14 @@ def _fail(message: str) -> int:
 
 
 def _relaunch_under_torchrun(world_size: int) -> int:
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    torchrun = beside if os.path.exists(beside) else shutil.which("torchrun") or "torchrun"
     cmd = [
         torchrun,
         "--standalone",
         f"--nproc_per_node={world_size}",
         "-m",
-        "miles_core.cli",
+        "flows.cli",
         *sys.argv[1:],
     ]
     return subprocess.call(cmd)
