@@ -99,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _shutdown(world: int) -> None:
-    if world > 1:
-        from miles_core.train import distributed
+    """Releases the follower ranks (which wait for rank 0 even if it failed before training)."""
+    from miles_core.train import distributed
 
+    if world > 1:
         distributed.init_distributed()
-        distributed.shutdown_followers()
+    distributed.shutdown()
 
 
 def _run(args, config: RunConfig, world: int) -> int:

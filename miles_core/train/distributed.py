@@ -52,7 +52,8 @@ def follow() -> None:
     while True:
         name, payload = receive()
         if name == "exit":
-            break
+            _teardown()
+            return
         if name == "init":
             backend = FSDPBackend(**payload)
         elif name == "close":
@@ -65,5 +66,16 @@ def follow() -> None:
                     pass
 
 
-def shutdown_followers() -> None:
+def shutdown() -> None:
+    """Rank 0: tell the followers to exit; every rank: meet at a barrier and destroy the group
+    (exiting with a live gloo group can abort the process with 'terminate called ...')."""
+    if not dist.is_initialized():
+        return
     announce("exit", None)
+    _teardown()
+
+
+def _teardown() -> None:
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -48,7 +48,7 @@ batch.old_log_probs = trainer.compute_log_probs(batch)
 metrics = [trainer.train_step(batch), trainer.train_step(batch)]
 weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
 trainer.close()
-distributed.shutdown_followers()
+distributed.shutdown()
 save_file(weights, f"{out_prefix}.safetensors")
 with open(f"{out_prefix}.json", "w") as f:
     json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs}, f)
