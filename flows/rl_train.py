@@ -34,7 +34,7 @@ from tasks import (
 
 
 @flow(name="rl-train", log_prints=True)
-def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float]:
+def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
     check_inputs(config, resume)
     tracker = start_tracking(config, config.tracking.run_name or config.name, resume=resume)
     try:

@@ -38,16 +38,17 @@ class StepLog:
             fields["exact_match"] = metrics["rollout/exact_match"]
         self.report.update(step, fields)
 
-    def finish(self) -> dict[str, float]:
+    def finish(self) -> dict[str, float | str]:
         """Closes the MLflow run (reward-curve PNG attached); returns a summary of this invocation."""
         self.report.stop()
         if self.history:
             self.tracker.log_reward_curve()
         self.tracker.finish()
         if not self.history:
-            return {"steps": 0.0}
+            return {"steps": 0.0, "mlflow_run_id": self.tracker.run_id}
         first, last = self.history[:5], self.history[-5:]
-        summary = {
+        summary: dict[str, float | str] = {
+            "mlflow_run_id": self.tracker.run_id,
             "reward_first5": statistics.fmean(m["rollout/reward_mean"] for m in first),
             "reward_last5": statistics.fmean(m["rollout/reward_mean"] for m in last),
             "steps": float(len(self.history)),

@@ -52,6 +52,16 @@ def resolve_tracking_uri(explicit: str | None) -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def _artifact_root(tracking_uri: str, experiment: str) -> str | None:
+    """For a SQLite store, artifacts live beside the DB file (`<db dir>/mlruns/<experiment>`),
+    not in whatever directory the process happens to run in; other stores keep their default."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", experiment)
+    return (db.parent / "mlruns" / safe).resolve().as_uri()
+
+
 def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
     """Flatten a nested dict into MLflow params: dotted, sanitised keys and ``str`` values."""
     flat: dict[str, str] = {}
@@ -141,7 +151,9 @@ class Tracker:
         if existing is not None:
             return existing.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(
+                name, artifact_location=_artifact_root(self.tracking_uri, name)
+            )
         except MlflowException as exc:  # created concurrently by another process
             if exc.error_code != _ALREADY_EXISTS:
                 raise

@@ -90,6 +90,8 @@ def test_rl_flow_learns_say_a_and_writes_mlflow(prefect_server, tmp_path, monkey
     assert mvs[-1].source == f"{tmp_path}/ckpt/flow-test/step_000029"
     assert client.get_model_version_by_alias("flow-test", "newest").version == mvs[-1].version
     assert "reward_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert run.info.artifact_uri.startswith((tmp_path / "mlruns").as_uri())  # beside the DB
+    assert summary["mlflow_run_id"] == run.info.run_id
 
 
 def _tiny_config(tmp_path, name, steps, extra=()):
