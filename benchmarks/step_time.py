@@ -1,11 +1,15 @@
 """Per-phase step time of the sync RL loop, and the share Prefect + MLflow add.
 
-For each preset (tiny, small) the same config runs twice, side by side in this process:
+For each preset (tiny, small) the same config runs side by side in this process:
   1. the `rl-train` Prefect flow (ephemeral Prefect server, MLflow on SQLite): per-phase seconds
      from its own perf/* metrics; orchestration = step wall time − (rollout + train + weight sync),
-     i.e. Prefect task machinery + MLflow writes + flow bookkeeping;
-  2. the same phases called in a plain Python loop (no Prefect, no MLflow).
-Prints a table, then one JSON object as the last line.
+     i.e. Prefect task machinery + MLflow writes + flow bookkeeping in the flow's thread;
+  2. the same phases called in a plain Python loop (no Prefect, no MLflow), once before and once
+     after the flow, averaged.
+Two shares are reported: `orchestration_share` = orchestration / step time inside the flow, and
+`overhead_vs_plain` = flow step time / plain step time − 1, which also counts what the Prefect API
+server (a child process in ephemeral mode) takes from the same two cores; that server's CPU
+seconds per step are printed as well. Prints a table, then one JSON object as the last line.
 
     python benchmarks/step_time.py [--steps 12] [--presets tiny,small]
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -23,20 +28,15 @@ import miles_core  # noqa: F401  (env defaults)
 from miles_core.config import RunConfig, load_config
 from miles_core.runtime import RLRuntime, new_workdir, prepare_model_dir
 
-PHASES = (
-    "perf/rollout_time_s",
-    "perf/train_time_s",
-    "perf/weight_sync_time_s",
-    "perf/orchestration_time_s",
-)
+PHASES = ("perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_time_s")
 WARMUP = 2
 
 
-def bench_config(preset: str, steps: int, workdir: Path) -> RunConfig:
+def bench_config(preset: str, steps: int, workdir: Path, name: str) -> RunConfig:
     return load_config(
         None,
         [
-            f"name=bench-{preset}",
+            f"name={name}",
             f"model.preset={preset}",
             "data.task=say_a",
             "rollout.prompts_per_step=16",
@@ -76,24 +76,78 @@ def run_plain(config: RunConfig) -> list[dict[str, float]]:
     return rows[WARMUP:]
 
 
-def run_flow(config: RunConfig) -> list[dict[str, float]]:
+def descendants_cpu_seconds() -> float:
+    """utime + stime of this process's live descendants (Linux /proc)."""
+    me = os.getpid()
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in cpu.items():
+        p = parent.get(pid, 0)
+        while p not in (0, 1, me) and p in parent:
+            p = parent[p]
+        total += seconds if p == me else 0.0
+    return total
+
+
+def run_flow(config: RunConfig) -> tuple[list[dict[str, float]], float]:
+    """The flow's per-step perf metrics (from MLflow) and the Prefect server's CPU-s per step."""
     from mlflow.tracking import MlflowClient
 
     from flows.rl_train import rl_train
 
+    cpu0 = descendants_cpu_seconds()
     rl_train(config)
+    server_cpu = descendants_cpu_seconds() - cpu0
     client = MlflowClient(config.tracking.tracking_uri)
     exp = client.get_experiment_by_name(config.tracking.experiment)
     run = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{config.name}'")[0]
-    keys = (*PHASES, "perf/step_time_s")
+    keys = (*PHASES, "perf/orchestration_time_s", "perf/step_time_s")
     hist = {
         k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in keys
     }
-    return [{k: hist[k][s] for k in keys} for s in range(WARMUP, config.train.num_steps)]
+    rows = [{k: hist[k][s] for k in keys} for s in range(WARMUP, config.train.num_steps)]
+    return rows, server_cpu / config.train.num_steps
 
 
 def mean(rows: list[dict[str, float]], key: str) -> float:
     return statistics.fmean(r[key] for r in rows)
+
+
+def measure(preset: str, steps: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        from flows.rl_train import rl_train
+
+        rl_train(bench_config(preset, 1, Path(tmp), "warmup"))  # starts the ephemeral server
+        config = bench_config(preset, steps, Path(tmp), f"bench-{preset}")
+        plain = run_plain(config)
+        flow, server_cpu = run_flow(config)
+        plain += run_plain(config)
+    flow_step = mean(flow, "perf/step_time_s")
+    plain_step = mean(plain, "perf/step_time_s")
+    return {
+        "flow_step_s": flow_step,
+        "plain_step_s": plain_step,
+        "rollout_s": mean(flow, "perf/rollout_time_s"),
+        "plain_rollout_s": mean(plain, "perf/rollout_time_s"),
+        "train_s": mean(flow, "perf/train_time_s"),
+        "plain_train_s": mean(plain, "perf/train_time_s"),
+        "weight_sync_s": mean(flow, "perf/weight_sync_time_s"),
+        "orchestration_s": mean(flow, "perf/orchestration_time_s"),
+        "orchestration_share": sum(r["perf/orchestration_time_s"] for r in flow)
+        / sum(r["perf/step_time_s"] for r in flow),
+        "overhead_vs_plain": flow_step / plain_step - 1,
+        "server_cpu_s": server_cpu,
+    }
 
 
 def main() -> None:
@@ -101,47 +155,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--presets", default="tiny,small")
     args = ap.parse_args()
-    results: dict[str, dict[str, float]] = {}
-    for preset in args.presets.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            config = bench_config(preset, args.steps, Path(tmp))
-            plain = run_plain(config)
-            flow = run_flow(config)
-        orch = sum(r["perf/orchestration_time_s"] for r in flow) / sum(
-            r["perf/step_time_s"] for r in flow
-        )
-        results[preset] = {
-            "flow_step_s": mean(flow, "perf/step_time_s"),
-            "plain_step_s": mean(plain, "perf/step_time_s"),
-            "rollout_s": mean(flow, "perf/rollout_time_s"),
-            "train_s": mean(flow, "perf/train_time_s"),
-            "weight_sync_s": mean(flow, "perf/weight_sync_time_s"),
-            "orchestration_s": mean(flow, "perf/orchestration_time_s"),
-            "orchestration_share": orch,
-            "flow_over_plain": mean(flow, "perf/step_time_s") / mean(plain, "perf/step_time_s"),
-        }
+    results = {preset: measure(preset, args.steps) for preset in args.presets.split(",")}
 
-    cols = [
-        "flow_step_s",
-        "plain_step_s",
-        "rollout_s",
-        "train_s",
-        "weight_sync_s",
-        "orchestration_s",
-        "orchestration_share",
-        "flow_over_plain",
-    ]
+    cols = list(next(iter(results.values())))
     print(f"{'preset':8}" + "".join(f"{c:>20}" for c in cols))
     for preset, r in results.items():
         print(f"{preset:8}" + "".join(f"{r[c]:>20.4f}" for c in cols))
+
+    def per_preset(key: str) -> dict[str, float]:
+        return {p: round(r[key], 4) for p, r in results.items()}
+
     print(
         json.dumps(
             {
-                "orchestration_share": {
-                    p: round(r["orchestration_share"], 4) for p, r in results.items()
-                },
-                "step_time_s": {p: round(r["flow_step_s"], 4) for p, r in results.items()},
-                "plain_step_time_s": {p: round(r["plain_step_s"], 4) for p, r in results.items()},
+                "orchestration_share": per_preset("orchestration_share"),
+                "step_time_s": per_preset("flow_step_s"),
+                "plain_step_time_s": per_preset("plain_step_s"),
+                "overhead_vs_plain": per_preset("overhead_vs_plain"),
+                "prefect_server_cpu_s_per_step": per_preset("server_cpu_s"),
                 "phase_s": {
                     p: {
                         k: round(r[k], 4)
