@@ -1,0 +1,415 @@
+"""The serving engine: continuous batching over a slot KV cache with prefix reuse.
+
+A scheduler thread repeats one step: admit waiting requests into free (or prefix-matching) slots
+and prefill their uncached tokens; then decode one token for every running request. Requests
+join and leave between steps. Control calls (abort, pause, continue, weight updates, memory
+release) take the step lock, so they act between two steps.
+
+Pause modes (SGLang's `/pause_generation`): `abort` finishes every request now (finish_reason
+abort, partial output returned); `retract` moves running requests back to the queue (their KV stays
+cached, so they resume cheaply, continuing from the tokens they had); `in_place` freezes them with
+their KV. New requests queue while paused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_core.rollout.embedded import EngineRequestError
+from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse, MetaInfo
+from miles_core.rollout.runner import Qwen3Runner
+from miles_core.rollout.sampler import sample_next
+from miles_core.rollout.slots import Slot, SlotState, SlotTable
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class _Request:
+    rid: str
+    input_ids: list[int]
+    req: GenerateRequest
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    slot: Slot | None = None
+    kv_len: int = 0
+    cached_tokens: int = 0
+    finish: FinishReason | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    response: GenerateResponse | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.input_ids + self.output
+
+
+class RequestHandle:
+    def __init__(self, r: _Request):
+        self._r = r
+        self.rid = r.rid
+
+    def done(self) -> bool:
+        return self._r.done.is_set()
+
+    def result(self, timeout: float | None = None) -> GenerateResponse:
+        if not self._r.done.wait(timeout):
+            raise TimeoutError(f"request {self.rid} did not finish within {timeout} s")
+        assert self._r.response is not None
+        return self._r.response
+
+
+class ServingEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        seed: int = 0,
+        max_running: int = 64,
+        cache_slots: int | None = None,
+        max_len: int | None = None,
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_running = max_running
+        slots = cache_slots or 2 * max_running
+        self.runner = Qwen3Runner(model, slots=slots, max_len=max_len)
+        self.max_context = self.runner.max_len
+        self.table = SlotTable(slots)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._params = dict(model.named_parameters())
+        self._version = 0
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_rid: dict[str, _Request] = {}
+        self._paused: str | None = None
+        self._step_lock = threading.RLock()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._weights_released: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self.stats = {
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "busy_seconds": 0.0,
+        }
+        self._thread = threading.Thread(target=self._loop, name="miles-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ protocol
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        self._version = int(version)
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self._params.items()}
+
+    def validate(self, req: GenerateRequest) -> None:
+        sp = req.sampling_params
+        if not req.input_ids:
+            raise EngineRequestError("input_ids is empty")
+        bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise EngineRequestError(
+                f"token id {bad} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if sp.max_new_tokens < 0:
+            raise EngineRequestError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+        if len(req.input_ids) + sp.max_new_tokens > self.max_context:
+            raise EngineRequestError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+                f"exceeds the context length {self.max_context}"
+            )
+        if sp.temperature <= 0:
+            raise EngineRequestError("temperature must be > 0")
+        if self._weights_released is not None:
+            raise EngineRequestError("weights are released; resume memory occupation first")
+
+    def submit(self, req: GenerateRequest) -> RequestHandle:
+        self.validate(req)
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self._by_rid:
+            raise EngineRequestError(f"request id {rid!r} is already in flight")
+        r = _Request(rid=rid, input_ids=list(req.input_ids), req=req)
+        if req.sampling_params.sampling_seed is not None:
+            r.generator = torch.Generator().manual_seed(req.sampling_params.sampling_seed)
+        with self._wake:
+            self._by_rid[rid] = r
+            self._waiting.append(r)
+            self._wake.notify()
+        return RequestHandle(r)
+
+    def generate(
+        self, requests: list[GenerateRequest], timeout: float | None = None
+    ) -> list[GenerateResponse]:
+        for r in requests:
+            self.validate(r)
+        handles = [self.submit(r) for r in requests]
+        return [h.result(timeout) for h in handles]
+
+    # ------------------------------------------------------------------ control
+    def abort(self, rid: str | None = None) -> int:
+        """Aborts one request (or all with rid=None); returns how many were aborted."""
+        with self._step_lock:
+            targets = (
+                list(self._by_rid.values())
+                if rid is None
+                else [self._by_rid[rid]]
+                if rid in self._by_rid
+                else []
+            )
+            for r in targets:
+                self._finish(r, FinishReason(type="abort"))
+            return len(targets)
+
+    def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; choose one of {PAUSE_MODES}")
+        with self._step_lock:
+            self._paused = mode
+            if mode == "abort":
+                for r in list(self._by_rid.values()):
+                    self._finish(r, FinishReason(type="abort"))
+            elif mode == "retract":
+                for r in reversed(self._running):
+                    self._leave_slot(r)
+                    self._waiting.appendleft(r)
+                self._running = []
+
+    def resume(self) -> None:
+        """`/continue_generation`."""
+        with self._wake:
+            self._paused = None
+            self._wake.notify()
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    def update_weights_from_tensor(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True
+    ) -> int:
+        copied = 0
+        with self._step_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self._params.get(name)
+                if param is None:
+                    raise KeyError(f"engine has no parameter named {name!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
+                    )
+                param.copy_(tensor)
+                copied += tensor.numel() * tensor.element_size()
+            if flush_cache:
+                self.table.flush()
+        return copied
+
+    def flush_cache(self) -> bool:
+        with self._step_lock:
+            if self._running or self._waiting:
+                return False
+            self.table.flush()
+            return True
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        with self._step_lock:
+            if self._running:
+                raise RuntimeError("cannot release memory while requests are running; pause first")
+            if "kv_cache" in tags:
+                self.table.flush()
+                self.runner.cache.release()
+            if "weights" in tags and self._weights_released is None:
+                self._weights_released = {}
+                for n, p in self._params.items():
+                    self._weights_released[n] = (p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        with self._step_lock:
+            if "kv_cache" in tags:
+                self.runner.cache.allocate()
+            if "weights" in tags and self._weights_released is not None:
+                for n, (shape, dtype) in self._weights_released.items():
+                    self._params[n].data = torch.zeros(shape, dtype=dtype)
+                self._weights_released = None
+
+    def load_state(self) -> dict[str, float]:
+        return {
+            "running": float(len(self._running)),
+            "waiting": float(len(self._waiting)),
+            "cached_slots": float(self.table.count(SlotState.CACHED)),
+        }
+
+    def prefix_cache_hit_rate(self) -> float:
+        p = self.stats["prompt_tokens"]
+        return self.stats["cached_tokens"] / p if p else 0.0
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+        self.abort()
+
+    # ------------------------------------------------------------------ scheduler
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and (
+                    self._paused is not None or not (self._waiting or self._running)
+                ):
+                    self._wake.wait()
+                if self._stop:
+                    return
+            with self._step_lock:
+                if self._paused is not None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    self._step()
+                except Exception as e:  # a bug must not leave callers waiting forever
+                    for r in list(self._by_rid.values()):
+                        self._finish(r, FinishReason(type="abort"), error=f"engine error: {e!r}")
+                self.stats["busy_seconds"] += time.perf_counter() - t0
+
+    def _step(self) -> None:
+        admitted = self._admit()
+        if admitted:
+            logits = self.runner.prefill(
+                [r.slot.index for r in admitted],
+                [r.kv_len for r in admitted],
+                [r.tokens[r.kv_len :] for r in admitted],
+            )
+            for r in admitted:
+                r.kv_len = len(r.tokens)
+            self._sample(admitted, logits)
+        decoding = [r for r in self._running if r not in admitted and r.finish is None]
+        if decoding:
+            decoding.sort(key=lambda r: r.slot.index)
+            logits = self.runner.decode(
+                [r.slot.index for r in decoding],
+                [len(r.tokens) - 1 for r in decoding],
+                [r.tokens[-1] for r in decoding],
+            )
+            for r in decoding:
+                r.kv_len = len(r.tokens)
+            self._sample(decoding, logits)
+
+    def _admit(self) -> list[_Request]:
+        """Moves waiting requests into slots. A request whose best prefix match is a slot being
+        filled in this same step waits one step, then copies that prefix (GRPO siblings)."""
+        admitted: list[_Request] = []
+        new_slots: set[int] = set()
+        deferred: list[_Request] = []
+        while self._waiting and len(self._running) < self.max_running:
+            r = self._waiting.popleft()
+            tokens = r.tokens
+            match, lcp = self.table.best_match(tokens, exclude=set())
+            if match is not None and match.index in new_slots:
+                deferred.append(r)
+                continue
+            if match is not None and match.state == SlotState.CACHED:
+                slot = self.table.take(match)
+            else:
+                slot = self.table.allocate()
+                if slot is None:
+                    self._waiting.appendleft(r)
+                    break
+                if match is not None:
+                    self.runner.cache.copy_prefix(match.index, slot.index, lcp)
+                else:
+                    lcp = 0
+            r.slot, r.kv_len = slot, lcp
+            slot.tokens = tokens  # what the slot holds once this step's prefill ran
+            new_slots.add(slot.index)
+            if not r.output:  # a request's first admission counts for the prefix-cache rate
+                r.cached_tokens = lcp
+                self.stats["prompt_tokens"] += len(r.input_ids)
+                self.stats["cached_tokens"] += lcp
+            if r.req.sampling_params.max_new_tokens == 0:
+                self._finish(r, FinishReason(type="length", length=0))
+                continue
+            self._running.append(r)
+            admitted.append(r)
+        self._waiting.extendleft(reversed(deferred))
+        return admitted
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        sps = [r.req.sampling_params for r in reqs]
+        temperature = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
+        top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
+        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
+        seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+        if not seeded:
+            tokens, lps = sample_next(logits, temperature, top_k, top_p, self.generator)
+        else:
+            tokens, lps = sample_next(logits, temperature, top_k, top_p, self.generator)
+            for i in seeded:
+                t, lp = sample_next(
+                    logits[i : i + 1],
+                    temperature[i : i + 1],
+                    top_k[i : i + 1],
+                    top_p[i : i + 1],
+                    reqs[i].generator,
+                )
+                tokens[i], lps[i] = t[0], lp[0]
+        for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
+            r.output.append(t)
+            r.logprobs.append(lp)
+            r.slot.tokens = r.tokens[: r.kv_len]
+            self.stats["generated_tokens"] += 1
+            sp = r.req.sampling_params
+            if sp.stop_token_ids and t in sp.stop_token_ids:
+                self._finish(r, FinishReason(type="stop", matched=t))
+            elif len(r.output) >= sp.max_new_tokens:
+                self._finish(r, FinishReason(type="length", length=len(r.output)))
+
+    def _leave_slot(self, r: _Request) -> None:
+        if r.slot is not None:
+            self.table.park(r.slot, r.tokens[: r.kv_len])
+            r.slot = None
+
+    def _finish(self, r: _Request, reason: FinishReason, error: str | None = None) -> None:
+        if r.done.is_set():
+            return
+        r.finish = reason
+        self._leave_slot(r)
+        if r in self._running:
+            self._running.remove(r)
+        if r in self._waiting:
+            self._waiting.remove(r)
+        self._by_rid.pop(r.rid, None)
+        r.response = GenerateResponse(
+            text=self.tokenizer.decode(r.output, skip_special_tokens=True)
+            if self.tokenizer
+            else "",
+            output_ids=list(r.output),
+            meta_info=MetaInfo(
+                id=r.rid,
+                finish_reason=reason,
+                prompt_tokens=len(r.input_ids),
+                completion_tokens=len(r.output),
+                cached_tokens=r.cached_tokens,
+                weight_version=str(self._version),
+                output_token_logprobs=[
+                    (lp, t, None) for lp, t in zip(r.logprobs, r.output, strict=True)
+                ],
+            ),
+        )
+        if error:
+            r.response.meta_info.finish_reason = FinishReason(type="abort")
+        r.done.set()

@@ -1,0 +1,192 @@
+"""The serving engine: continuous batching, prefix reuse, abort, pause modes, memory release."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from miles_core.rollout.embedded import EngineRequestError
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.rollout.serving import ServingEngine
+
+
+@pytest.fixture
+def engine(tiny):
+    model, tok = tiny
+    eng = ServingEngine(copy.deepcopy(model), tok, seed=3, max_running=8, cache_slots=16)
+    yield eng
+    eng.close()
+
+
+def _req(tok, text="say a", rid=None, **sp):
+    return GenerateRequest(
+        input_ids=encode_prompt(tok, text), sampling_params=SamplingParams(**sp), rid=rid
+    )
+
+
+def _recompute(model, req, resp):
+    full = torch.tensor([req.input_ids + resp.output_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(full).logits[0].float(), -1)
+    p = len(req.input_ids)
+    return lp[p - 1 : p - 1 + len(resp.output_ids)].gather(
+        1, torch.tensor(resp.output_ids)[:, None]
+    )[:, 0]
+
+
+def test_logprobs_match_the_hf_forward_with_and_without_prefix_hits(engine, tiny):
+    model, tok = tiny
+    reqs = [_req(tok, "reverse abcdefg", max_new_tokens=10) for _ in range(4)]
+    reqs += [_req(tok, t, max_new_tokens=10) for t in ["12+34=", "go"]]
+    out = engine.generate(reqs, timeout=60)
+    for req, resp in zip(reqs, out, strict=True):
+        assert torch.allclose(
+            _recompute(model, req, resp), torch.tensor(resp.output_log_probs), atol=1e-5
+        )
+    # siblings of one prompt reuse its KV: every prompt token but the last is cached
+    assert (
+        sorted(r.meta_info.cached_tokens for r in out[:4]) == [0] + [len(reqs[0].input_ids) - 1] * 3
+    )
+    assert engine.prefix_cache_hit_rate() > 0
+
+
+def test_requests_join_and_leave_between_decode_steps(engine, tiny):
+    model, tok = tiny
+    long = engine.submit(_req(tok, "reverse abcdefgh", rid="long", max_new_tokens=200))
+    shorts = [engine.submit(_req(tok, f"{i}+1=", rid=f"s{i}", max_new_tokens=3)) for i in range(6)]
+    for h in shorts:  # short requests finish while the long one keeps running
+        assert len(h.result(timeout=30).output_ids) == 3
+    assert not long.done()
+    resp = long.result(timeout=60)
+    assert len(resp.output_ids) == 200 and resp.meta_info.finish_reason.type == "length"
+    req = _req(tok, "reverse abcdefgh", max_new_tokens=200)
+    assert torch.allclose(
+        _recompute(model, req, resp), torch.tensor(resp.output_log_probs), atol=1e-5
+    )
+
+
+def test_multi_turn_prefix_is_reused(engine, tiny):
+    _, tok = tiny
+    history = encode_prompt(tok, "turn 0")
+    for turn in range(1, 6):
+        resp = engine.generate(
+            [GenerateRequest(input_ids=history, sampling_params=SamplingParams(max_new_tokens=5))]
+        )[0]
+        if turn > 1:
+            assert (
+                resp.meta_info.cached_tokens
+                >= len(history) - len(encode_prompt(tok, f"turn {turn}")) - 1
+            )
+        history = history + resp.output_ids + tok.encode(f"\nturn {turn}", add_special_tokens=False)
+
+
+def test_abort_one_and_abort_all(engine, tiny):
+    _, tok = tiny
+    a = engine.submit(_req(tok, rid="a", max_new_tokens=400))
+    b = engine.submit(_req(tok, rid="b", max_new_tokens=400))
+    assert engine.abort("a") == 1
+    ra = a.result(timeout=30)
+    assert ra.meta_info.finish_reason.type == "abort" and len(ra.output_ids) < 400
+    assert engine.abort() == 1
+    assert b.result(timeout=30).meta_info.finish_reason.type == "abort"
+    assert engine.abort("missing") == 0
+
+
+def _wait_for_tokens(handle_req, n):
+    import time
+
+    deadline = time.monotonic() + 30
+    while len(handle_req._r.output) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_pause_abort_returns_partial_output(engine, tiny):
+    _, tok = tiny
+    h = engine.submit(_req(tok, rid="x", max_new_tokens=400))
+    _wait_for_tokens(h, 3)
+    engine.pause("abort")
+    r = h.result(timeout=30)
+    assert r.meta_info.finish_reason.type == "abort" and 3 <= len(r.output_ids) < 400
+    queued = engine.submit(_req(tok, rid="y", max_new_tokens=2))
+    assert not queued.done()  # paused: new requests wait
+    engine.resume()
+    assert len(queued.result(timeout=30).output_ids) == 2
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_retract_and_in_place_lose_nothing_and_continue_the_same_tokens(tiny, mode):
+    model, tok = tiny
+    reqs = [
+        _req(tok, f"reverse abc{i}", rid=f"r{i}", max_new_tokens=60, sampling_seed=100 + i)
+        for i in range(3)
+    ]
+    ref_engine = ServingEngine(copy.deepcopy(model), tok, max_running=8)
+    reference = ref_engine.generate(reqs, timeout=60)
+    ref_engine.close()
+
+    engine = ServingEngine(copy.deepcopy(model), tok, max_running=8)
+    handles = [engine.submit(r) for r in reqs]
+    _wait_for_tokens(handles[0], 5)
+    engine.pause(mode)
+    progress = [len(h._r.output) for h in handles]
+    assert all(not h.done() for h in handles)
+    state = engine.load_state()
+    if mode == "retract":
+        assert state["running"] == 0 and state["waiting"] == 3
+    else:
+        assert state["running"] == 3
+    threading.Event().wait(0.05)  # paused: nothing advances (checked below)
+    assert [len(h._r.output) for h in handles] == progress
+    engine.resume()
+    out = [h.result(timeout=60) for h in handles]
+    engine.close()
+    for got, want, req in zip(out, reference, reqs, strict=True):
+        assert (
+            got.output_ids == want.output_ids
+        )  # per-request seeds: same tokens as without a pause
+        assert torch.allclose(
+            _recompute(model, req, got), torch.tensor(got.output_log_probs), atol=1e-5
+        )
+
+
+def test_weight_update_sets_version_and_flushes_prefixes(engine, tiny):
+    _, tok = tiny
+    engine.generate([_req(tok, "reverse abcdefg", max_new_tokens=3)])
+    name, t = next(iter(engine.named_tensors().items()))
+    engine.pause("in_place")
+    engine.update_weights_from_tensor([(name, t + 1.0)])
+    engine.set_weight_version(7)
+    engine.resume()
+    r = engine.generate([_req(tok, "reverse abcdefg", max_new_tokens=3)])[0]
+    assert r.meta_info.cached_tokens == 0  # stale KV was dropped
+    assert r.meta_info.weight_version == "7"
+
+
+def test_release_and_resume_memory(engine, tiny):
+    _, tok = tiny
+    before = {n: t.clone() for n, t in engine.named_tensors().items()}
+    engine.release_memory(["weights", "kv_cache"])
+    assert all(t.numel() == 0 for t in engine.named_tensors().values())
+    with pytest.raises(EngineRequestError, match="released"):
+        engine.submit(_req(tok))
+    engine.resume_memory(["weights", "kv_cache"])
+    engine.update_weights_from_tensor(before.items())
+    assert all(torch.equal(engine.named_tensors()[n], t) for n, t in before.items())
+    assert len(engine.generate([_req(tok, max_new_tokens=4)])[0].output_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "ids, sp, message",
+    [
+        ([1, 2, 9999], {}, "outside the vocabulary"),
+        ([], {}, "empty"),
+        ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
+        ([5] * 500, {"max_new_tokens": 100}, "exceeds the context length"),
+    ],
+)
+def test_bad_requests_are_refused(engine, ids, sp, message):
+    with pytest.raises(EngineRequestError, match=message):
+        engine.submit(GenerateRequest(input_ids=ids, sampling_params=SamplingParams(**sp)))
