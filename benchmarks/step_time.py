@@ -27,8 +27,9 @@ from pathlib import Path
 import miles_core  # noqa: F401  (env defaults)
 from miles_core.config import RunConfig, load_config
 from miles_core.runtime import RLRuntime, new_workdir, prepare_model_dir
+from miles_core.steplog import PHASES as STEP_PHASES
 
-PHASES = ("perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_time_s")
+PHASES = STEP_PHASES[:3]  # rollout, train, weight sync (no checkpoints in this benchmark)
 WARMUP = 2
 
 

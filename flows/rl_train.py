@@ -50,9 +50,8 @@ def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
             rollout = rollout_batch(rt, step)
             train_metrics = train_step(rt, rollout)
             sync_metrics = update_weights(rt)
-            if rt.is_save_step(step):
-                save_checkpoint(rt, step)
-            log.step(step, t0, rollout.metrics, train_metrics, sync_metrics)
+            saved = save_checkpoint(rt, step) if rt.is_save_step(step) else {}
+            log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
 
         if rt.last_saved_step != config.train.num_steps - 1:
             save_checkpoint(rt, config.train.num_steps - 1)

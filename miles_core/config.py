@@ -69,14 +69,22 @@ class OptimConfig(_Strict):
     lr_warmup_steps: int = Field(0, ge=0)
     lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
     weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, gt=0)
     world_size: int = Field(
         1, gt=0, description="trainer ranks; >1 runs under torchrun (gloo on CPU)"
     )
-    threads: int | None = Field(None, description="torch threads per process (default: all cores)")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per process (default: all cores)"
+    )
+
+    @model_validator(mode="after")
+    def _lr_floor(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
 
 
 class TrainConfig(OptimConfig):
@@ -85,9 +93,9 @@ class TrainConfig(OptimConfig):
     global_batch_size: int = Field(128, gt=0, description="samples per optimizer step")
     advantage_estimator: Literal["grpo"] = "grpo"
     normalize_advantage_std: bool = True
-    eps_clip: float = Field(0.2, gt=0)
+    eps_clip: float = Field(0.2, gt=0, lt=1)
     eps_clip_high: float | None = Field(
-        None, description="upper clip (DAPO clip-higher); default eps_clip"
+        None, gt=0, description="upper clip (DAPO clip-higher); default eps_clip"
     )
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     kl_coef: float = Field(
@@ -158,7 +166,11 @@ class TrackingConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    name: str = "miles-run"
+    name: str = Field(
+        "miles-run",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="run name: checkpoint folder and registered-model name (letters, digits, _ . -)",
+    )
     seed: int = 0
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -240,14 +252,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     return RunConfig.model_validate(tree)
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out

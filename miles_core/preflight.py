@@ -1,55 +1,111 @@
 """Checks that run before anything starts: a bad config, dataset or checkpoint fails here,
-with a message that says what to fix, not minutes later inside a flow."""
+with a message that says what to fix, not minutes (or a whole run) later inside a flow."""
 
 from __future__ import annotations
 
+import json
+
+import fsspec
+
 from miles_core.config import RunConfig
-from miles_core.data import load_examples
+from miles_core.data import get_task, load_examples
+from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
-from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
+from miles_core.storage import CheckpointStore, check_checkpoint_matches
 
 
-def expected_architecture(config: RunConfig) -> dict:
+def _model_config(config: RunConfig) -> dict:
+    """The starting model's config.json (read alone, not the whole model) or the preset's."""
     if config.model.path:
-        return architecture_of(
-            fetch_model_dir(config.model.path, config.checkpoint.storage_options)
-        )
+        url = f"{config.model.path.rstrip('/')}/config.json"
+        try:
+            with fsspec.open(url, "rt", **config.checkpoint.storage_options) as f:
+                return json.load(f)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"model.path {config.model.path!r} is not a model directory (no config.json)"
+            ) from e
     tok = build_tokenizer()
-    return architecture_of(
-        preset_config(config.model.preset, len(tok), tok.pad_token_id, tok.eos_token_id)
-    )
+    return preset_config(
+        config.model.preset, len(tok), tok.pad_token_id, tok.eos_token_id
+    ).to_dict()
+
+
+def _tokenizer(config: RunConfig):
+    if config.model.path and "://" not in config.model.path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.model.path)
+    return build_tokenizer() if not config.model.path else None  # remote: checked when loaded
+
+
+def _check_lengths(
+    rows: list[Example], tok, budget: int, context: int, where: str, what: str
+) -> None:
+    from miles_core.rollout.rollout_fn import encode_prompt
+
+    for i, ex in enumerate(rows, start=1):
+        n = len(encode_prompt(tok, ex.prompt))
+        if what == "sft" and ex.answer is not None:
+            n += len(tok.encode(ex.answer, add_special_tokens=False)) + 1
+        if n + budget > context:
+            extra = f" + rollout.max_new_tokens {budget}" if budget else ""
+            raise ValueError(
+                f"{where}: row {i} is {n} tokens{extra}, more than the model's context of {context}"
+            )
 
 
 def preflight(config: RunConfig, resume: bool = False) -> None:
-    """Raises ValueError / FileNotFoundError for: unreadable or malformed datasets (row number in
-    the message), SFT data without answers, a missing starting model, and a checkpoint to resume
-    whose model config differs from the configured model."""
-    load_examples(
-        config.data.task,
-        config.data.path,
-        config.data.num_prompts,
-        config.data.seed,
-        config.data.storage_options,
-    )
+    """Raises ValueError / FileNotFoundError / OSError for: unreadable or malformed datasets (row
+    number in the message), rows without the label the task scores against, prompts that do not
+    fit the context with max_new_tokens, SFT data without answers, a missing starting model, an
+    unwritable checkpoint root, and on resume: no checkpoint, a checkpoint at or past
+    train.num_steps, or one whose model config differs from the configured model."""
+    model_config = _model_config(config)
+    context = int(model_config.get("max_position_embeddings") or 0)
+    tok = _tokenizer(config)
+    data = config.data
+    rows = load_examples(data.task, data.path, data.num_prompts, data.seed, data.storage_options)
+    where = data.path or f"task {data.task!r}"
+    if getattr(get_task(data.task), "needs_label", False):
+        missing = next((i for i, ex in enumerate(rows, start=1) if ex.label is None), None)
+        if missing:
+            raise ValueError(
+                f"{where}: row {missing} has no 'label' (task {data.task!r} scores against it)"
+            )
+    if tok is not None and context:
+        _check_lengths(rows, tok, config.rollout.max_new_tokens, context, where, "rl")
     if config.sft is not None:
         sft = config.sft
-        rows = load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
-        missing = [i + 1 for i, ex in enumerate(rows) if ex.answer is None]
-        if missing:
-            where = sft.path or f"task {sft.task!r}"
-            raise ValueError(
-                f"{where}: row {missing[0]} has no 'answer' (SFT needs reference answers)"
-            )
-    arch = expected_architecture(config)
-    if resume:
-        store = CheckpointStore(
-            config.checkpoint.root, config.name, config.checkpoint.storage_options
+        sft_rows = load_examples(
+            sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options
         )
-        latest = store.latest_step()
-        store.close()
-        if latest is None:
-            raise FileNotFoundError(
-                f"--resume: run {config.name!r} has no checkpoint under {config.checkpoint.root}"
+        sft_where = sft.path or f"task {sft.task!r}"
+        missing = next((i for i, ex in enumerate(sft_rows, start=1) if ex.answer is None), None)
+        if missing:
+            raise ValueError(
+                f"{sft_where}: row {missing} has no 'answer' (SFT needs reference answers)"
             )
-        check_checkpoint_matches(arch, store.uri(latest), config.checkpoint.storage_options)
+        if tok is not None and context:
+            _check_lengths(sft_rows, tok, 0, context, sft_where, "sft")
+
+    store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
+    try:
+        store.check_writable()
+        if resume:
+            latest = store.latest_step()
+            if latest is None:
+                raise FileNotFoundError(
+                    f"--resume: run {config.name!r} has no checkpoint under {config.checkpoint.root}"
+                )
+            if latest + 1 >= config.train.num_steps:
+                raise ValueError(
+                    f"--resume: run {config.name!r} is already at step {latest + 1} of "
+                    f"{config.train.num_steps}; raise train.num_steps to continue it"
+                )
+            check_checkpoint_matches(
+                architecture_of(model_config), store.uri(latest), config.checkpoint.storage_options
+            )
+    finally:
+        store.close()

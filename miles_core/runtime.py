@@ -53,8 +53,6 @@ class RLRuntime:
         self.config = config
         self.model_dir = model_dir
         self.tracker = tracker
-        if config.train.threads:
-            torch.set_num_threads(config.train.threads)
         self.task = get_task(config.data.task)
         examples = load_examples(
             config.data.task,

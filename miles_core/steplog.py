@@ -9,7 +9,12 @@ import time
 from miles_core.progress import Reporter
 from miles_core.tracking import Tracker
 
-PHASES = ("perf/rollout_time_s", "perf/train_time_s", "perf/weight_sync_time_s")
+PHASES = (
+    "perf/rollout_time_s",
+    "perf/train_time_s",
+    "perf/weight_sync_time_s",
+    "perf/checkpoint_time_s",
+)
 
 
 class StepLog:

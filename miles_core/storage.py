@@ -64,6 +64,16 @@ class CheckpointStore:
         self.fs.pipe_file(f"{self.base}/latest", str(step).encode())
         return self._url(target)
 
+    def check_writable(self) -> None:
+        """Writes and removes a probe file, so bad credentials or paths fail before training."""
+        probe = f"{self.base}/.write-probe"
+        try:
+            self.fs.makedirs(self.base, exist_ok=True)
+            self.fs.pipe_file(probe, b"ok")
+            self.fs.rm(probe)
+        except Exception as e:
+            raise OSError(f"checkpoint root {self._url(self.base)} is not writable: {e}") from e
+
     def latest_step(self) -> int | None:
         marker = f"{self.base}/latest"
         if not self.fs.exists(marker):

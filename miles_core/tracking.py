@@ -111,7 +111,8 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_name = run_name
         self._buffer: list[Metric] = []
-        self._history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        # key -> step -> value; a step logged again (e.g. re-run after a resume) replaces the old point
+        self._history: dict[str, dict[int, float]] = defaultdict(dict)
         self._artifact_dir: Path | None = None
 
         run_tags = {str(k): str(v) for k, v in (tags or {}).items()}
@@ -130,6 +131,7 @@ class Tracker:
             run = self.client.get_run(run_id)
             self.run_id = run.info.run_id
             self.experiment_id = run.info.experiment_id
+            self._reload_history(run.data.metrics)
             self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
             self.set_tags(run_tags)
 
@@ -171,7 +173,7 @@ class Tracker:
                 continue
             val = float(value)
             self._buffer.append(Metric(key, val, timestamp, int(step)))
-            self._history[key].append((int(step), val))
+            self._history[key][int(step)] = val
 
     def flush(self) -> None:
         """Send buffered metrics, one ``log_batch`` per <=1000 of them."""
@@ -179,8 +181,18 @@ class Tracker:
         for chunk in _chunks(buffered, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
 
+    def _reload_history(self, latest: dict[str, float]) -> None:
+        """On re-attach, the curve keys' past points come back, so the reward curve of a resumed
+        run covers the whole run."""
+        for key in latest:
+            if key in DEFAULT_CURVE_KEYS or key.endswith("exact_match"):
+                points = self.client.get_metric_history(self.run_id, key)
+                self._history[key] = {
+                    m.step: m.value for m in sorted(points, key=lambda m: m.timestamp)
+                }
+
     def history(self, key: str) -> list[tuple[int, float]]:
-        return list(self._history.get(key, []))
+        return sorted(self._history.get(key, {}).items())
 
     # -- tags and artifacts ----------------------------------------------------------------
 
@@ -215,7 +227,7 @@ class Tracker:
         fig = Figure(figsize=(8, 5))
         ax = fig.subplots()
         for key in keys:
-            points = self._history.get(key)
+            points = self.history(key)
             if points:
                 steps, values = zip(*sorted(points), strict=True)
                 ax.plot(steps, values, marker="o", markersize=3, label=key)

@@ -58,9 +58,10 @@ class Sample:
     def validate(self) -> None:
         """Raises ValueError naming the first broken length invariant."""
         n = self.response_length
-        if n < 0 or n > len(self.tokens):
+        if n < 0 or n >= len(self.tokens):
             raise ValueError(
-                f"sample {self.index}: response_length {n} outside 0..{len(self.tokens)}"
+                f"sample {self.index}: response_length {n} outside 0..{len(self.tokens) - 1} "
+                "(the prompt needs at least one token)"
             )
         if len(self.loss_mask) != n:
             raise ValueError(

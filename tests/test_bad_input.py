@@ -32,6 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
         (["rollout.n_samples_per_prompt=1"], "at least 2 for GRPO"),
         (["train.lr_rate=1"], "train.lr_rate"),
         (["sft.batch_size=50", "sft.micro_batch_size=32"], "sft.batch_size"),
+        (["name=a/b"], "name"),
+        (["train.min_lr=0.01", "train.lr=0.001"], r"min_lr \(0.01\) must not exceed lr"),
+        (["train.adam_beta1=1.0"], "adam_beta1"),
+        (["train.eps_clip_high=0"], "eps_clip_high"),
+        (["train.threads=0"], "threads"),
+        (["weight_sync.transport=carrier-pigeon"], "unknown weight transport 'carrier-pigeon'"),
     ],
 )
 def test_config_errors_name_the_field(overrides, message):
@@ -114,3 +120,57 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr
         assert not (tmp_path / "mlflow.db").exists()
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_preflight_refuses_prompts_that_do_not_fit_the_context(tmp_path):
+    long = _write(tmp_path / "long.jsonl", [{"prompt": "ok"}, {"prompt": "x" * 600}])
+    with pytest.raises(
+        ValueError,
+        match="row 2 is 619 tokens \\+ rollout.max_new_tokens 16, more than the model's context of 512",
+    ):
+        preflight(load_config(None, [f"data.path={long}", f"checkpoint.root={tmp_path}"]))
+    with pytest.raises(
+        ValueError, match=r"rollout.max_new_tokens 500, more than the model's context"
+    ):
+        preflight(
+            load_config(
+                None,
+                ["data.task=reverse", "rollout.max_new_tokens=500", f"checkpoint.root={tmp_path}"],
+            )
+        )
+
+
+def test_preflight_refuses_rows_without_the_label_the_task_scores(tmp_path):
+    rows = _write(
+        tmp_path / "r.jsonl", [{"prompt": "reverse abc", "label": "cba"}, {"prompt": "reverse xyz"}]
+    )
+    with pytest.raises(
+        ValueError, match="row 2 has no 'label' \\(task 'reverse' scores against it\\)"
+    ):
+        preflight(
+            load_config(
+                None, ["data.task=reverse", f"data.path={rows}", f"checkpoint.root={tmp_path}"]
+            )
+        )
+
+
+def test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root(tmp_path):
+    from miles_core.models import build_model
+    from miles_core.storage import CheckpointStore
+
+    model, tok = build_model("tiny", 0)
+    CheckpointStore(str(tmp_path), "done").save(
+        9, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)), {}
+    )
+    finished = load_config(None, ["name=done", "train.num_steps=10", f"checkpoint.root={tmp_path}"])
+    with pytest.raises(ValueError, match="already at step 10 of 10; raise train.num_steps"):
+        preflight(finished, resume=True)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="is not writable"):
+        preflight(load_config(None, [f"checkpoint.root={blocker}"]))

@@ -119,3 +119,18 @@ def test_loads_named_tensors_and_rejects_unknown_names(engine):
     assert torch.equal(engine.named_tensors()[name], new)
     with pytest.raises(KeyError, match="no parameter"):
         engine.update_weights_from_tensor([("nope.weight", new)])
+
+
+def test_temperature_zero_is_greedy_and_bad_sampling_params_are_refused(engine, tiny):
+    from pydantic import ValidationError
+
+    _, tok = tiny
+    greedy = engine.generate([_req(tok, max_new_tokens=8, temperature=0)])[0]
+    assert (
+        greedy.output_ids == engine.generate([_req(tok, max_new_tokens=8, top_k=1)])[0].output_ids
+    )
+    for bad in ({"top_p": 0}, {"top_p": 1.5}, {"temperature": -1}, {"top_k": -2}):
+        with pytest.raises(ValidationError):
+            SamplingParams(**bad)
+    with pytest.raises(EngineRequestError, match="stop token id 999"):
+        engine.generate([_req(tok, stop_token_ids=[999])])

@@ -120,7 +120,7 @@ def test_pause_abort_returns_partial_output(engine, tiny):
 def test_pause_retract_and_in_place_lose_nothing_and_continue_the_same_tokens(tiny, mode):
     model, tok = tiny
     reqs = [
-        _req(tok, f"reverse abc{i}", rid=f"r{i}", max_new_tokens=60, sampling_seed=100 + i)
+        _req(tok, f"reverse abc{i}", rid=f"r{i}", max_new_tokens=300, sampling_seed=100 + i)
         for i in range(3)
     ]
     ref_engine = ServingEngine(copy.deepcopy(model), tok, max_running=8)

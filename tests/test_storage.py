@@ -30,7 +30,10 @@ def s3_server():
 
 
 def _trainer(model_dir):
-    cfg = RunConfig().train.model_copy(update={"micro_batch_size": 4})
+    # warmup + cosine: a restored trainer only takes the same next step if the LR schedule came back
+    cfg = RunConfig().train.model_copy(
+        update={"micro_batch_size": 4, "lr_warmup_steps": 3, "lr_decay_style": "cosine"}
+    )
     return FSDPBackend(str(model_dir), optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=5)
 
 
@@ -64,6 +67,7 @@ def _round_trip(root, storage_options, tiny_dir, tiny):
     a = trainer.train_step(batch, loss="sft")
     b = other.train_step(batch, loss="sft")
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert a["lr"] == b["lr"] == pytest.approx(2 / 3 * 1e-3)  # second warmup step of three
     wa = {n: t for bk in trainer.named_weights() for n, t in bk}
     wb = {n: t for bk in other.named_weights() for n, t in bk}
     assert all(torch.equal(wa[n], wb[n]) for n in wa)

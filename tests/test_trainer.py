@@ -22,14 +22,16 @@ def _trainer(model_dir, **overrides):
     )
 
 
-def _rollout(engine, tok, n=16, seed=0):
+def _rollout(engine, tok, n=16, seed=0, temperature=1.0):
     rng = random.Random(seed)
     prompts = ["say a", "reverse abcdef", "12+34=", "go"]
     reqs = [
         GenerateRequest(
             input_ids=encode_prompt(tok, rng.choice(prompts)),
             sampling_params=SamplingParams(
-                max_new_tokens=rng.randint(3, 12), stop_token_ids=[tok.eos_token_id]
+                max_new_tokens=rng.randint(3, 12),
+                stop_token_ids=[tok.eos_token_id],
+                temperature=temperature,
             ),
         )
         for _ in range(n)
@@ -41,12 +43,14 @@ def _rollout(engine, tok, n=16, seed=0):
         loss_masks=[[1] * len(r.output_ids) for r in out],
         advantages=[rng.gauss(0, 1) for _ in out],
         rollout_log_probs=[r.output_log_probs for r in out],
+        temperature=temperature,
     )
 
 
-def test_trainer_recompute_matches_engine_logprobs(tiny_dir, tiny):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_recompute_matches_engine_logprobs(tiny_dir, tiny, temperature):
     model, tok = tiny
-    batch = _rollout(EmbeddedEngine(model, tok, seed=0), tok)
+    batch = _rollout(EmbeddedEngine(model, tok, seed=0), tok, temperature=temperature)
     recomputed = _trainer(tiny_dir).compute_log_probs(batch)
     diffs = [
         abs(a - b)
@@ -134,6 +138,16 @@ def test_ppo_clip_is_asymmetric_and_masks_count_in_the_numerator_only():
     assert float(aggregate(loss, mask, "seq_mean_token_mean", 1.0)) == pytest.approx(
         (-1.3 - 0.5) / 2
     )
+
+
+def test_ppo_clip_lower_bound_for_negative_advantages():
+    logp = torch.log(torch.tensor([[0.5, 1.5, 0.9]]))
+    old = torch.zeros(1, 3)
+    adv = -torch.ones(1, 3)
+    loss, clipped, _ = ppo_clip_loss(logp, old, adv, eps_clip=0.2, eps_clip_high=0.3)
+    # A < 0: the ratio is floored at 1 - eps (0.8) — max(-A·r, -A·clip(r)) keeps the larger loss
+    assert loss.tolist()[0] == pytest.approx([0.8, 1.5, 0.9], rel=1e-6)
+    assert clipped.tolist()[0] == [1.0, 0.0, 0.0]
 
 
 def test_k3_kl_is_nonnegative_and_zero_at_equality():

@@ -38,6 +38,15 @@ def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
             raise DatasetError(
                 f"{url}: row {row_number}: 'prompt' must be a non-empty string or message list"
             )
+        if isinstance(prompt, list) and not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in prompt
+        ):
+            raise DatasetError(
+                f"{url}: row {row_number}: every message needs string 'role' and 'content'"
+            )
         examples.append(Example(prompt=prompt, label=row.get("label"), answer=row.get("answer")))
     if not examples:
         raise DatasetError(f"dataset {url!r} has no rows")

@@ -29,6 +29,7 @@ class Example:
 
 class Task(Protocol):
     name: str
+    needs_label: bool  # score() compares against Example.label (JSONL rows must carry one)
 
     def generate(self, n: int, seed: int) -> list[Example]: ...
 
@@ -39,6 +40,7 @@ class SayA:
     """Reward = fraction of the completion's characters that are the letter `a`."""
 
     name = "say_a"
+    needs_label = False
 
     def generate(self, n: int, seed: int) -> list[Example]:
         rng = random.Random(seed)
@@ -55,6 +57,7 @@ class Reverse:
     """Reverse a 4–8 letter string. Reward = per-position match; exact match is logged."""
 
     name = "reverse"
+    needs_label = True
 
     def generate(self, n: int, seed: int) -> list[Example]:
         rng = random.Random(seed)
@@ -77,6 +80,7 @@ class Add:
     """Two- and three-digit addition; reward = exact match of the sum."""
 
     name = "add"
+    needs_label = True
 
     def generate(self, n: int, seed: int) -> list[Example]:
         rng = random.Random(seed)

@@ -22,6 +22,9 @@ ARCHITECTURE_FIELDS = (
     "num_key_value_heads",
     "head_dim",
     "tie_word_embeddings",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
 )
 
 

@@ -85,8 +85,11 @@ class EmbeddedEngine:
                 f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                 f"exceeds the context length {self.max_context}"
             )
-        if sp.temperature <= 0:
-            raise EngineRequestError("temperature must be > 0")
+        stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
+        if stop is not None:
+            raise EngineRequestError(
+                f"stop token id {stop} outside the vocabulary [0, {self.vocab_size})"
+            )
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         for r in requests:
@@ -107,7 +110,7 @@ class EmbeddedEngine:
             ids[i, width - prompt_lens[i] :] = torch.tensor(r.input_ids)
             mask[i, width - prompt_lens[i] :] = 1
         sps = [r.sampling_params for r in requests]
-        temperature = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
+        temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
         top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
         limits = torch.tensor([sp.max_new_tokens for sp in sps])

@@ -18,15 +18,21 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = Field(1.0, ge=0, description="0 = greedy (as in SGLang)")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="-1 (or 1<<30) disables top-k")
     stop_token_ids: list[int] | None = None
     no_stop_trim: bool = True
     sampling_seed: int | None = None
 
     def effective_top_k(self) -> int:
+        if self.temperature == 0:
+            return 1
         return 0 if self.top_k <= 0 or self.top_k >= TOP_K_OFF else self.top_k
+
+    def effective_temperature(self) -> float:
+        """Greedy requests report log-probs of the untempered distribution."""
+        return self.temperature or 1.0
 
 
 class GenerateRequest(BaseModel):

@@ -131,8 +131,11 @@ class ServingEngine:
                 f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                 f"exceeds the context length {self.max_context}"
             )
-        if sp.temperature <= 0:
-            raise EngineRequestError("temperature must be > 0")
+        stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
+        if stop is not None:
+            raise EngineRequestError(
+                f"stop token id {stop} outside the vocabulary [0, {self.vocab_size})"
+            )
         if self._weights_released is not None:
             raise EngineRequestError("weights are released; resume memory occupation first")
 
@@ -350,7 +353,7 @@ class ServingEngine:
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
         sps = [r.req.sampling_params for r in reqs]
-        temperature = torch.tensor([sp.temperature for sp in sps], dtype=torch.float32)
+        temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
         top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
         seeded = [i for i, r in enumerate(reqs) if r.generator is not None]

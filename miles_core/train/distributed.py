@@ -25,6 +25,8 @@ def init_distributed() -> tuple[int, int]:
             dist.init_process_group(
                 "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT
             )
+    if dist.get_world_size() > 1:
+        _control()  # every rank creates the control group at the same point
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -32,15 +34,28 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# Followers may wait long for rank 0's next call (a long rollout, an upload), so the control
+# channel is its own gloo group with a long timeout; collectives keep the short one.
+CONTROL_TIMEOUT = datetime.timedelta(days=7)
+_control_group = None
+
+
+def _control():
+    global _control_group
+    if _control_group is None:
+        _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return _control_group
+
+
 def announce(name: str, payload: Any) -> None:
     """Rank 0 tells the follower ranks which call to replay (no-op with one rank)."""
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() == 0:
-        dist.broadcast_object_list([(name, payload)], src=0)
+        dist.broadcast_object_list([(name, payload)], src=0, group=_control())
 
 
 def receive() -> tuple[str, Any]:
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control())
     return box[0]
 
 
@@ -76,6 +91,8 @@ def shutdown() -> None:
 
 
 def _teardown() -> None:
+    global _control_group
     if dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
+    _control_group = None

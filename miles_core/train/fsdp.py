@@ -238,20 +238,32 @@ class FSDPBackend:
         return out
 
     def _named_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of full tensors (rank 0). Every rank runs one all-gather per parameter, so if
+        rank 0's consumer stops early (an error mid-push), the rest are still run in `finally`:
+        the followers never wait in a collective that rank 0 skipped."""
+        params = list(self.model.named_parameters())
+        done = 0
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        with torch.no_grad():
-            for name, param in self.model.named_parameters():
-                full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                if self.rank != 0:
-                    continue
-                bucket.append((name, full))
-                size += full.numel() * full.element_size()
-                if size >= bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-        if bucket:
-            yield bucket
+        try:
+            with torch.no_grad():
+                for name, param in params:
+                    full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+                    done += 1
+                    if self.rank != 0:
+                        continue
+                    bucket.append((name, full))
+                    size += full.numel() * full.element_size()
+                    if size >= bucket_bytes:
+                        yield bucket
+                        bucket, size = [], 0
+            if bucket:
+                yield bucket
+        finally:
+            with torch.no_grad():
+                for _, param in params[done:]:
+                    if isinstance(param, DTensor):
+                        param.full_tensor()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0: every tensor unsharded, HF names, tied duplicates dropped."""
@@ -284,7 +296,7 @@ class FSDPBackend:
         set_model_state_dict(
             self.model,
             sd,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
         )
         if (path / "optimizer").exists():
             osd = get_optimizer_state_dict(self.model, self.optimizer)

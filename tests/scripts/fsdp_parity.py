@@ -18,6 +18,7 @@ from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
 
 model_dir, out_prefix = sys.argv[1], sys.argv[2]
+loss_overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 rank, world = distributed.init_distributed()
 if rank > 0:
     distributed.follow()
@@ -42,7 +43,9 @@ batch = TrainBatch(
     advantages=[rng.gauss(0, 1) for _ in out],
     rollout_log_probs=[r.output_log_probs for r in out],
 )
-cfg = RunConfig().train.model_copy(update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2})
+cfg = RunConfig().train.model_copy(
+    update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2, **loss_overrides}
+)
 trainer = FSDPBackend(model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10)
 batch.old_log_probs = trainer.compute_log_probs(batch)
 metrics = [trainer.train_step(batch), trainer.train_step(batch)]
