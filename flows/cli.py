@@ -1,8 +1,9 @@
-"""`miles` command line: `miles train`, `miles sft`.
+"""`miles` command line: `miles train`, `miles sft`, `miles engine serve`.
 
     miles train --config examples/say_a.yaml --set train.lr=5e-4 --set train.num_steps=20
     miles train --config examples/say_a.yaml --resume
     miles sft --config examples/reverse_sft_rl.yaml
+    miles engine serve --model checkpoints/say-a/step_000039 --port 30000
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
 flow, ranks 1..N-1 replay the trainer's calls.
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
             c.add_argument(
                 "--resume", action="store_true", help="continue from the run's latest checkpoint"
             )
+    engine = sub.add_parser("engine", help="rollout engine commands")
+    engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
+    engine.add_argument("rest", nargs=argparse.REMAINDER, help="--model DIR --port P ...")
     return p
 
 
@@ -71,6 +75,11 @@ def _relaunch_under_torchrun(world_size: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "engine":
+        from miles_core.rollout import server
+
+        server.main(args.rest)
+        return 0
     try:
         config = load_config(args.config, args.overrides)
     except ValidationError as e:

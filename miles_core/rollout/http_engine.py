@@ -1,0 +1,240 @@
+"""Engines behind HTTP: start an engine server as a subprocess, and drive any server that speaks
+SGLang's native API (ours or a real `sglang.launch_server`) with the same client.
+
+`HttpEngine.generate` sends requests concurrently (httpx, pooled, bounded by `concurrency`) while a
+watchdog polls `/health`; a dead or unreachable engine raises `EngineUnavailable` naming the URL
+within a few seconds instead of leaving the rollout waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process died, hangs, or cannot be reached."""
+
+
+class EngineRequestRejected(ValueError):
+    """The engine answered 4xx: the request itself is wrong."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """One `miles_core.rollout.server` subprocess on 127.0.0.1, stopped by PID."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        port: int | None = None,
+        args: list[str] | None = None,
+        log_path: str | Path | None = None,
+    ):
+        self.model_dir = str(model_dir)
+        self.port = port or free_port()
+        self.args = args or []
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout: float = 120.0) -> EngineProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "miles_core.rollout.server",
+            "--model",
+            self.model_dir,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineUnavailable(
+                    f"engine process {self.pid} exited with code {self.proc.returncode} during start-up"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise EngineUnavailable(f"engine at {self.url} not healthy after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout)
+
+    def __enter__(self) -> EngineProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class HttpEngine:
+    """The client side of the engine protocol over HTTP."""
+
+    def __init__(
+        self,
+        url: str,
+        concurrency: int = 64,
+        request_timeout: float = 600.0,
+        health_interval: float = 1.0,
+        health_failures: int = 3,
+    ):
+        self.url = url.rstrip("/")
+        self.concurrency = concurrency
+        self.request_timeout = request_timeout
+        self.health_interval = health_interval
+        self.health_failures = health_failures
+        self._sync = httpx.Client(base_url=self.url, timeout=30.0)
+
+    # ------------------------------------------------------------------ data plane
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+        return asyncio.run(self.agenerate(requests))
+
+    async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
+        limits = httpx.Limits(
+            max_connections=self.concurrency, max_keepalive_connections=self.concurrency
+        )
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=self.request_timeout, limits=limits
+        ) as client:
+            sem = asyncio.Semaphore(self.concurrency)
+
+            async def one(req: GenerateRequest) -> GenerateResponse:
+                async with sem:
+                    payload = {
+                        "input_ids": req.input_ids,
+                        "sampling_params": req.sampling_params.model_dump(exclude_none=True),
+                        "return_logprob": True,
+                        "rid": req.rid,
+                    }
+                    try:
+                        r = await client.post("/generate", json=payload)
+                    except httpx.HTTPError as e:
+                        raise EngineUnavailable(
+                            f"engine at {self.url} failed during /generate: {e!r}"
+                        ) from e
+                    return self._parse(r)
+
+            work = asyncio.gather(*(one(r) for r in requests))
+            watchdog = asyncio.create_task(self._watch(client))
+            done, _ = await asyncio.wait({work, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if watchdog in done:
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                watchdog.result()  # raises EngineUnavailable
+            watchdog.cancel()
+            return work.result()
+
+    async def _watch(self, client: httpx.AsyncClient) -> None:
+        failures, last = 0, ""
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                r = await client.get("/health", timeout=self.health_interval * 2)
+                failures = 0 if r.status_code == 200 else failures + 1
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                failures, last = failures + 1, repr(e)
+            if failures >= self.health_failures:
+                raise EngineUnavailable(
+                    f"engine at {self.url} failed {failures} health checks in a row ({last})"
+                )
+
+    def _parse(self, r: httpx.Response) -> GenerateResponse:
+        if 400 <= r.status_code < 500:
+            raise EngineRequestRejected(f"engine at {self.url} rejected the request: {_message(r)}")
+        if r.status_code != 200:
+            raise EngineUnavailable(
+                f"engine at {self.url} answered HTTP {r.status_code}: {_message(r)}"
+            )
+        return GenerateResponse.model_validate(r.json())
+
+    # ------------------------------------------------------------------ control plane
+    def _post(self, path: str, body: dict | None = None) -> dict:
+        try:
+            r = self._sync.post(path, json=body or {})
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"engine at {self.url} failed during {path}: {e!r}") from e
+        if r.status_code != 200:
+            raise EngineRequestRejected(f"{path} on {self.url}: {_message(r)}")
+        return r.json() if r.content else {}
+
+    def server_info(self) -> dict:
+        r = self._sync.get("/get_server_info")
+        r.raise_for_status()
+        return r.json()
+
+    @property
+    def weight_version(self) -> int:
+        return int(self.server_info()["weight_version"])
+
+    def set_weight_version(self, version: int) -> None:
+        self._post(
+            "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+        )
+
+    def pause(self, mode: str = "abort") -> None:
+        self._post("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._post("/continue_generation")
+
+    def abort(self, rid: str | None = None) -> None:
+        self._post("/abort_request", {"rid": rid or "", "abort_all": rid is None})
+
+    def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
+        body: dict = {"model_path": path}
+        if version is not None:
+            body["weight_version"] = str(version)
+        self._post("/update_weights_from_disk", body)
+
+    def close(self) -> None:
+        self._sync.close()
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        data = r.json()
+        return data.get("message") or data.get("error", {}).get("message") or r.text
+    except ValueError:
+        return r.text

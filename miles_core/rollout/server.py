@@ -1,0 +1,343 @@
+"""An HTTP server in front of the serving engine, speaking SGLang's native API.
+
+Field names follow SGLang (`/generate` with `input_ids | text`, `sampling_params`,
+`return_logprob`, `rid`; responses with `output_ids` and `meta_info`), so the runtime's client
+talks to this server and to a real `sglang.launch_server` the same way. Bad requests get a 4xx
+with a message and the server keeps serving.
+
+    python -m miles_core.rollout.server --model DIR --port 30000     (or: miles engine serve ...)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from miles_core.rollout.embedded import EngineRequestError
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
+from miles_core.weights.checker import mismatched_tensors, weights_checksum
+
+MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
+log = logging.getLogger("miles.engine")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class GenerateBody(_Body):
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
+    return_logprob: bool | list[bool] = False
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class AbortBody(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseBody(_Body):
+    mode: str = "abort"
+
+
+class VersionBody(_Body):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class DiskBody(_Body):
+    model_path: str
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class MemoryBody(_Body):
+    tags: list[str] | None = None
+
+
+class CheckerBody(_Body):
+    action: str
+
+
+def parse_version(value: str) -> int:
+    try:
+        version = int(value)
+    except (TypeError, ValueError):
+        raise EngineRequestError(
+            f"unknown weight version {value!r}: versions are integers"
+        ) from None
+    if version < 0:
+        raise EngineRequestError(f"unknown weight version {value!r}: versions are >= 0")
+    return version
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message}, "success": False, "message": message},
+    )
+
+
+def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
+    app = FastAPI(title="miles engine", docs_url=None, redoc_url=None)
+    snapshot: dict[str, torch.Tensor] = {}
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and int(size) > MAX_BODY_BYTES:
+            return _error(
+                413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}"
+            )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", []))
+        return _error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}")
+
+    @app.exception_handler(EngineRequestError)
+    async def engine_refused(_: Request, exc: EngineRequestError):
+        return _error(400, str(exc))
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        ids = [engine.tokenizer.eos_token_id or 0]
+        req = GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=1))
+        handle = engine.submit(req)
+        await asyncio.to_thread(handle.result, 30)
+        return {}
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info():
+        return {
+            "model_path": model_path,
+            "tokenizer_path": model_path,
+            "is_generation": True,
+            "weight_version": str(engine.weight_version),
+        }
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info():
+        return {
+            "model_path": model_path,
+            "weight_version": str(engine.weight_version),
+            "max_running_requests": engine.max_running,
+            "context_length": engine.max_context,
+            "paused": engine.paused,
+            "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),
+            **engine.load_state(),
+            **engine.stats,
+        }
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateBody):
+        if body.stream:
+            return _error(400, "stream=true is not supported by this engine")
+        requests = _to_requests(body, engine)
+        handles = [engine.submit(r) for r in requests]
+        results = await asyncio.gather(*(asyncio.to_thread(h.result) for h in handles))
+        out = [_response_json(r, body) for r in results]
+        batched = isinstance(body.text, list) or (
+            body.input_ids and isinstance(body.input_ids[0], list)
+        )
+        return out if batched else out[0]
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortBody):
+        n = engine.abort(None if body.abort_all else body.rid)
+        return {"success": True, "message": f"aborted {n} request(s)"}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseBody):
+        if body.mode not in PAUSE_MODES:
+            return _error(
+                400, f"unknown pause mode {body.mode!r}; choose one of {list(PAUSE_MODES)}"
+            )
+        await asyncio.to_thread(engine.pause, body.mode)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if not engine.flush_cache():
+            return _error(400, "cannot flush the cache while requests are in flight")
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: VersionBody):
+        version = parse_version(body.new_version)
+        if body.abort_all_requests:
+            engine.abort()
+        engine.set_weight_version(version)
+        return {"success": True, "message": "ok", "new_version": str(version)}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: DiskBody):
+        version = parse_version(body.weight_version) if body.weight_version is not None else None
+        try:
+            tensors = await asyncio.to_thread(_read_safetensors, body.model_path)
+        except FileNotFoundError as e:
+            return _error(400, str(e))
+        try:
+            await asyncio.to_thread(
+                engine.update_weights_from_tensor, tensors.items(), body.flush_cache
+            )
+        except (KeyError, ValueError) as e:
+            return _error(400, f"weights do not fit this model: {e}")
+        if version is not None:
+            engine.set_weight_version(version)
+        return {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory(body: MemoryBody | None = None):
+        try:
+            await asyncio.to_thread(engine.release_memory, body.tags if body else None)
+        except RuntimeError as e:
+            return _error(400, str(e))
+        return None
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory(body: MemoryBody | None = None):
+        await asyncio.to_thread(engine.resume_memory, body.tags if body else None)
+        return None
+
+    @app.post("/weights_checker")
+    async def weights_checker(body: CheckerBody):
+        if body.action == "snapshot":
+            snapshot.clear()
+            snapshot.update({n: t.clone() for n, t in engine.named_tensors().items()})
+            return {"success": True, "message": f"snapshot of {len(snapshot)} tensors"}
+        if body.action == "reset_tensors":
+            engine.update_weights_from_tensor(
+                ((n, torch.zeros_like(t)) for n, t in engine.named_tensors().items()), False
+            )
+            return {"success": True, "message": "tensors reset"}
+        if body.action == "compare":
+            if not snapshot:
+                return _error(400, "no snapshot to compare against; call action=snapshot first")
+            bad = mismatched_tensors(snapshot.items(), engine.named_tensors())
+            return {
+                "success": not bad,
+                "message": "equal" if not bad else f"{len(bad)} tensors differ",
+                "mismatched": bad,
+            }
+        if body.action == "checksum":
+            return {"success": True, "message": weights_checksum(engine.named_tensors().items())}
+        return _error(400, f"unknown weights_checker action {body.action!r}")
+
+    return app
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+    if not files or not files[0].exists():
+        raise FileNotFoundError(f"no safetensors weights at {path!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _listify(value, n: int, what: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise EngineRequestError(f"{what} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequest]:
+    if (body.input_ids is None) == (body.text is None):
+        raise EngineRequestError("give exactly one of input_ids or text")
+    if body.input_ids is not None:
+        prompts = (
+            body.input_ids
+            if body.input_ids and isinstance(body.input_ids[0], list)
+            else [body.input_ids]
+        )
+    else:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    n = len(prompts)
+    params = _listify(body.sampling_params, n, "sampling_params")
+    rids = _listify(body.rid, n, "rid") if body.rid is not None else [None] * n
+    out = []
+    for ids, sp, rid in zip(prompts, params, rids, strict=True):
+        try:
+            sampling = SamplingParams.model_validate(sp)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise EngineRequestError(
+                f"sampling_params.{'.'.join(map(str, first['loc']))}: {first['msg']}"
+            ) from None
+        req = GenerateRequest(input_ids=ids, sampling_params=sampling, rid=rid)
+        engine.validate(req)
+        out.append(req)
+    return out
+
+
+def _response_json(resp, body: GenerateBody) -> dict:
+    data = resp.model_dump()
+    if not body.return_logprob:
+        data["meta_info"].pop("output_token_logprobs", None)
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from miles_core.models import load_hf_dir
+
+    ap = argparse.ArgumentParser(prog="miles engine serve")
+    ap.add_argument("--model", required=True, help="HF model directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_hf_dir(args.model)
+    engine = ServingEngine(model, tok, seed=args.seed, max_running=args.max_running)
+    app = create_app(engine, args.model)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    import miles_core  # noqa: F401  (env defaults)
+
+    main()

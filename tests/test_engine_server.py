@@ -1,0 +1,237 @@
+"""The engine behind its HTTP server, as a real subprocess on 127.0.0.1."""
+
+import copy
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from miles_core.rollout.http_engine import (
+    EngineProcess,
+    EngineRequestRejected,
+    EngineUnavailable,
+    HttpEngine,
+)
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.rollout.serving import ServingEngine
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    proc = EngineProcess(
+        tiny_dir, args=["--threads", "1"], log_path=tmp_path_factory.mktemp("engine") / "log.txt"
+    )
+    proc.start()
+    yield proc
+    proc.stop()
+    assert proc.proc.poll() is not None  # stopped by PID
+
+
+@pytest.fixture
+def client(server):
+    c = HttpEngine(server.url)
+    yield c
+    c.close()
+
+
+def _req(tok, text, rid=None, **sp):
+    return GenerateRequest(
+        input_ids=encode_prompt(tok, text), sampling_params=SamplingParams(**sp), rid=rid
+    )
+
+
+def test_server_logprobs_equal_in_process_logprobs(client, tiny):
+    model, tok = tiny
+    reqs = [
+        _req(tok, t, max_new_tokens=12, sampling_seed=7 + i)
+        for i, t in enumerate(["say a", "reverse abcd", "12+3="])
+    ]
+    over_http = client.generate(reqs)
+    local = ServingEngine(copy.deepcopy(model), tok)
+    in_process = local.generate(reqs)
+    local.close()
+    for h, p in zip(over_http, in_process, strict=True):
+        assert h.output_ids == p.output_ids
+        assert torch.allclose(
+            torch.tensor(h.output_log_probs), torch.tensor(p.output_log_probs), atol=1e-5, rtol=0
+        )
+        assert h.meta_info.weight_version == "0"
+
+
+def test_text_input_and_batched_input_ids(server, tiny):
+    _, tok = tiny
+    r = httpx.post(
+        f"{server.url}/generate", json={"text": "say a", "sampling_params": {"max_new_tokens": 3}}
+    )
+    assert (
+        r.status_code == 200
+        and len(r.json()["output_ids"]) == 3
+        and "output_token_logprobs" not in r.json()["meta_info"]
+    )
+    ids = encode_prompt(tok, "go")
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "input_ids": [ids, ids],
+            "sampling_params": {"max_new_tokens": 2},
+            "return_logprob": True,
+        },
+    )
+    body = r.json()
+    assert isinstance(body, list) and len(body) == 2
+    assert [len(x["meta_info"]["output_token_logprobs"]) for x in body] == [2, 2]
+
+
+def test_abort_one_request_over_http(client, server, tiny):
+    _, tok = tiny
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.update(
+            r=client.generate([_req(tok, "say a", rid="long-1", max_new_tokens=450)])[0]
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while client.server_info()["running"] < 1:  # wait until the request is in the engine
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    httpx.post(f"{server.url}/abort_request", json={"rid": "long-1"}).raise_for_status()
+    t.join(30)
+    assert out["r"].meta_info.finish_reason.type == "abort" and len(out["r"].output_ids) < 450
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_modes_over_http(client, tiny, mode):
+    _, tok = tiny
+    out = {}
+    t = threading.Thread(
+        target=lambda: out.update(
+            r=client.generate([_req(tok, "reverse abc", max_new_tokens=400)])[0]
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while client.server_info()["running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.pause(mode)
+    info = client.server_info()
+    assert info["paused"] == mode
+    if mode == "retract":
+        assert info["running"] == 0 and info["waiting"] == 1
+    client.set_weight_version(5)  # a weight-version change while paused
+    client.resume()
+    t.join(60)
+    r = out["r"]
+    if mode == "abort":
+        assert r.meta_info.finish_reason.type == "abort"
+    else:  # nothing lost: the request ran to its full length after the pause
+        assert len(r.output_ids) == 400 and r.meta_info.finish_reason.type == "length"
+        assert r.meta_info.weight_version == "5"
+    client.set_weight_version(0)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (
+            {"input_ids": [1, 2, 99999], "sampling_params": {"max_new_tokens": 2}},
+            "outside the vocabulary",
+        ),
+        (
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": -3}},
+            "max_new_tokens must be >= 0",
+        ),
+        (
+            {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 10**9}},
+            "exceeds the context length",
+        ),
+        (
+            {"input_ids": [5] * 600, "sampling_params": {"max_new_tokens": 1}},
+            "exceeds the context length",
+        ),
+        ({"input_ids": [5, 6], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ({"input_ids": "abc"}, "invalid request"),
+        ({}, "exactly one of input_ids or text"),
+    ],
+)
+def test_bad_generate_requests_get_400_and_the_server_keeps_serving(server, payload, message):
+    r = httpx.post(f"{server.url}/generate", json=payload)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["message"]
+    ok = httpx.post(
+        f"{server.url}/generate",
+        json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}},
+    )
+    assert ok.status_code == 200
+
+
+def test_malformed_json_unknown_version_and_oversize_body(server):
+    r = httpx.post(
+        f"{server.url}/generate", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "invalid request" in r.json()["message"]
+    r = httpx.post(f"{server.url}/update_weight_version", json={"new_version": "v-latest"})
+    assert r.status_code == 400 and "unknown weight version 'v-latest'" in r.json()["message"]
+    big = json.dumps({"input_ids": [5] * (3 << 20)}).encode()
+    r = httpx.post(
+        f"{server.url}/generate", content=big, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["message"]
+    r = httpx.post(f"{server.url}/pause_generation", json={"mode": "sideways"})
+    assert r.status_code == 400 and "unknown pause mode" in r.json()["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_client_raises_a_clear_error_for_rejected_requests(client):
+    with pytest.raises(EngineRequestRejected, match="outside the vocabulary"):
+        client.generate([GenerateRequest(input_ids=[99999])])
+
+
+def test_weights_checker_and_update_from_disk(server, client, tiny_dir):
+    httpx.post(f"{server.url}/weights_checker", json={"action": "snapshot"}).raise_for_status()
+    assert httpx.post(f"{server.url}/weights_checker", json={"action": "compare"}).json()["success"]
+    httpx.post(f"{server.url}/weights_checker", json={"action": "reset_tensors"}).raise_for_status()
+    assert not httpx.post(f"{server.url}/weights_checker", json={"action": "compare"}).json()[
+        "success"
+    ]
+    client.update_weights_from_disk(str(tiny_dir), version=3)
+    assert httpx.post(f"{server.url}/weights_checker", json={"action": "compare"}).json()["success"]
+    assert client.weight_version == 3
+    client.set_weight_version(0)
+    with pytest.raises(EngineRequestRejected, match="no safetensors"):
+        client.update_weights_from_disk("/nonexistent/dir")
+
+
+def test_a_killed_engine_is_noticed_within_10_seconds(tiny_dir, tiny):
+    _, tok = tiny
+    with EngineProcess(tiny_dir, args=["--threads", "1"]) as proc:
+        client = HttpEngine(proc.url)
+        errors = {}
+
+        def run():
+            try:
+                client.generate([_req(tok, "say a", max_new_tokens=450) for _ in range(200)])
+            except Exception as e:  # noqa: BLE001
+                errors["e"] = e
+                errors["t"] = time.monotonic()
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 30
+        while client.server_info()["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        killed_at = time.monotonic()
+        proc.proc.kill()
+        t.join(30)
+        assert isinstance(errors.get("e"), EngineUnavailable)
+        assert proc.url in str(errors["e"])
+        assert errors["t"] - killed_at < 10
+        with pytest.raises(EngineUnavailable, match=proc.url):
+            client.generate([_req(tok, "say a", max_new_tokens=2)])
+        client.close()
