@@ -196,9 +196,10 @@ def test_weights_checker_and_update_from_disk(server, client, tiny_dir):
     httpx.post(f"{server.url}/weights_checker", json={"action": "snapshot"}).raise_for_status()
     assert httpx.post(f"{server.url}/weights_checker", json={"action": "compare"}).json()["success"]
     httpx.post(f"{server.url}/weights_checker", json={"action": "reset_tensors"}).raise_for_status()
-    assert not httpx.post(f"{server.url}/weights_checker", json={"action": "compare"}).json()[
-        "success"
-    ]
+    failed = httpx.post(f"{server.url}/weights_checker", json={"action": "compare"})
+    assert (
+        failed.status_code == 400 and "tensors differ from the snapshot" in failed.json()["message"]
+    )
     client.update_weights_from_disk(str(tiny_dir), version=3)
     assert httpx.post(f"{server.url}/weights_checker", json={"action": "compare"}).json()["success"]
     assert client.weight_version == 3

@@ -21,6 +21,16 @@ import httpx
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
 
 
+def generate_payload(req: GenerateRequest) -> dict:
+    """The `/generate` body in SGLang's field names (checked by tests/contract)."""
+    return {
+        "input_ids": req.input_ids,
+        "sampling_params": req.sampling_params.model_dump(exclude_none=True),
+        "return_logprob": True,
+        "rid": req.rid,
+    }
+
+
 class EngineUnavailable(RuntimeError):
     """The engine process died, hangs, or cannot be reached."""
 
@@ -141,12 +151,7 @@ class HttpEngine:
 
             async def one(req: GenerateRequest) -> GenerateResponse:
                 async with sem:
-                    payload = {
-                        "input_ids": req.input_ids,
-                        "sampling_params": req.sampling_params.model_dump(exclude_none=True),
-                        "return_logprob": True,
-                        "rid": req.rid,
-                    }
+                    payload = generate_payload(req)
                     try:
                         r = await client.post("/generate", json=payload)
                     except httpx.HTTPError as e:

@@ -69,7 +69,7 @@ class MemoryBody(_Body):
 
 
 class CheckerBody(_Body):
-    action: str
+    action: str = "checksum"
 
 
 def parse_version(value: str) -> int:
@@ -245,11 +245,9 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             if not snapshot:
                 return _error(400, "no snapshot to compare against; call action=snapshot first")
             bad = mismatched_tensors(snapshot.items(), engine.named_tensors())
-            return {
-                "success": not bad,
-                "message": "equal" if not bad else f"{len(bad)} tensors differ",
-                "mismatched": bad,
-            }
+            if bad:  # as SGLang: a failed check is HTTP 400
+                return _error(400, f"{len(bad)} tensors differ from the snapshot: {bad[:5]}")
+            return {"success": True, "message": "equal"}
         if body.action == "checksum":
             return {"success": True, "message": weights_checksum(engine.named_tensors().items())}
         return _error(400, f"unknown weights_checker action {body.action!r}")
