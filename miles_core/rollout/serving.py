@@ -75,6 +75,7 @@ class ServingEngine:
         max_running: int = 64,
         cache_slots: int | None = None,
         max_len: int | None = None,
+        prefix_cache: bool = True,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -83,7 +84,8 @@ class ServingEngine:
         slots = cache_slots or 2 * max_running
         self.runner = Qwen3Runner(model, slots=slots, max_len=max_len)
         self.max_context = self.runner.max_len
-        self.table = SlotTable(slots)
+        # min_match beyond any context length turns prefix reuse off (for side-by-side benchmarks)
+        self.table = SlotTable(slots, min_match=1 if prefix_cache else 1 << 30)
         self.generator = torch.Generator().manual_seed(seed)
         self._params = dict(model.named_parameters())
         self._version = 0
