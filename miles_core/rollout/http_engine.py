@@ -20,6 +20,8 @@ import httpx
 
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
 
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
+
 
 def generate_payload(req: GenerateRequest) -> dict:
     """The `/generate` body in SGLang's field names (checked by tests/contract)."""
@@ -152,8 +154,9 @@ class HttpEngine:
             async def one(req: GenerateRequest) -> GenerateResponse:
                 async with sem:
                     payload = generate_payload(req)
+                    headers = {ROUTING_KEY_HEADER: req.routing_key} if req.routing_key else None
                     try:
-                        r = await client.post("/generate", json=payload)
+                        r = await client.post("/generate", json=payload, headers=headers)
                     except httpx.HTTPError as e:
                         raise EngineUnavailable(
                             f"engine at {self.url} failed during /generate: {e!r}"

@@ -42,6 +42,9 @@ class GenerateRequest(BaseModel):
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = True
     rid: str | None = None
+    routing_key: str | None = (
+        None  # session affinity through the router (never sent as a body field)
+    )
 
 
 class FinishReason(BaseModel):

@@ -1,0 +1,153 @@
+"""SGLang's own router (the `sglang-router` package, "SGLang Model Gateway") in front of engines.
+
+`RouterProcess` launches it on 127.0.0.1 with the `manual` policy: a request's routing key
+(header `X-SMG-Routing-Key`, set by `HttpEngine` from `GenerateRequest.routing_key`) sticks to
+one engine, so a session's turns hit the engine that holds its prefix; new keys are placed by the
+router's `min_group` assignment (observed: not a strict balance). The router health-checks its workers and stops sending to one
+that fails; `remove_worker` / `add_worker` let the runtime quarantine an engine and re-admit it
+once it serves the current weight version. Stopped by PID like the engines.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from miles_core.rollout.http_engine import ROUTING_KEY_HEADER, EngineUnavailable, free_port
+
+__all__ = ["ROUTING_KEY_HEADER", "RouterProcess", "router_binary"]
+
+
+def router_binary() -> str:
+    beside = Path(sys.executable).parent / "sglang-router"
+    found = str(beside) if beside.exists() else shutil.which("sglang-router")
+    if not found:
+        raise FileNotFoundError("sglang-router is not installed (pip install sglang-router)")
+    return found
+
+
+class RouterProcess:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        port: int | None = None,
+        health_interval_s: int = 1,
+        health_failures: int = 2,
+        log_path: str | Path | None = None,
+    ):
+        self.worker_urls = list(worker_urls)
+        self.port = port or free_port()
+        self.health_interval_s = health_interval_s
+        self.health_failures = health_failures
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> RouterProcess:
+        cmd = [
+            router_binary(),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--worker-urls",
+            *self.worker_urls,
+            "--policy",
+            "manual",
+            "--assignment-mode",
+            "min_group",
+            "--health-check-interval-secs",
+            str(self.health_interval_s),
+            "--health-failure-threshold",
+            str(self.health_failures),
+            "--health-success-threshold",
+            "1",
+        ]
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineUnavailable(
+                    f"sglang-router exited with code {self.proc.returncode} during start-up"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise EngineUnavailable(f"router at {self.url} not healthy after {timeout:.0f} s")
+
+    def workers(self) -> list[dict]:
+        """The router's view: [{"url", "id", "is_healthy", "load", ...}]."""
+        r = httpx.get(f"{self.url}/workers", timeout=5.0)
+        r.raise_for_status()
+        return list(r.json().get("workers", []))
+
+    def healthy_urls(self) -> list[str]:
+        return [w["url"] for w in self.workers() if w.get("is_healthy")]
+
+    def add_worker(self, url: str, timeout: float = 30.0) -> None:
+        httpx.post(f"{self.url}/workers", json={"url": url}, timeout=10.0).raise_for_status()
+        self._wait(lambda: url in self.healthy_urls(), timeout, f"{url} to join the router")
+
+    def remove_worker(self, url: str, timeout: float = 30.0) -> None:
+        ids = [w["id"] for w in self.workers() if w["url"] == url]
+        for worker_id in ids:
+            httpx.delete(f"{self.url}/workers/{worker_id}", timeout=10.0).raise_for_status()
+        self._wait(
+            lambda: url not in {w["url"] for w in self.workers()},
+            timeout,
+            f"{url} to leave the router",
+        )
+
+    def quarantine(self, url: str) -> None:
+        """Takes an engine out of rotation (e.g. it missed a weight push or was replaced)."""
+        self.remove_worker(url)
+
+    def readmit_if_current(self, url: str, version: int) -> bool:
+        """Re-admits a quarantined engine only once it serves weight version `version`."""
+        try:
+            info = httpx.get(f"{url}/get_model_info", timeout=5.0).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        if str(info.get("weight_version")) != str(version):
+            return False
+        self.add_worker(url)
+        return True
+
+    @staticmethod
+    def _wait(done, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout)
+
+    def __enter__(self) -> RouterProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
