@@ -49,14 +49,31 @@ class Qwen3Runner:
         self.cache = SlotKVCache(
             cfg.num_hidden_layers, slots, self.n_kv, self.max_len, self.head_dim
         )
+        # oneDNN prepacked fp32 weights: on CPUs where MKL takes a generic path (e.g. AMD), the
+        # GEMMs run ≈1.3–1.8× faster; repacked lazily after every weight update (`invalidate`)
+        self.use_onednn = torch.backends.mkldnn.is_available()
+        self._packed: dict[int, torch.Tensor] = {}
+
+    def invalidate(self) -> None:
+        """Weights changed (update, release, resume): drop the packed copies."""
+        self._packed.clear()
+
+    def _linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_onednn or module.weight.dtype != torch.float32:
+            return module(x)
+        packed = self._packed.get(id(module))
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
+            self._packed[id(module)] = packed
+        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
 
     # ------------------------------------------------------------------ forward pieces
     def _qkv(self, attn, h: torch.Tensor, positions: torch.Tensor):
         """h [B, T, D], positions [B, T] → q [B, H, T, hd], k, v [B, KVH, T, hd] (RoPE applied)."""
         b, t, _ = h.shape
-        q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim)
-        k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim)
-        v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim)
+        q = self._linear(attn.q_proj, h).view(b, t, self.n_heads, self.head_dim)
+        k = self._linear(attn.k_proj, h).view(b, t, self.n_kv, self.head_dim)
+        v = self._linear(attn.v_proj, h).view(b, t, self.n_kv, self.head_dim)
         q = _rms(q, attn.q_norm.weight, attn.q_norm.variance_epsilon).transpose(1, 2)
         k = _rms(k, attn.k_norm.weight, attn.k_norm.variance_epsilon).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -79,19 +96,20 @@ class Qwen3Runner:
                 q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
             )
             o = o.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)
-            h = h + attn.o_proj(o)
+            h = h + self._linear(attn.o_proj, o)
             x = _rms(
                 h,
                 layer.post_attention_layernorm.weight,
                 layer.post_attention_layernorm.variance_epsilon,
             )
             mlp = layer.mlp
-            h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            gate = mlp.act_fn(self._linear(mlp.gate_proj, x))
+            h = h + self._linear(mlp.down_proj, gate * self._linear(mlp.up_proj, x))
         return h
 
     def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
         norm = self.model.model.norm
-        return self.model.lm_head(_rms(h_last, norm.weight, norm.variance_epsilon))
+        return self._linear(self.model.lm_head, _rms(h_last, norm.weight, norm.variance_epsilon))
 
     # ------------------------------------------------------------------ entry points
     @torch.inference_mode()

@@ -217,6 +217,7 @@ class ServingEngine:
                     )
                 param.copy_(tensor)
                 copied += tensor.numel() * tensor.element_size()
+            self.runner.invalidate()
             if flush_cache:
                 self.table.flush()
         return copied
@@ -241,6 +242,7 @@ class ServingEngine:
                 for n, p in self._params.items():
                     self._weights_released[n] = (p.shape, p.dtype)
                     p.data = torch.empty(0, dtype=p.dtype)
+                self.runner.invalidate()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         tags = tags or ["weights", "kv_cache"]
@@ -251,6 +253,7 @@ class ServingEngine:
                 for n, (shape, dtype) in self._weights_released.items():
                     self._params[n].data = torch.zeros(shape, dtype=dtype)
                 self._weights_released = None
+                self.runner.invalidate()
 
     def load_state(self) -> dict[str, float]:
         return {

@@ -1,0 +1,138 @@
+"""Decode throughput of our engines against transformers' `generate`, side by side in one run.
+
+Workload (per preset): 32 prompts of 16 tokens, 64 new tokens each (no stop token can end them
+early: `min_new_tokens` for `generate`, no stop ids for ours), temperature-1 sampling with
+per-token log-probs. Engines: HF `generate`, the embedded engine (HF modules + DynamicCache), the
+serving engine in process (lean forward, slot KV cache, continuous batching), and the serving
+engine behind its HTTP server (a subprocess on 127.0.0.1, 32 concurrent requests). One warm-up,
+then interleaved repetitions; the median is reported. Prints a table, then one JSON object.
+
+    python benchmarks/engine_vs_hf.py [--presets small,medium] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+import miles_core  # noqa: F401
+from miles_core.models import build_model, save_hf_dir
+from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.serving import ServingEngine
+
+BATCH, PROMPT, NEW = 32, 16, 64
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, vocab, (BATCH, PROMPT), generator=g).tolist()
+
+
+def requests(ids: list[list[int]]) -> list[GenerateRequest]:
+    return [
+        GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=NEW))
+        for p in ids
+    ]
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench(preset: str, reps: int) -> dict[str, float]:
+    model, tok = build_model(preset, seed=0)
+    ids = prompts(model.config.vocab_size)
+    reqs = requests(ids)
+    embedded = EmbeddedEngine(model, tok)
+    serving = ServingEngine(model, tok, max_running=BATCH)
+    input_ids = torch.tensor(ids)
+
+    def hf():
+        with torch.inference_mode():
+            model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=True,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                pad_token_id=tok.pad_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_dir(model, tok, tmp)
+        with EngineProcess(tmp, args=["--max-running", str(BATCH)]) as proc:
+            client = HttpEngine(proc.url, concurrency=BATCH)
+            variants = {
+                "hf_generate": hf,
+                "embedded": lambda: embedded.generate(reqs),
+                "serving_in_process": lambda: serving.generate(reqs),
+                "serving_http": lambda: client.generate(reqs),
+            }
+            for fn in variants.values():  # warm-up
+                fn()
+            times: dict[str, list[float]] = {k: [] for k in variants}
+            for _ in range(reps):
+                for name, fn in variants.items():
+                    times[name].append(timed(fn))
+            client.close()
+    serving.close()
+    tokens = BATCH * NEW
+    return {name: tokens / statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="small,medium")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    results = {p: bench(p, args.reps) for p in args.presets.split(",")}
+    names = list(next(iter(results.values())))
+    print(
+        f"{'preset':8}"
+        + "".join(f"{n + ' tok/s':>26}" for n in names)
+        + f"{'serving/hf':>12}{'http/hf':>10}"
+    )
+    for p, r in results.items():
+        row = "".join(f"{r[n]:>26.0f}" for n in names)
+        print(
+            f"{p:8}{row}{r['serving_in_process'] / r['hf_generate']:>12.2f}{r['serving_http'] / r['hf_generate']:>10.2f}"
+        )
+    print(
+        json.dumps(
+            {
+                "speedup_vs_hf_generate": {
+                    p: {
+                        "embedded": round(r["embedded"] / r["hf_generate"], 3),
+                        "in_process": round(r["serving_in_process"] / r["hf_generate"], 3),
+                        "http": round(r["serving_http"] / r["hf_generate"], 3),
+                    }
+                    for p, r in results.items()
+                },
+                "tokens_per_s": {
+                    p: {k: round(v) for k, v in r.items()} for p, r in results.items()
+                },
+                "workload": {
+                    "batch": BATCH,
+                    "prompt_tokens": PROMPT,
+                    "new_tokens": NEW,
+                    "dtype": "float32",
+                },
+                "target": 3.0,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
