@@ -65,6 +65,12 @@ def extract(wheel: Path) -> dict:
         sampling = sorted(a.arg for a in init.args.args + init.args.kwonlyargs if a.arg != "self")
     else:  # newer releases: a msgspec.Struct with annotated fields
         sampling = sorted(_fields(cls))
+    server_args: set[str] = set()  # `launch_server` flags are `--` + field name with dashes
+    for name in z.namelist():
+        if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):
+            for node in ast.walk(ast.parse(z.read(name).decode())):
+                if isinstance(node, ast.ClassDef):
+                    server_args.update(_fields(node))
     server = z.read("sglang/srt/entrypoints/http_server.py").decode()
     routes = sorted(set(re.findall(r"@app\.(?:get|post|put|api_route)\(\s*\"(/[^\"]*)\"", server)))
     return {
@@ -72,6 +78,7 @@ def extract(wheel: Path) -> dict:
         "structs": structs,
         "sampling_params": sampling,
         "routes": routes,
+        "server_args": sorted(server_args),
     }
 
 

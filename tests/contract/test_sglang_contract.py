@@ -120,3 +120,69 @@ def test_an_sglang_style_request_with_fields_we_do_not_use_is_accepted(tiny_dir)
         "cached_tokens",
         "weight_version",
     } <= set(meta)
+
+
+def test_sglang_launch_flags_are_sglang_server_args():
+    from miles_core.rollout.sglang_engine import SGLangLaunch
+
+    launch = SGLangLaunch(
+        python="/opt/sglang/bin/python",
+        model_path="/ckpt/policy",
+        port=30001,
+        tp_size=2,
+        context_length=4096,
+        mem_fraction_static=0.7,
+        max_running_requests=128,
+        random_seed=1,
+        enable_memory_saver=True,
+        enable_return_routed_experts=True,
+    )
+    cmd = launch.command()
+    assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+    assert (
+        cmd[cmd.index("--model-path") + 1] == "/ckpt/policy"
+        and cmd[cmd.index("--tp-size") + 1] == "2"
+    )
+    flags = [a[2:].replace("-", "_") for a in cmd if a.startswith("--")]
+    assert set(flags) <= set(API["server_args"]), set(flags) - set(API["server_args"])
+    assert {"enable_memory_saver", "enable_return_routed_experts", "skip_tokenizer_init"} <= set(
+        flags
+    )
+
+
+def test_attach_to_running_servers_by_address(tiny_dir):
+    from miles_core.rollout.http_engine import EngineProcess, EngineUnavailable
+    from miles_core.rollout.sglang_engine import attach
+
+    with EngineProcess(tiny_dir, args=["--threads", "1"]) as proc:
+        (engine,) = attach([proc.url], expected_model=str(tiny_dir))
+        out = engine.generate(
+            [GenerateRequest(input_ids=[5, 6], sampling_params=SamplingParams(max_new_tokens=2))]
+        )
+        assert len(out[0].output_ids) == 2
+        with pytest.raises(ValueError, match="expected '/elsewhere'"):
+            attach([proc.url], expected_model="/elsewhere")
+    with pytest.raises(EngineUnavailable, match="cannot attach"):
+        attach([proc.url], timeout=2)
+
+
+@pytest.mark.gpu
+def test_real_sglang_server_answers_our_client():
+    """Runs where SGLANG_PYTHON names the interpreter of an SGLang environment and
+    SGLANG_MODEL a model directory (a GPU host)."""
+    import os
+
+    from miles_core.rollout.sglang_engine import SGLangLaunch, SGLangProcess, attach
+
+    python, model = os.environ.get("SGLANG_PYTHON"), os.environ.get("SGLANG_MODEL")
+    if not python or not model:
+        pytest.skip("set SGLANG_PYTHON and SGLANG_MODEL to run against a real SGLang server")
+    proc = SGLangProcess(SGLangLaunch(python=python, model_path=model)).start()
+    try:
+        (engine,) = attach([proc.url])
+        out = engine.generate(
+            [GenerateRequest(input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=4))]
+        )
+        assert len(out[0].output_ids) == 4 and len(out[0].output_log_probs) == 4
+    finally:
+        proc.stop()

@@ -1,0 +1,130 @@
+"""Real SGLang servers: launched from their own Python environment, or attached by address.
+
+SGLang pins its own torch/CUDA stack, so it cannot live in our venv; on a GPU host it runs from
+its own environment, which is how Miles uses it too. `SGLangLaunch` maps our engine settings to
+`python -m sglang.launch_server` flags (checked against SGLang's ServerArgs field names in
+tests/contract); `SGLangProcess` starts it with that interpreter on 127.0.0.1, waits for
+`/health_generate` and stops it by PID. Either way the runtime talks to it with `HttpEngine`,
+exactly as to our own engine server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine, free_port
+
+
+@dataclass
+class SGLangLaunch:
+    python: str  # the interpreter of the environment SGLang is installed in
+    model_path: str
+    port: int = 0
+    host: str = "127.0.0.1"
+    tp_size: int = 1
+    dtype: str = "auto"
+    context_length: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    random_seed: int | None = None
+    enable_memory_saver: bool = False  # needed for release/resume_memory_occupation (colocated)
+    enable_return_routed_experts: bool = False  # MoE routing replay (R3)
+    skip_tokenizer_init: bool = True  # we send token ids and read output_ids
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        args = [self.python, "-m", "sglang.launch_server"]
+        values = {
+            "model_path": self.model_path,
+            "host": self.host,
+            "port": self.port,
+            "tp_size": self.tp_size,
+            "dtype": self.dtype,
+            "context_length": self.context_length,
+            "mem_fraction_static": self.mem_fraction_static,
+            "max_running_requests": self.max_running_requests,
+            "random_seed": self.random_seed,
+        }
+        for name, value in values.items():
+            if value is not None:
+                args += [flag(name), str(value)]
+        for name in ("enable_memory_saver", "enable_return_routed_experts", "skip_tokenizer_init"):
+            if getattr(self, name):
+                args.append(flag(name))
+        return args + list(self.extra_args)
+
+
+def flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+class SGLangProcess:
+    """One `sglang.launch_server` subprocess, stopped by PID."""
+
+    def __init__(self, launch: SGLangLaunch, log_path: str | Path | None = None):
+        if not launch.port:
+            launch.port = free_port()
+        self.launch = launch
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.launch.host}:{self.launch.port}"
+
+    def start(self, timeout: float = 900.0) -> SGLangProcess:
+        if not Path(self.launch.python).exists():
+            raise FileNotFoundError(f"SGLang interpreter {self.launch.python!r} not found")
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.launch.command(), stdout=out, stderr=subprocess.STDOUT, env={**os.environ}
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineUnavailable(
+                    f"sglang.launch_server exited with code {self.proc.returncode}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health_generate", timeout=10.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise EngineUnavailable(f"SGLang at {self.url} not healthy after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout)
+
+
+def attach(
+    urls: list[str], expected_model: str | None = None, timeout: float = 10.0
+) -> list[HttpEngine]:
+    """Clients for already-running servers (SGLang's or ours); refuses unreachable ones and, when
+    `expected_model` is given, servers that serve another model."""
+    engines = []
+    for url in urls:
+        try:
+            info = httpx.get(f"{url.rstrip('/')}/get_model_info", timeout=timeout).json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise EngineUnavailable(f"cannot attach to engine at {url}: {e!r}") from e
+        if expected_model is not None and info.get("model_path") != expected_model:
+            raise ValueError(
+                f"engine at {url} serves {info.get('model_path')!r}, expected {expected_model!r}"
+            )
+        engines.append(HttpEngine(url))
+    return engines
