@@ -51,7 +51,11 @@ class DataConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["embedded"] = "embedded"
+    engine: Literal["embedded", "serving"] = Field(
+        "embedded",
+        description="embedded: batched sampler on the HF modules; serving: continuous batching "
+        "with prefix reuse (GRPO siblings share the prompt's KV), per-request seeds",
+    )
     prompts_per_step: int = Field(
         16, gt=0, description="prompts sampled per rollout (rollout batch size)"
     )

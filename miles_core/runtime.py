@@ -18,6 +18,7 @@ from miles_core.data import PromptSource, get_task, load_examples
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.rollout.embedded import EmbeddedEngine
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
+from miles_core.rollout.serving import ServingEngine
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
 from miles_core.tracking import Tracker
 from miles_core.train.advantages import grpo_advantages
@@ -64,7 +65,12 @@ class RLRuntime:
         self.source = PromptSource(examples, seed=config.data.seed, shuffle=config.data.shuffle)
         model, self.tokenizer = load_hf_dir(model_dir)
         self.architecture = architecture_of(model.config)
-        self.engine = EmbeddedEngine(model, self.tokenizer, seed=config.rollout.seed + config.seed)
+        seed = config.rollout.seed + config.seed
+        if config.rollout.engine == "serving":
+            batch = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt
+            self.engine = ServingEngine(model, self.tokenizer, seed=seed, max_running=batch)
+        else:
+            self.engine = EmbeddedEngine(model, self.tokenizer, seed=seed)
         train = config.train
         self.trainer = FSDPBackend(
             str(model_dir),
@@ -177,6 +183,8 @@ class RLRuntime:
     def close(self) -> None:
         self.trainer.close()
         self.store.close()
+        if isinstance(self.engine, ServingEngine):
+            self.engine.close()
 
 
 def new_workdir() -> Path:

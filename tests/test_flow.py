@@ -121,19 +121,31 @@ def _histories(client, run_id, keys):
 
 
 @pytest.mark.slow
-def test_resume_continues_the_same_run_bit_identically(prefect_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["embedded", "serving"])
+def test_resume_continues_the_same_run_bit_identically(
+    prefect_server, tmp_path, monkeypatch, engine
+):
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
 
-    rl_train(_tiny_config(tmp_path, "full", 6))
-    rl_train(_tiny_config(tmp_path, "part", 4))  # checkpoints after steps 1 and 3
-    rl_train(_tiny_config(tmp_path, "part", 6), resume=True)
+    extra = [f"rollout.engine={engine}"]
+    rl_train(_tiny_config(tmp_path, "full", 6, extra))
+    rl_train(_tiny_config(tmp_path, "part", 4, extra))  # checkpoints after steps 1 and 3
+    rl_train(_tiny_config(tmp_path, "part", 6, extra), resume=True)
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name("resume").experiment_id
     runs = {r.info.run_name: r for r in client.search_runs([exp])}
     assert set(runs) == {"full", "part"}  # the resumed job re-attached to its MLflow run
     assert runs["part"].data.tags["miles.resume.train.num_steps"] == "6"
+    if engine == "serving":  # GRPO siblings reuse the prompt's KV
+        hit = [
+            m.value
+            for m in client.get_metric_history(
+                runs["full"].info.run_id, "rollout/prefix_cache_hit_rate"
+            )
+        ]
+        assert len(hit) == 6 and min(hit) > 0.5
     keys = [
         "rollout/reward_mean",
         "train/loss",

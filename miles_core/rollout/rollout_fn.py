@@ -36,6 +36,11 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def request_seed(base: int, step: int, index: int) -> int:
+    """A sampling seed per (run seed, step, sample): the same tokens whatever the batching."""
+    return ((base * 1_000_003 + step) * 1_000_033 + index) % (1 << 62)
+
+
 def sampling_params(cfg: RolloutConfig, tokenizer) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
@@ -59,8 +64,17 @@ def generate_groups(
     sp = sampling_params(cfg, tokenizer)
     n = cfg.n_samples_per_prompt
     encoded = [encode_prompt(tokenizer, ex.prompt) for _, ex in prompts]
+    seeded = cfg.engine == "serving"  # continuous batching: seed per request, not per batch
     requests = [
-        GenerateRequest(input_ids=ids, sampling_params=sp, rid=f"{step}-{g}-{k}")
+        GenerateRequest(
+            input_ids=ids,
+            sampling_params=sp.model_copy(
+                update={"sampling_seed": request_seed(cfg.seed, step, g * n + k)}
+            )
+            if seeded
+            else sp,
+            rid=f"{step}-{g}-{k}",
+        )
         for g, ids in enumerate(encoded)
         for k in range(n)
     ]
@@ -89,7 +103,11 @@ def generate_groups(
                 status=status,
                 label=ex.label,
                 response=resp.text,
-                metadata={"data_index": data_index, "metrics": score.metrics},
+                metadata={
+                    "data_index": data_index,
+                    "metrics": score.metrics,
+                    "cached_tokens": resp.meta_info.cached_tokens,
+                },
             )
             sample.validate()
             samples.append(sample)
@@ -105,7 +123,10 @@ def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:
     rewards = [float(s.reward or 0.0) for s in samples]
     lengths = [s.response_length for s in samples]
     versions = [v for s in samples for v in s.weight_versions]
+    prompt_tokens = sum(s.prompt_length for s in samples)
+    cached = sum(s.metadata.get("cached_tokens", 0) for s in samples)
     metrics = {
+        "rollout/prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "rollout/reward_mean": statistics.fmean(rewards),
         "rollout/reward_std": statistics.pstdev(rewards),
         "rollout/response_len_mean": statistics.fmean(lengths),
