@@ -1,7 +1,9 @@
 """The serving engine: continuous batching, prefix reuse, abort, pause modes, memory release."""
 
+import contextlib
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -86,28 +88,38 @@ def test_abort_one_and_abort_all(engine, tiny):
     _, tok = tiny
     a = engine.submit(_req(tok, rid="a", max_new_tokens=400))
     b = engine.submit(_req(tok, rid="b", max_new_tokens=400))
-    assert engine.abort("a") == 1
-    ra = a.result(timeout=30)
-    assert ra.meta_info.finish_reason.type == "abort" and len(ra.output_ids) < 400
-    assert engine.abort() == 1
+    with frozen_after(engine, a, 2):  # both are mid-generation here
+        assert engine.abort("a") == 1
+        ra = a.result(timeout=30)
+        assert ra.meta_info.finish_reason.type == "abort" and 2 <= len(ra.output_ids) < 400
+        assert engine.abort() == 1
     assert b.result(timeout=30).meta_info.finish_reason.type == "abort"
     assert engine.abort("missing") == 0
 
 
-def _wait_for_tokens(handle_req, n):
-    import time
-
+@contextlib.contextmanager
+def frozen_after(engine, handle, n):
+    """Holds the engine between two steps once `handle` has n tokens: no token is produced while
+    the block runs, so a pause or abort inside it always meets the request mid-generation."""
     deadline = time.monotonic() + 30
-    while len(handle_req._r.output) < n:
-        assert time.monotonic() < deadline
+    while True:
+        engine._step_lock.acquire()
+        if len(handle._r.output) >= n:
+            break
+        engine._step_lock.release()
+        assert time.monotonic() < deadline, "the request made no progress"
         time.sleep(0.001)
+    try:
+        yield
+    finally:
+        engine._step_lock.release()
 
 
 def test_pause_abort_returns_partial_output(engine, tiny):
     _, tok = tiny
     h = engine.submit(_req(tok, rid="x", max_new_tokens=400))
-    _wait_for_tokens(h, 3)
-    engine.pause("abort")
+    with frozen_after(engine, h, 3):
+        engine.pause("abort")
     r = h.result(timeout=30)
     assert r.meta_info.finish_reason.type == "abort" and 3 <= len(r.output_ids) < 400
     queued = engine.submit(_req(tok, rid="y", max_new_tokens=2))
@@ -129,8 +141,8 @@ def test_pause_retract_and_in_place_lose_nothing_and_continue_the_same_tokens(ti
 
     engine = ServingEngine(copy.deepcopy(model), tok, max_running=8)
     handles = [engine.submit(r) for r in reqs]
-    _wait_for_tokens(handles[0], 5)
-    engine.pause(mode)
+    with frozen_after(engine, handles[0], 5):
+        engine.pause(mode)
     progress = [len(h._r.output) for h in handles]
     assert all(not h.done() for h in handles)
     state = engine.load_state()
