@@ -119,12 +119,14 @@ def test_pause_modes_over_http(client, tiny, mode):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     client.pause(mode)
-    info = client.server_info()
-    assert info["paused"] == mode
-    if mode == "retract":
-        assert info["running"] == 0 and info["waiting"] == 1
-    client.set_weight_version(5)  # a weight-version change while paused
-    client.resume()
+    try:
+        info = client.server_info()
+        assert info["paused"] == mode
+        if mode == "retract":
+            assert info["running"] == 0 and info["waiting"] == 1
+        client.set_weight_version(5)  # a weight-version change while paused
+    finally:
+        client.resume()
     t.join(60)
     r = out["r"]
     if mode == "abort":
@@ -236,3 +238,28 @@ def test_a_killed_engine_is_noticed_within_10_seconds(tiny_dir, tiny):
         with pytest.raises(EngineUnavailable, match=proc.url):
             client.generate([_req(tok, "say a", max_new_tokens=2)])
         client.close()
+
+
+def test_many_requests_in_flight_do_not_block_control_calls(client, tiny):
+    """Waiting /generate calls hold no worker threads, so pause → version → continue go through
+    with more requests in flight than the server's thread pool has threads."""
+    _, tok = tiny
+    out = {}
+    reqs = [_req(tok, f"say a {i}", max_new_tokens=300) for i in range(24)]
+    t = threading.Thread(
+        target=lambda: out.update(r=HttpEngine(client.url, concurrency=24).generate(reqs))
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while client.server_info()["running"] + client.server_info()["waiting"] < 24:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.pause("in_place")
+    try:
+        client.set_weight_version(9)
+    finally:
+        client.resume()
+    t.join(120)
+    assert len(out["r"]) == 24 and all(len(r.output_ids) == 300 for r in out["r"])
+    assert {r.meta_info.weight_version for r in out["r"]} == {"9"}
+    client.set_weight_version(0)

@@ -103,16 +103,17 @@ def frozen_after(engine, handle, n):
     the block runs, so a pause or abort inside it always meets the request mid-generation."""
     deadline = time.monotonic() + 30
     while True:
-        engine._step_lock.acquire()
+        hold = engine.between_steps()
+        hold.__enter__()
         if len(handle._r.output) >= n:
             break
-        engine._step_lock.release()
+        hold.__exit__(None, None, None)
         assert time.monotonic() < deadline, "the request made no progress"
         time.sleep(0.001)
     try:
         yield
     finally:
-        engine._step_lock.release()
+        hold.__exit__(None, None, None)
 
 
 def test_pause_abort_returns_partial_output(engine, tiny):
@@ -164,17 +165,24 @@ def test_pause_retract_and_in_place_lose_nothing_and_continue_the_same_tokens(ti
         )
 
 
-def test_weight_update_sets_version_and_flushes_prefixes(engine, tiny):
+def test_weight_update_sets_version_and_never_reuses_stale_kv(engine, tiny):
     _, tok = tiny
-    engine.generate([_req(tok, "reverse abcdefg", max_new_tokens=3)])
+    engine.generate([_req(tok, "reverse abcdefg", max_new_tokens=3)])  # a cached prefix
+    running = engine.submit(_req(tok, "reverse abcdefg", rid="frozen", max_new_tokens=300))
+    with frozen_after(engine, running, 2):
+        engine.pause("in_place")  # frozen with KV from the old weights
     name, t = next(iter(engine.named_tensors().items()))
-    engine.pause("in_place")
+    t = t.clone()
     engine.update_weights_from_tensor([(name, t + 1.0)])
     engine.set_weight_version(7)
     engine.resume()
+    assert running.result(timeout=60).meta_info.weight_version == "7"
     r = engine.generate([_req(tok, "reverse abcdefg", max_new_tokens=3)])[0]
-    assert r.meta_info.cached_tokens == 0  # stale KV was dropped
+    assert r.meta_info.cached_tokens == 0  # neither the flushed cache nor the frozen slot's KV
     assert r.meta_info.weight_version == "7"
+    with pytest.raises(KeyError, match="no parameter"):  # a bad push changes nothing
+        engine.update_weights_from_tensor([(name, t), ("nope", t)])
+    assert torch.equal(engine.named_tensors()[name], t + 1.0)
 
 
 def test_release_and_resume_memory(engine, tiny):

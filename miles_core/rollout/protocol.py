@@ -51,6 +51,7 @@ class FinishReason(BaseModel):
     type: Literal["stop", "length", "abort"]
     matched: int | None = None
     length: int | None = None
+    message: str | None = None  # why an abort happened (engine error, shutdown), as in SGLang
 
 
 class MetaInfo(BaseModel):

@@ -116,6 +116,8 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not engine.alive():
+            return _error(503, "the engine's scheduler has stopped")
         return {}
 
     @app.get("/health_generate")
@@ -123,7 +125,11 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
         ids = [engine.tokenizer.eos_token_id or 0]
         req = GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=1))
         handle = engine.submit(req)
-        await asyncio.to_thread(handle.result, 30)
+        try:
+            await asyncio.wait_for(_wait(handle), 30)
+        except TimeoutError:
+            await asyncio.to_thread(engine.abort, handle.rid)
+            return _error(503, "the engine did not generate a token within 30 s (paused or stuck)")
         return {}
 
     @app.get("/get_model_info")
@@ -155,8 +161,16 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
         if body.stream:
             return _error(400, "stream=true is not supported by this engine")
         requests = _to_requests(body, engine)
-        handles = [engine.submit(r) for r in requests]
-        results = await asyncio.gather(*(asyncio.to_thread(h.result) for h in handles))
+        handles = []
+        try:
+            for r in requests:
+                handles.append(engine.submit(r))
+            results = await asyncio.gather(*(_wait(h) for h in handles))
+        except BaseException:  # a failed submit, or the client went away: nothing keeps running
+            for h in handles:
+                if not h.done():
+                    await asyncio.to_thread(engine.abort, h.rid)
+            raise
         out = [_response_json(r, body) for r in results]
         batched = isinstance(body.text, list) or (
             body.input_ids and isinstance(body.input_ids[0], list)
@@ -165,7 +179,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody):
-        n = engine.abort(None if body.abort_all else body.rid)
+        n = await asyncio.to_thread(engine.abort, None if body.abort_all else body.rid)
         return {"success": True, "message": f"aborted {n} request(s)"}
 
     @app.post("/pause_generation")
@@ -184,7 +198,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        if not engine.flush_cache():
+        if not await asyncio.to_thread(engine.flush_cache):
             return _error(400, "cannot flush the cache while requests are in flight")
         return {"success": True, "message": "Cache flushed."}
 
@@ -237,9 +251,8 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             snapshot.update({n: t.clone() for n, t in engine.named_tensors().items()})
             return {"success": True, "message": f"snapshot of {len(snapshot)} tensors"}
         if body.action == "reset_tensors":
-            engine.update_weights_from_tensor(
-                ((n, torch.zeros_like(t)) for n, t in engine.named_tensors().items()), False
-            )
+            zeros = [(n, torch.zeros_like(t)) for n, t in engine.named_tensors().items()]
+            await asyncio.to_thread(engine.update_weights_from_tensor, zeros, False)
             return {"success": True, "message": "tensors reset"}
         if body.action == "compare":
             if not snapshot:
@@ -253,6 +266,18 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
         return _error(400, f"unknown weights_checker action {body.action!r}")
 
     return app
+
+
+async def _wait(handle):
+    """The response of a submitted request, awaited without holding a thread."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def done(response) -> None:
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(response))
+
+    handle.add_done_callback(done)
+    return await future
 
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
@@ -291,6 +316,8 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
         prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
     n = len(prompts)
     params = _listify(body.sampling_params, n, "sampling_params")
+    if isinstance(body.rid, str) and n > 1:
+        raise EngineRequestError(f"give one rid per prompt ({n} prompts), or none")
     rids = _listify(body.rid, n, "rid") if body.rid is not None else [None] * n
     out = []
     for ids, sp, rid in zip(prompts, params, rids, strict=True):

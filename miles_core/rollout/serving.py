@@ -13,6 +13,8 @@ their KV. New requests queue while paused.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -29,9 +31,10 @@ from miles_core.rollout.sampler import sample_next
 from miles_core.rollout.slots import Slot, SlotState, SlotTable
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+log = logging.getLogger("miles.engine")
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: list/deque membership must not compare fields
 class _Request:
     rid: str
     input_ids: list[int]
@@ -45,6 +48,8 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     response: GenerateResponse | None = None
     generator: torch.Generator | None = None
+    callbacks: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def tokens(self) -> list[int]:
@@ -58,6 +63,15 @@ class RequestHandle:
 
     def done(self) -> bool:
         return self._r.done.is_set()
+
+    def add_done_callback(self, fn) -> None:
+        """`fn(response)` runs once the request finishes (at once if it already has); it runs on
+        the engine thread, so it must only hand the response over (e.g. call_soon_threadsafe)."""
+        with self._r.lock:
+            if not self._r.done.is_set():
+                self._r.callbacks.append(fn)
+                return
+        fn(self._r.response)
 
     def result(self, timeout: float | None = None) -> GenerateResponse:
         if not self._r.done.wait(timeout):
@@ -90,6 +104,8 @@ class ServingEngine:
         self._params = dict(model.named_parameters())
         self._version = 0
         self._waiting: deque[_Request] = deque()
+        self._inbox: deque[_Request] = deque()
+        self._control_waiting = 0
         self._running: list[_Request] = []
         self._by_rid: dict[str, _Request] = {}
         self._paused: str | None = None
@@ -143,17 +159,42 @@ class ServingEngine:
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
         self.validate(req)
+        if not self._thread.is_alive():
+            raise EngineRequestError("the engine's scheduler has stopped; restart the engine")
         rid = req.rid or uuid.uuid4().hex
-        if rid in self._by_rid:
-            raise EngineRequestError(f"request id {rid!r} is already in flight")
         r = _Request(rid=rid, input_ids=list(req.input_ids), req=req)
         if req.sampling_params.sampling_seed is not None:
             r.generator = torch.Generator().manual_seed(req.sampling_params.sampling_seed)
-        with self._wake:
+        with self._wake:  # the scheduler moves the inbox into the queue under its step lock
+            if rid in self._by_rid:
+                raise EngineRequestError(f"request id {rid!r} is already in flight")
             self._by_rid[rid] = r
-            self._waiting.append(r)
+            self._inbox.append(r)
             self._wake.notify()
         return RequestHandle(r)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @contextlib.contextmanager
+    def between_steps(self):
+        """Holds the scheduler between two steps for the block. The scheduler yields to a waiting
+        control call before its next step, so control calls never starve behind a busy engine."""
+        with self._wake:
+            self._control_waiting += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._wake:
+                self._control_waiting -= 1
+                self._wake.notify_all()
+
+    def _drain_inbox(self) -> None:
+        """Called with the step lock held: newly submitted requests join the queue."""
+        with self._wake:
+            while self._inbox:
+                self._waiting.append(self._inbox.popleft())
 
     def generate(
         self, requests: list[GenerateRequest], timeout: float | None = None
@@ -166,14 +207,11 @@ class ServingEngine:
     # ------------------------------------------------------------------ control
     def abort(self, rid: str | None = None) -> int:
         """Aborts one request (or all with rid=None); returns how many were aborted."""
-        with self._step_lock:
-            targets = (
-                list(self._by_rid.values())
-                if rid is None
-                else [self._by_rid[rid]]
-                if rid in self._by_rid
-                else []
-            )
+        with self.between_steps():
+            self._drain_inbox()
+            with self._wake:
+                everyone = list(self._by_rid.values())
+            targets = everyone if rid is None else [r for r in everyone if r.rid == rid]
             for r in targets:
                 self._finish(r, FinishReason(type="abort"))
             return len(targets)
@@ -181,10 +219,13 @@ class ServingEngine:
     def pause(self, mode: str = "abort") -> None:
         if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}; choose one of {PAUSE_MODES}")
-        with self._step_lock:
+        with self.between_steps():
+            self._drain_inbox()
             self._paused = mode
             if mode == "abort":
-                for r in list(self._by_rid.values()):
+                with self._wake:
+                    everyone = list(self._by_rid.values())
+                for r in everyone:
                     self._finish(r, FinishReason(type="abort"))
             elif mode == "retract":
                 for r in reversed(self._running):
@@ -205,25 +246,28 @@ class ServingEngine:
     def update_weights_from_tensor(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True
     ) -> int:
+        """Checks every name and shape first, then copies: a bad push changes nothing. Cached
+        prefixes computed with the old weights are never reused afterwards (slot epochs)."""
+        pairs = list(named_tensors)
+        for name, tensor in pairs:
+            param = self._params.get(name)
+            if param is None:
+                raise KeyError(f"engine has no parameter named {name!r}")
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
+                )
         copied = 0
-        with self._step_lock, torch.no_grad():
-            for name, tensor in named_tensors:
-                param = self._params.get(name)
-                if param is None:
-                    raise KeyError(f"engine has no parameter named {name!r}")
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
-                    )
-                param.copy_(tensor)
+        with self.between_steps(), torch.no_grad():
+            for name, tensor in pairs:
+                self._params[name].copy_(tensor)
                 copied += tensor.numel() * tensor.element_size()
             self.runner.invalidate()
-            if flush_cache:
-                self.table.flush()
+            self.table.new_epoch(flush=flush_cache)
         return copied
 
     def flush_cache(self) -> bool:
-        with self._step_lock:
+        with self.between_steps():
             if self._running or self._waiting:
                 return False
             self.table.flush()
@@ -231,9 +275,12 @@ class ServingEngine:
 
     def release_memory(self, tags: list[str] | None = None) -> None:
         tags = tags or ["weights", "kv_cache"]
-        with self._step_lock:
-            if self._running:
-                raise RuntimeError("cannot release memory while requests are running; pause first")
+        with self.between_steps():
+            self._drain_inbox()
+            if self._running or self._waiting:
+                raise RuntimeError(
+                    "cannot release memory while requests are running or queued; abort them first"
+                )
             if "kv_cache" in tags:
                 self.table.flush()
                 self.runner.cache.release()
@@ -246,7 +293,7 @@ class ServingEngine:
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         tags = tags or ["weights", "kv_cache"]
-        with self._step_lock:
+        with self.between_steps():
             if "kv_cache" in tags:
                 self.runner.cache.allocate()
             if "weights" in tags and self._weights_released is not None:
@@ -278,7 +325,9 @@ class ServingEngine:
         while True:
             with self._wake:
                 while not self._stop and (
-                    self._paused is not None or not (self._waiting or self._running)
+                    self._control_waiting
+                    or self._paused is not None
+                    or not (self._inbox or self._waiting or self._running)
                 ):
                     self._wake.wait()
                 if self._stop:
@@ -290,11 +339,15 @@ class ServingEngine:
                 try:
                     self._step()
                 except Exception as e:  # a bug must not leave callers waiting forever
-                    for r in list(self._by_rid.values()):
-                        self._finish(r, FinishReason(type="abort"), error=f"engine error: {e!r}")
+                    log.exception("engine step failed")
+                    with self._wake:
+                        everyone = list(self._by_rid.values())
+                    for r in everyone:
+                        self._finish(r, FinishReason(type="abort", message=f"engine error: {e!r}"))
                 self.stats["busy_seconds"] += time.perf_counter() - t0
 
     def _step(self) -> None:
+        self._drain_inbox()
         admitted = self._admit()
         if admitted:
             logits = self.runner.prefill(
@@ -391,7 +444,8 @@ class ServingEngine:
             self.table.park(r.slot, r.tokens[: r.kv_len])
             r.slot = None
 
-    def _finish(self, r: _Request, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, r: _Request, reason: FinishReason) -> None:
+        """Called with the step lock held."""
         if r.done.is_set():
             return
         r.finish = reason
@@ -400,7 +454,9 @@ class ServingEngine:
             self._running.remove(r)
         if r in self._waiting:
             self._waiting.remove(r)
-        self._by_rid.pop(r.rid, None)
+        with self._wake:
+            if self._by_rid.get(r.rid) is r:
+                del self._by_rid[r.rid]
         r.response = GenerateResponse(
             text=self.tokenizer.decode(r.output, skip_special_tokens=True)
             if self.tokenizer
@@ -418,6 +474,8 @@ class ServingEngine:
                 ],
             ),
         )
-        if error:
-            r.response.meta_info.finish_reason = FinishReason(type="abort")
-        r.done.set()
+        with r.lock:
+            r.done.set()
+            callbacks, r.callbacks = r.callbacks, []
+        for fn in callbacks:
+            fn(r.response)

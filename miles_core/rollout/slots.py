@@ -24,6 +24,7 @@ class Slot:
     state: SlotState = SlotState.FREE
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is valid in this slot
     last_used: int = 0
+    epoch: int = 0  # the weights epoch its KV was computed with
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -39,6 +40,7 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(n)]
         self.min_match = min_match
         self._clock = 0
+        self.epoch = 0
 
     def _tick(self) -> int:
         self._clock += 1
@@ -52,7 +54,8 @@ class SlotTable:
         first = tokens[0] if tokens else None
         for s in self.slots:
             if (
-                s.state == SlotState.FREE
+                s.epoch != self.epoch
+                or s.state == SlotState.FREE
                 or s.index in exclude
                 or not s.tokens
                 or s.tokens[0] != first
@@ -75,6 +78,7 @@ class SlotTable:
                 return None
             slot = min(cached, key=lambda s: s.last_used)
         slot.state, slot.tokens, slot.last_used = SlotState.RUNNING, [], self._tick()
+        slot.epoch = self.epoch
         return slot
 
     def take(self, slot: Slot) -> Slot:
@@ -82,8 +86,18 @@ class SlotTable:
         return slot
 
     def park(self, slot: Slot, tokens: list[int]) -> None:
-        """A sequence left the slot; its KV stays reusable."""
+        """A sequence left the slot; its KV stays reusable if computed with the current weights."""
+        if slot.epoch != self.epoch:
+            slot.state, slot.tokens = SlotState.FREE, []
+            return
         slot.state, slot.tokens, slot.last_used = SlotState.CACHED, list(tokens), self._tick()
+
+    def new_epoch(self, flush: bool = True) -> None:
+        """The weights changed: KV computed before (cached or still running) is never matched
+        again; with `flush`, cached slots are freed now."""
+        self.epoch += 1
+        if flush:
+            self.flush()
 
     def flush(self) -> None:
         """Drops every cached prefix (after a weight update the KV is stale)."""
