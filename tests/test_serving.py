@@ -8,8 +8,7 @@ import time
 import pytest
 import torch
 
-from miles_core.rollout.embedded import EngineRequestError
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.rollout.serving import ServingEngine
 

@@ -13,12 +13,15 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
-from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse, MetaInfo
+from miles_core.rollout.engine import load_named_tensors
+from miles_core.rollout.protocol import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    validate_request,
+)
 from miles_core.rollout.sampler import sample_next
-
-
-class EngineRequestError(ValueError):
-    """A request the engine cannot serve (bad ids, lengths): a client error, not an engine fault."""
 
 
 class EmbeddedEngine:
@@ -51,45 +54,14 @@ class EmbeddedEngine:
 
     # ---------------------------------------------------------------- weights
     def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        copied = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                param = self._params.get(name)
-                if param is None:
-                    raise KeyError(f"engine has no parameter named {name!r}")
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
-                    )
-                param.copy_(tensor)
-                copied += tensor.numel() * tensor.element_size()
-        return copied
+        return load_named_tensors(self._params, named_tensors)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self._params.items()}
 
     # ---------------------------------------------------------------- generation
     def validate(self, req: GenerateRequest) -> None:
-        sp = req.sampling_params
-        if not req.input_ids:
-            raise EngineRequestError("input_ids is empty")
-        bad = [t for t in req.input_ids if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise EngineRequestError(
-                f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
-            )
-        if sp.max_new_tokens < 0:
-            raise EngineRequestError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
-        if len(req.input_ids) + sp.max_new_tokens > self.max_context:
-            raise EngineRequestError(
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                f"exceeds the context length {self.max_context}"
-            )
-        stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
-        if stop is not None:
-            raise EngineRequestError(
-                f"stop token id {stop} outside the vocabulary [0, {self.vocab_size})"
-            )
+        validate_request(req, self.vocab_size, self.max_context)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         for r in requests:

@@ -27,3 +27,23 @@ class RolloutEngine(Protocol):
     def pause(self, mode: str = "abort") -> None: ...
 
     def resume(self) -> None: ...
+
+
+def load_named_tensors(
+    params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> int:
+    """Copies tensors into parameters by HF name, all or nothing: every name and shape is checked
+    before the first copy. Returns the bytes copied."""
+    pairs = list(named_tensors)
+    for name, tensor in pairs:
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"engine has no parameter named {name!r}")
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in pairs:
+            params[name].copy_(tensor)
+    return sum(t.numel() * t.element_size() for _, t in pairs)

@@ -9,15 +9,12 @@ within a few seconds instead of leaving the rollout waiting.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
@@ -33,22 +30,17 @@ def generate_payload(req: GenerateRequest) -> dict:
     }
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine process died, hangs, or cannot be reached."""
+EngineUnavailable = ProcessUnavailable  # the engine process died, hangs, or cannot be reached
 
 
 class EngineRequestRejected(ValueError):
     """The engine answered 4xx: the request itself is wrong."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class EngineProcess:
+class EngineProcess(ManagedProcess):
     """One `miles_core.rollout.server` subprocess on 127.0.0.1, stopped by PID."""
+
+    what = "engine"
 
     def __init__(
         self,
@@ -57,22 +49,12 @@ class EngineProcess:
         args: list[str] | None = None,
         log_path: str | Path | None = None,
     ):
+        super().__init__(port=port, log_path=log_path)
         self.model_dir = str(model_dir)
-        self.port = port or free_port()
         self.args = args or []
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def start(self, timeout: float = 120.0) -> EngineProcess:
-        cmd = [
+    def command(self) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "miles_core.rollout.server",
@@ -82,42 +64,6 @@ class EngineProcess:
             str(self.port),
             *self.args,
         ]
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-        self.wait_healthy(timeout)
-        return self
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise EngineUnavailable(
-                    f"engine process {self.pid} exited with code {self.proc.returncode} during start-up"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise EngineUnavailable(f"engine at {self.url} not healthy after {timeout:.0f} s")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout)
-
-    def __enter__(self) -> EngineProcess:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 class HttpEngine:

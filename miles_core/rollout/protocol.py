@@ -73,3 +73,27 @@ class GenerateResponse(BaseModel):
     @property
     def output_log_probs(self) -> list[float]:
         return [lp for lp, _, _ in self.meta_info.output_token_logprobs]
+
+
+class EngineRequestError(ValueError):
+    """A request an engine cannot serve (bad ids, lengths): a client error (HTTP 4xx)."""
+
+
+def validate_request(req: GenerateRequest, vocab_size: int, max_context: int) -> None:
+    """Raises EngineRequestError naming what is wrong with `req` for a model of this size."""
+    sp = req.sampling_params
+    if not req.input_ids:
+        raise EngineRequestError("input_ids is empty")
+    bad = next((t for t in req.input_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise EngineRequestError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    if sp.max_new_tokens < 0:
+        raise EngineRequestError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
+    if len(req.input_ids) + sp.max_new_tokens > max_context:
+        raise EngineRequestError(
+            f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+            f"exceeds the context length {max_context}"
+        )
+    stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < vocab_size), None)
+    if stop is not None:
+        raise EngineRequestError(f"stop token id {stop} outside the vocabulary [0, {vocab_size})")

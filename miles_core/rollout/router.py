@@ -10,16 +10,15 @@ once it serves the current weight version. Stopped by PID like the engines.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from miles_core.rollout.http_engine import ROUTING_KEY_HEADER, EngineUnavailable, free_port
+from miles_core.rollout.http_engine import ROUTING_KEY_HEADER
+from miles_core.rollout.process import ManagedProcess
 
 __all__ = ["ROUTING_KEY_HEADER", "RouterProcess", "router_binary"]
 
@@ -32,7 +31,9 @@ def router_binary() -> str:
     return found
 
 
-class RouterProcess:
+class RouterProcess(ManagedProcess):
+    what = "sglang-router"
+
     def __init__(
         self,
         worker_urls: list[str],
@@ -41,23 +42,17 @@ class RouterProcess:
         health_failures: int = 2,
         log_path: str | Path | None = None,
     ):
+        super().__init__(port=port, log_path=log_path)
         self.worker_urls = list(worker_urls)
-        self.port = port or free_port()
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> RouterProcess:
-        cmd = [
+    def command(self) -> list[str]:
+        return [
             router_binary(),
             "launch",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--worker-urls",
@@ -73,22 +68,6 @@ class RouterProcess:
             "--health-success-threshold",
             "1",
         ]
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineUnavailable(
-                    f"sglang-router exited with code {self.proc.returncode} during start-up"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise EngineUnavailable(f"router at {self.url} not healthy after {timeout:.0f} s")
 
     def workers(self) -> list[dict]:
         """The router's view: [{"url", "id", "is_healthy", "load", ...}]."""
@@ -135,19 +114,3 @@ class RouterProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out waiting for {what}")
             time.sleep(0.1)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout)
-
-    def __enter__(self) -> RouterProcess:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -22,8 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from miles_core.rollout.embedded import EngineRequestError
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
 

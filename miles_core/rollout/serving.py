@@ -24,8 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_core.rollout.embedded import EngineRequestError
-from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse, MetaInfo
+from miles_core.rollout.engine import load_named_tensors
+from miles_core.rollout.protocol import (
+    EngineRequestError,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    validate_request,
+)
 from miles_core.rollout.runner import Qwen3Runner
 from miles_core.rollout.sampler import sample_next
 from miles_core.rollout.slots import Slot, SlotState, SlotTable
@@ -134,26 +141,7 @@ class ServingEngine:
         return {n: p.detach() for n, p in self._params.items()}
 
     def validate(self, req: GenerateRequest) -> None:
-        sp = req.sampling_params
-        if not req.input_ids:
-            raise EngineRequestError("input_ids is empty")
-        bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise EngineRequestError(
-                f"token id {bad} outside the vocabulary [0, {self.vocab_size})"
-            )
-        if sp.max_new_tokens < 0:
-            raise EngineRequestError(f"max_new_tokens must be >= 0, got {sp.max_new_tokens}")
-        if len(req.input_ids) + sp.max_new_tokens > self.max_context:
-            raise EngineRequestError(
-                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                f"exceeds the context length {self.max_context}"
-            )
-        stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < self.vocab_size), None)
-        if stop is not None:
-            raise EngineRequestError(
-                f"stop token id {stop} outside the vocabulary [0, {self.vocab_size})"
-            )
+        validate_request(req, self.vocab_size, self.max_context)
         if self._weights_released is not None:
             raise EngineRequestError("weights are released; resume memory occupation first")
 
@@ -249,19 +237,8 @@ class ServingEngine:
         """Checks every name and shape first, then copies: a bad push changes nothing. Cached
         prefixes computed with the old weights are never reused afterwards (slot epochs)."""
         pairs = list(named_tensors)
-        for name, tensor in pairs:
-            param = self._params.get(name)
-            if param is None:
-                raise KeyError(f"engine has no parameter named {name!r}")
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
-                )
-        copied = 0
-        with self.between_steps(), torch.no_grad():
-            for name, tensor in pairs:
-                self._params[name].copy_(tensor)
-                copied += tensor.numel() * tensor.element_size()
+        with self.between_steps():
+            copied = load_named_tensors(self._params, pairs)
             self.runner.invalidate()
             self.table.new_epoch(flush=flush_cache)
         return copied

@@ -10,15 +10,13 @@ exactly as to our own engine server.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine, free_port
+from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine
+from miles_core.rollout.process import ManagedProcess
 
 
 @dataclass
@@ -64,51 +62,25 @@ def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-class SGLangProcess:
-    """One `sglang.launch_server` subprocess, stopped by PID."""
+class SGLangProcess(ManagedProcess):
+    """One `sglang.launch_server` subprocess, healthy once it generates, stopped by PID."""
+
+    what = "SGLang"
+    health_path = "/health_generate"
+    health_poll_s = 1.0
 
     def __init__(self, launch: SGLangLaunch, log_path: str | Path | None = None):
-        if not launch.port:
-            launch.port = free_port()
+        super().__init__(port=launch.port or None, log_path=log_path, host=launch.host)
+        launch.port = self.port
         self.launch = launch
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.launch.host}:{self.launch.port}"
+    def command(self) -> list[str]:
+        return self.launch.command()
 
     def start(self, timeout: float = 900.0) -> SGLangProcess:
         if not Path(self.launch.python).exists():
             raise FileNotFoundError(f"SGLang interpreter {self.launch.python!r} not found")
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            self.launch.command(), stdout=out, stderr=subprocess.STDOUT, env={**os.environ}
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineUnavailable(
-                    f"sglang.launch_server exited with code {self.proc.returncode}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health_generate", timeout=10.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise EngineUnavailable(f"SGLang at {self.url} not healthy after {timeout:.0f} s")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout)
+        return super().start(timeout)
 
 
 def attach(
