@@ -184,6 +184,17 @@ def test_malformed_json_unknown_version_and_oversize_body(server):
         f"{server.url}/generate", content=big, headers={"content-type": "application/json"}
     )
     assert r.status_code == 413 and "exceeds the limit" in r.json()["message"]
+
+    def chunks():  # chunked transfer: no Content-Length to trust
+        yield b'{"input_ids": ['
+        for _ in range(5 << 10):  # 10 MiB > the 8 MiB limit
+            yield b"5," * 1024
+        yield b"5]}"
+
+    r = httpx.post(
+        f"{server.url}/generate", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["message"]
     r = httpx.post(f"{server.url}/pause_generation", json={"mode": "sideways"})
     assert r.status_code == 400 and "unknown pause mode" in r.json()["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200

@@ -71,6 +71,54 @@ class CheckerBody(_Body):
     action: str = "checksum"
 
 
+class BodyLimit:
+    """Refuses bodies over `limit` bytes with 413, whether they declare a Content-Length or come
+    chunked: the body is read (at most `limit` bytes) before the app sees it."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and int(declared) > self.limit:
+            return await self._refuse(
+                scope, receive, send, f"request body of {int(declared)} bytes"
+            )
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay(b"", receive, message), send)
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._refuse(scope, receive, send, "a request body")
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        response = _error(413, f"{what} exceeds the limit of {self.limit} bytes")
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive, first=None):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if first is not None and not sent:
+            sent = True
+            return first
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 def parse_version(value: str) -> int:
     try:
         version = int(value)
@@ -94,14 +142,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
     app = FastAPI(title="miles engine", docs_url=None, redoc_url=None)
     snapshot: dict[str, torch.Tensor] = {}
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and int(size) > MAX_BODY_BYTES:
-            return _error(
-                413, f"request body of {size} bytes exceeds the limit of {MAX_BODY_BYTES}"
-            )
-        return await call_next(request)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, exc: RequestValidationError):
@@ -352,11 +393,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--context-length", type=int, default=None, help="KV cache length (default: the model's)"
+    )
+    ap.add_argument(
+        "--cache-slots", type=int, default=None, help="KV cache slots (default: 2 × max-running)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_hf_dir(args.model)
-    engine = ServingEngine(model, tok, seed=args.seed, max_running=args.max_running)
+    engine = ServingEngine(
+        model,
+        tok,
+        seed=args.seed,
+        max_running=args.max_running,
+        cache_slots=args.cache_slots,
+        max_len=args.context_length,
+    )
     app = create_app(engine, args.model)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
