@@ -7,7 +7,6 @@ Nothing here knows about Prefect; `tasks/` wraps these functions, `flows/` order
 from __future__ import annotations
 
 import base64
-import logging
 import tempfile
 from pathlib import Path
 
@@ -25,8 +24,6 @@ from miles_core.train.advantages import grpo_advantages
 from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
-
-log = logging.getLogger("miles")
 
 
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:

@@ -1,5 +1,6 @@
 """Thin Prefect tasks: each calls one miles_core function and adds what Prefect is good at
-(names in the UI, retries for I/O, logging). No RL logic lives here."""
+(names in the UI, per-phase timing, logging). No RL logic lives here. No retries: a step-level
+task runs collectives on every trainer rank, and a retry from rank 0 alone would not line up."""
 
 from tasks.checkpoint import save_checkpoint
 from tasks.rollout import rollout_batch
