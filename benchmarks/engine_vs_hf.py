@@ -2,10 +2,11 @@
 
 Workload (per preset): 32 prompts of 16 tokens, 64 new tokens each (no stop token can end them
 early: `min_new_tokens` for `generate`, no stop ids for ours), temperature-1 sampling with
-per-token log-probs. Engines: HF `generate`, the embedded engine (HF modules + DynamicCache), the
-serving engine in process (lean forward, slot KV cache, continuous batching), and the serving
-engine behind its HTTP server (a subprocess on 127.0.0.1, 32 concurrent requests). One warm-up,
-then interleaved repetitions; the median is reported. Prints a table, then one JSON object.
+per-token log-probs. Engines: HF `generate` (fp32), the embedded engine (HF modules +
+DynamicCache), the serving engine in process (lean forward, slot KV cache, continuous batching;
+fp32 and bf16 GEMMs) and behind its HTTP server (a subprocess on 127.0.0.1, 32 concurrent
+requests; fp32 and bf16). One warm-up, then interleaved repetitions; the median is reported.
+Prints a table, then one JSON object.
 
     python benchmarks/engine_vs_hf.py [--presets small,medium] [--reps 3]
 """
@@ -13,6 +14,8 @@ then interleaved repetitions; the median is reported. Prints a table, then one J
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import tempfile
@@ -28,6 +31,7 @@ from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.serving import ServingEngine
 
 BATCH, PROMPT, NEW = 32, 16, 64
+DTYPES = ("float32", "bfloat16")
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -53,7 +57,10 @@ def bench(preset: str, reps: int) -> dict[str, float]:
     ids = prompts(model.config.vocab_size)
     reqs = requests(ids)
     embedded = EmbeddedEngine(model, tok)
-    serving = ServingEngine(model, tok, max_running=BATCH)
+    serving = {
+        dtype: ServingEngine(model, tok, max_running=BATCH, scheduler="caller", dtype=dtype)
+        for dtype in DTYPES
+    }
     input_ids = torch.tensor(ids)
 
     def hf():
@@ -71,22 +78,25 @@ def bench(preset: str, reps: int) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_dir(model, tok, tmp)
-        with EngineProcess(tmp, args=["--max-running", str(BATCH)]) as proc:
-            client = HttpEngine(proc.url, concurrency=BATCH)
-            variants = {
-                "hf_generate": hf,
-                "embedded": lambda: embedded.generate(reqs),
-                "serving_in_process": lambda: serving.generate(reqs),
-                "serving_http": lambda: client.generate(reqs),
-            }
+        args = ["--max-running", str(BATCH)]
+        with contextlib.ExitStack() as stack:
+            clients = {}
+            for dtype in DTYPES:
+                proc = stack.enter_context(EngineProcess(tmp, args=[*args, "--dtype", dtype]))
+                clients[dtype] = HttpEngine(proc.url, concurrency=BATCH)
+                stack.callback(clients[dtype].close)
+            variants = {"hf_generate": hf, "embedded": lambda: embedded.generate(reqs)}
+            for dtype in DTYPES:
+                variants[f"in_process_{dtype}"] = functools.partial(serving[dtype].generate, reqs)
+                variants[f"http_{dtype}"] = functools.partial(clients[dtype].generate, reqs)
             for fn in variants.values():  # warm-up
                 fn()
             times: dict[str, list[float]] = {k: [] for k in variants}
             for _ in range(reps):
                 for name, fn in variants.items():
                     times[name].append(timed(fn))
-            client.close()
-    serving.close()
+    for engine in serving.values():
+        engine.close()
     tokens = BATCH * NEW
     return {name: tokens / statistics.median(ts) for name, ts in times.items()}
 
@@ -98,25 +108,17 @@ def main() -> None:
     args = ap.parse_args()
     results = {p: bench(p, args.reps) for p in args.presets.split(",")}
     names = list(next(iter(results.values())))
-    print(
-        f"{'preset':8}"
-        + "".join(f"{n + ' tok/s':>26}" for n in names)
-        + f"{'serving/hf':>12}{'http/hf':>10}"
-    )
+    print(f"{'preset':8}" + "".join(f"{n:>20}" for n in names) + "   (tokens/s)")
     for p, r in results.items():
-        row = "".join(f"{r[n]:>26.0f}" for n in names)
-        print(
-            f"{p:8}{row}{r['serving_in_process'] / r['hf_generate']:>12.2f}{r['serving_http'] / r['hf_generate']:>10.2f}"
-        )
+        print(f"{p:8}" + "".join(f"{r[n]:>20.0f}" for n in names))
+    print(f"{'preset':8}" + "".join(f"{n:>20}" for n in names[1:]) + "   (× hf_generate)")
+    for p, r in results.items():
+        print(f"{p:8}" + "".join(f"{r[n] / r['hf_generate']:>20.2f}" for n in names[1:]))
     print(
         json.dumps(
             {
                 "speedup_vs_hf_generate": {
-                    p: {
-                        "embedded": round(r["embedded"] / r["hf_generate"], 3),
-                        "in_process": round(r["serving_in_process"] / r["hf_generate"], 3),
-                        "http": round(r["serving_http"] / r["hf_generate"], 3),
-                    }
+                    p: {n: round(r[n] / r["hf_generate"], 3) for n in names[1:]}
                     for p, r in results.items()
                 },
                 "tokens_per_s": {
@@ -126,7 +128,8 @@ def main() -> None:
                     "batch": BATCH,
                     "prompt_tokens": PROMPT,
                     "new_tokens": NEW,
-                    "dtype": "float32",
+                    "hf_dtype": "float32",
+                    "threads": torch.get_num_threads(),
                 },
                 "target": 3.0,
             }

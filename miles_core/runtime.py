@@ -65,7 +65,14 @@ class RLRuntime:
         seed = config.rollout.seed + config.seed
         if config.rollout.engine == "serving":
             batch = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt
-            self.engine = ServingEngine(model, self.tokenizer, seed=seed, max_running=batch)
+            self.engine = ServingEngine(
+                model,
+                self.tokenizer,
+                seed=seed,
+                max_running=batch,
+                dtype=config.rollout.dtype,
+                scheduler="caller",
+            )
         else:
             self.engine = EmbeddedEngine(model, self.tokenizer, seed=seed)
         train = config.train

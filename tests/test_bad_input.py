@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
         (["train.adam_beta1=1.0"], "adam_beta1"),
         (["train.eps_clip_high=0"], "eps_clip_high"),
         (["train.threads=0"], "threads"),
+        (["rollout.dtype=bfloat16"], "rollout.dtype bfloat16 needs rollout.engine: serving"),
+        (["rollout.dtype=float16"], "rollout.dtype"),
         (["weight_sync.transport=carrier-pigeon"], "unknown weight transport 'carrier-pigeon'"),
     ],
 )

@@ -146,6 +146,8 @@ def test_resume_continues_the_same_run_bit_identically(
             )
         ]
         assert len(hit) == 6 and min(hit) > 0.5
+        for gauge in ("rollout/engine_active_requests", "rollout/engine_queue_depth"):
+            assert len(client.get_metric_history(runs["full"].info.run_id, gauge)) == 6, gauge
     keys = [
         "rollout/reward_mean",
         "train/loss",

@@ -36,6 +36,7 @@ class EmbeddedEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._params = dict(model.named_parameters())
+        self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}
 
     @property
     def weight_version(self) -> int:
@@ -43,6 +44,10 @@ class EmbeddedEngine:
 
     def set_weight_version(self, version: int) -> None:
         self._version = int(version)
+
+    def load_counters(self) -> dict[str, float]:
+        """Cumulative step and load counters (see `RolloutEngine.load_counters`)."""
+        return dict(self._load)
 
     def pause(
         self, mode: str = "abort"
@@ -108,6 +113,8 @@ class EmbeddedEngine:
                 use_cache=True,
             ).logits[:, -1, :]
             tokens, token_lp = sample_next(logits, temperature, top_k, top_p, self.generator)
+            self._load["steps"] += 1
+            self._load["running_sum"] += sum(f is None for f in finish)
             tok_list, lp_list = tokens.tolist(), token_lp.tolist()
             for i in range(bsz):
                 if finish[i] is not None:

@@ -158,6 +158,12 @@ class HttpEngine:
         r.raise_for_status()
         return r.json()
 
+    def load_counters(self) -> dict[str, float]:
+        """The server's cumulative load counters; {} when it does not report them (SGLang)."""
+        info = self.server_info()
+        keys = ("steps", "running_sum", "waiting_sum")
+        return {k: float(info[k]) for k in keys} if all(k in info for k in keys) else {}
+
     @property
     def weight_version(self) -> int:
         return int(self.server_info()["weight_version"])

@@ -1,8 +1,9 @@
-"""A slot-based KV cache: one preallocated [slots, kv_heads, max_len, head_dim] tensor pair per layer.
+"""A slot-based KV cache: one preallocated [slots, max_len, 2·kv_heads, head_dim] tensor per layer.
 
-A sequence owns one slot while it runs; `k[layer][slot, :, :n]` are its first n positions.
+A sequence owns one slot while it runs; `kv[layer][slot, :n]` are its first n positions, keys in
+the first kv_heads rows and values in the rest, so one indexed write stores both.
 Slots of finished sequences stay filled (CACHED) so a later request with the same prefix can take
-the slot over, or copy the prefix, instead of recomputing it (see `prefix_cache.py`).
+the slot over, or copy the prefix, instead of recomputing it (see `slots.py`).
 """
 
 from __future__ import annotations
@@ -18,30 +19,39 @@ class SlotKVCache:
         kv_heads: int,
         max_len: int,
         head_dim: int,
-        dtype=torch.float32,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ):
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self._shape = (slots, max_len, 2 * kv_heads, head_dim)
+        self._dtype = dtype
+        self._device = torch.device(device)
+        self._layers = layers
+        self.kv: list[torch.Tensor] = []
         self.slots = slots
         self.max_len = max_len
+        self.allocate()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
+        for kv in self.kv:
+            kv[dst, :length] = kv[src, :length]
+
+    def swap(self, i: int, j: int, length: int) -> None:
+        """Exchanges the first `length` positions of slots i and j."""
+        for kv in self.kv:
+            held = kv[i, :length].clone()
+            kv[i, :length] = kv[j, :length]
+            kv[j, :length] = held
 
     def release(self) -> None:
         """Frees the memory (release_memory_occupation); `allocate` brings it back zeroed."""
-        self._shape = self.k[0].shape
-        self._dtype = self.k[0].dtype
-        self.k = [torch.empty(0) for _ in self.k]
-        self.v = [torch.empty(0) for _ in self.v]
+        self.kv = []
 
     def allocate(self) -> None:
-        if self.k and self.k[0].numel() == 0:
-            self.k = [torch.zeros(self._shape, dtype=self._dtype) for _ in self.k]
-            self.v = [torch.zeros(self._shape, dtype=self._dtype) for _ in self.v]
+        if not self.kv:
+            self.kv = [
+                torch.zeros(self._shape, dtype=self._dtype, device=self._device)
+                for _ in range(self._layers)
+            ]

@@ -78,8 +78,10 @@ def generate_groups(
         for g, ids in enumerate(encoded)
         for k in range(n)
     ]
+    load_before = engine.load_counters()
     responses = engine.generate(requests)
     gen_seconds = time.perf_counter() - t0
+    load = engine_load(load_before, engine.load_counters())
 
     groups: list[SampleGroup] = []
     for g, ((data_index, ex), ids) in enumerate(zip(prompts, encoded, strict=True)):
@@ -113,8 +115,20 @@ def generate_groups(
             samples.append(sample)
         groups.append(SampleGroup(group_index=g, samples=samples))
     result = RolloutResult(groups)
-    result.metrics = rollout_metrics(result.samples, gen_seconds)
+    result.metrics = rollout_metrics(result.samples, gen_seconds) | load
     return result
+
+
+def engine_load(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean active requests and queue depth per engine step between two `load_counters`."""
+    steps = after.get("steps", 0.0) - before.get("steps", 0.0)
+    if steps <= 0:
+        return {}
+    return {
+        "rollout/engine_active_requests": (after["running_sum"] - before["running_sum"]) / steps,
+        "rollout/engine_queue_depth": (after["waiting_sum"] - before["waiting_sum"]) / steps,
+        "rollout/engine_steps": steps,
+    }
 
 
 def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:

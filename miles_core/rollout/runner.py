@@ -1,15 +1,28 @@
-"""A lean Qwen3 forward over a slot KV cache, sharing the HF model's parameters.
+"""A lean Qwen3 forward over a slot KV cache, computed from packed copies of the HF weights.
 
-Two entry points, both returning last-position logits:
+Two entry points, both returning last-position logits (fp32):
 - `prefill(slots, starts, chunks)`: new tokens of several sequences (right-padded), each written
   at positions start..start+len into its slot, attending to its cached prefix and causally within;
 - `decode(slots, positions, tokens)`: one token per running sequence.
-Numerically the same computation as `Qwen3ForCausalLM.forward` (RMSNorm in fp32, q/k norms,
-RoPE, SDPA with GQA, SwiGLU), so engine log-probs match the trainer's recompute to ~1e-6.
-Weights are read from the HF modules at call time, so in-place weight updates apply at once.
+
+The computation is `Qwen3ForCausalLM.forward` (RMSNorm, q/k norms, RoPE, SDPA with GQA, SwiGLU)
+with fewer, fused ops, because a decode step on small models is bound by per-op dispatch:
+- q, k, v and the q/k-norm weights with the RoPE half-rotation are packed into two GEMMs (the
+  rotation is a signed permutation, so folding it into a matrix is exact in fp32);
+- the MLP's SiLU, gate·up product and both residual adds are GEMM epilogues (oneDNN);
+- on CPU, GEMMs use oneDNN weights prepacked for the batch size (MKL takes a generic path on
+  some CPUs, e.g. AMD, and runs 1.3–1.8× slower);
+- `dtype=torch.bfloat16` runs the GEMMs and the residual stream in bf16 while q/k norms, RoPE,
+  the KV cache, attention and the logits stay fp32 (CPU bf16 attention kernels are slow); decode
+  is faster on CPUs with bf16 units, at a log-prob deviation of ≈1e-2 against an fp32 scorer
+  (the low-precision contract: the trainer recomputes log-probs in fp32, the mismatch is logged).
+In fp32 the engine's log-probs match the trainer's recompute to ~1e-6. Packed copies are rebuilt
+lazily after every weight change (`invalidate`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,104 +30,185 @@ import torch.nn.functional as F
 from miles_core.rollout.kv_cache import SlotKVCache
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+@dataclass
+class _LayerWeights:
+    qkv: torch.Tensor  # input-norm weight folded in
+    qk_norm: torch.Tensor  # [H + KVH, hd]: q_norm weight per query head, k_norm per key head
+    o: torch.Tensor
+    gate: torch.Tensor  # post-attention-norm weight folded in
+    up: torch.Tensor
+    down: torch.Tensor
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass
+class _Weights:
+    embed: torch.Tensor
+    layers: list[_LayerWeights]
+    lm_head: torch.Tensor  # final-norm weight folded in
+
+
+def _rotate_matrix(head_dim: int) -> torch.Tensor:
+    """P with x @ P == rotate_half(x) = cat(-x[half:], x[:half])."""
+    half = head_dim // 2
+    p = torch.zeros(head_dim, head_dim)
+    idx = torch.arange(half)
+    p[idx + half, idx] = -1.0
+    p[idx, idx + half] = 1.0
+    return p
 
 
 class Qwen3Runner:
-    def __init__(self, model: torch.nn.Module, slots: int, max_len: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        slots: int,
+        max_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         cfg = model.config
         self.model = model
         self.cfg = cfg
+        self.dtype = dtype
+        self.device = next(model.parameters()).device
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len or cfg.max_position_embeddings
-        inv_freq = model.model.rotary_emb.inv_freq.float()
+        inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
         pos = torch.arange(self.max_len, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = getattr(model.model.rotary_emb, "attention_scaling", 1.0)
-        self.cos = emb.cos() * scale  # [max_len, head_dim]
-        self.sin = emb.sin() * scale
+        # [max_len, 2*head_dim]: (cos, sin) side by side, matching the packed rope GEMM's output
+        self.cos_sin = torch.cat((emb.cos() * scale, emb.sin() * scale), dim=-1).to(self.device)
         self.scaling = self.head_dim**-0.5
+        self.rot: torch.Tensor | None = None
         self.cache = SlotKVCache(
-            cfg.num_hidden_layers, slots, self.n_kv, self.max_len, self.head_dim
+            cfg.num_hidden_layers,
+            slots,
+            self.n_kv,
+            self.max_len,
+            self.head_dim,
+            device=self.device,
         )
-        # oneDNN prepacked fp32 weights: on CPUs where MKL takes a generic path (e.g. AMD), the
-        # GEMMs run ≈1.3–1.8× faster; repacked lazily after every weight update (`invalidate`)
-        self.use_onednn = torch.backends.mkldnn.is_available()
-        self._packed: dict[int, torch.Tensor] = {}
+        self.use_onednn = self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self._w: _Weights | None = None
 
     def invalidate(self) -> None:
         """Weights changed (update, release, resume): drop the packed copies."""
-        self._packed.clear()
+        self._w = None
 
-    def _linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if not self.use_onednn or module.weight.dtype != torch.float32:
-            return module(x)
-        packed = self._packed.get(id(module))
-        if packed is None:
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 32)
-            self._packed[id(module)] = packed
-        return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
+    # ------------------------------------------------------------------ packing
+    def _pack(self, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        w = w.detach().to(dtype or self.dtype).contiguous()
+        if self.use_onednn:
+            return torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        return w
 
-    # ------------------------------------------------------------------ forward pieces
-    def _qkv(self, attn, h: torch.Tensor, positions: torch.Tensor):
-        """h [B, T, D], positions [B, T] → q [B, H, T, hd], k, v [B, KVH, T, hd] (RoPE applied)."""
+    def _weights(self) -> _Weights:
+        if self._w is not None:
+            return self._w
+        if self.rot is None:  # [I | P]ᵀ, fp32 like the q/k path it multiplies
+            hd = self.head_dim
+            rot = torch.cat((torch.eye(hd), _rotate_matrix(hd)), dim=1).t().to(self.device)
+            self.rot = self._pack(rot, torch.float32)
+        m = self.model.model
+        layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            in_norm = layer.input_layernorm.weight
+            post_norm = layer.post_attention_layernorm.weight
+            qkv = torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), dim=0)
+            layers.append(
+                _LayerWeights(
+                    qkv=self._pack(qkv * in_norm),
+                    qk_norm=torch.cat(
+                        (
+                            a.q_norm.weight.detach().expand(self.n_heads, -1),
+                            a.k_norm.weight.detach().expand(self.n_kv, -1),
+                        )
+                    ).float(),
+                    o=self._pack(a.o_proj.weight),
+                    gate=self._pack(mlp.gate_proj.weight * post_norm),
+                    up=self._pack(mlp.up_proj.weight * post_norm),
+                    down=self._pack(mlp.down_proj.weight),
+                )
+            )
+        self._w = _Weights(
+            embed=m.embed_tokens.weight.detach().to(self.dtype),
+            layers=layers,
+            lm_head=self._pack(self.model.lm_head.weight * m.norm.weight),
+        )
+        return self._w
+
+    # ------------------------------------------------------------------ GEMMs (+ epilogues)
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.use_onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return F.linear(x, w)
+
+    def _mm_silu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.use_onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "swish", [], "")
+        return F.silu(F.linear(x, w))
+
+    def _mm_mul(self, x: torch.Tensor, other: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.use_onednn:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, None, "mul")
+        return F.linear(x, w) * other
+
+    def _mm_add(self, x: torch.Tensor, other: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.use_onednn:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, None, "add")
+        return other + F.linear(x, w)
+
+    def _rms(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x) over the last dim, in 4 ops (the norm weight lives in the next GEMM; the
+        sum of squares is accumulated in fp32 even for bf16 x)."""
+        ss = torch.linalg.vecdot(x, x).float() if x.dtype != torch.float32 else (x * x).sum(-1)
+        return x * torch.rsqrt(ss.div_(x.shape[-1]).add_(self.eps)).unsqueeze(-1).to(x.dtype)
+
+    # ------------------------------------------------------------------ forward
+    def _layers(self, w: _Weights, h: torch.Tensor, cos_sin: torch.Tensor, write, read, mask):
+        """h [B, T, D]; cos_sin [B, T, 1, 2hd]; `write(layer, kv)` stores kv [B, T, 2·KVH, hd];
+        `read(layer)` gives keys and values [B, KVH, K, hd]; mask [B, 1, T, K] (bool)."""
         b, t, _ = h.shape
-        q = self._linear(attn.q_proj, h).view(b, t, self.n_heads, self.head_dim)
-        k = self._linear(attn.k_proj, h).view(b, t, self.n_kv, self.head_dim)
-        v = self._linear(attn.v_proj, h).view(b, t, self.n_kv, self.head_dim)
-        q = _rms(q, attn.q_norm.weight, attn.q_norm.variance_epsilon).transpose(1, 2)
-        k = _rms(k, attn.k_norm.weight, attn.k_norm.variance_epsilon).transpose(1, 2)
-        v = v.transpose(1, 2)
-        cos = self.cos[positions].unsqueeze(1)  # [B, 1, T, hd]
-        sin = self.sin[positions].unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
-
-    def _layers(
-        self, h: torch.Tensor, positions: torch.Tensor, write, read, mask: torch.Tensor
-    ) -> torch.Tensor:
-        for i, layer in enumerate(self.model.model.layers):
-            attn = layer.self_attn
-            x = _rms(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            q, k, v = self._qkv(attn, x, positions)
-            write(i, k, v)
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        for i, lw in enumerate(w.layers):
+            qkv = self._mm(self._rms(h), lw.qkv).view(b, t, nh + 2 * nkv, hd).float()
+            qk = self._rms(qkv[:, :, : nh + nkv]) * lw.qk_norm
+            # RoPE for q and k at once: qk @ [I | P] = (qk, rotate_half(qk)), times (cos, sin)
+            qk = self._mm(qk.view(-1, hd), self.rot).view(b, t, nh + nkv, 2 * hd).mul_(cos_sin)
+            qk = qk.view(b, t, nh + nkv, 2, hd).sum(3)
+            q = qk[:, :, :nh]
+            write(i, torch.cat((qk[:, :, nh:], qkv[:, :, nh + nkv :]), dim=2))
             keys, values = read(i)
             o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=True
+                q.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=nh != nkv,
             )
-            o = o.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)
-            h = h + self._linear(attn.o_proj, o)
-            x = _rms(
-                h,
-                layer.post_attention_layernorm.weight,
-                layer.post_attention_layernorm.variance_epsilon,
-            )
-            mlp = layer.mlp
-            gate = mlp.act_fn(self._linear(mlp.gate_proj, x))
-            h = h + self._linear(mlp.down_proj, gate * self._linear(mlp.up_proj, x))
+            o = o.transpose(1, 2).reshape(b, t, nh * hd).to(self.dtype)
+            h = self._mm_add(o, h, lw.o)
+            x = self._rms(h)
+            h = self._mm_add(self._mm_mul(x, self._mm_silu(x, lw.gate), lw.up), h, lw.down)
         return h
 
-    def _logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        norm = self.model.model.norm
-        return self._linear(self.model.lm_head, _rms(h_last, norm.weight, norm.variance_epsilon))
+    def _logits(self, w: _Weights, h_last: torch.Tensor) -> torch.Tensor:
+        return self._mm(self._rms(h_last), w.lm_head).float()
+
+    def _ids(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ entry points
     @torch.inference_mode()
     def prefill(self, slots: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Runs the uncached tail of each sequence; returns logits of each sequence's last token [B, V]."""
+        w = self._weights()
         bsz = len(slots)
         lens = [len(c) for c in chunks]
         width = max(lens)
@@ -123,47 +217,51 @@ class Qwen3Runner:
         for i, (s, c) in enumerate(zip(starts, chunks, strict=True)):
             ids[i, : len(c)] = torch.tensor(c)
             positions[i] = torch.arange(s, s + width).clamp(max=self.max_len - 1)
+        ids, positions = ids.to(self.device), positions.to(self.device)
         total = max(s + n for s, n in zip(starts, lens, strict=True))
-        key_pos = torch.arange(total)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, K]: causal incl. prefix
-        mask = mask.unsqueeze(1)
-        slot_t = torch.tensor(slots)
+        key_pos = torch.arange(total, device=self.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # causal incl. prefix
+        slot_t = self._ids(slots)
+        kv = self.cache.kv
 
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        def write(layer: int, new: torch.Tensor) -> None:
             for i, (slot, s, n) in enumerate(zip(slots, starts, lens, strict=True)):
-                self.cache.k[layer][slot, :, s : s + n] = k[i, :, :n]
-                self.cache.v[layer][slot, :, s : s + n] = v[i, :, :n]
+                kv[layer][slot, s : s + n] = new[i, :n]
 
         def read(layer: int):
-            return self.cache.k[layer][slot_t, :, :total], self.cache.v[layer][slot_t, :, :total]
+            return self._split(kv[layer][slot_t, :total])
 
-        h = self.model.model.embed_tokens(ids)
-        h = self._layers(h, positions, write, read, mask)
-        last = torch.tensor([n - 1 for n in lens])
-        return self._logits(h[torch.arange(bsz), last])
+        h = self._layers(w, w.embed[ids], self.cos_sin[positions].unsqueeze(2), write, read, mask)
+        last = self._ids([n - 1 for n in lens])
+        return self._logits(w, h[torch.arange(bsz, device=self.device), last])
 
     @torch.inference_mode()
     def decode(self, slots: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [B, V]."""
+        w = self._weights()
         bsz = len(slots)
-        slot_t = torch.tensor(slots)
-        pos_t = torch.tensor(positions)
+        slot_t = self._ids(slots)
+        pos_t = self._ids(positions)
         total = max(positions) + 1
-        mask = (torch.arange(total)[None, :] <= pos_t[:, None]).view(bsz, 1, 1, total)
-        contiguous = slots == list(range(slots[0], slots[0] + bsz))
+        mask = torch.arange(total, device=self.device)[None, :] <= pos_t[:, None]
+        mask = mask.view(bsz, 1, 1, total)
+        lo = slots[0]
+        contiguous = slots == list(range(lo, lo + bsz))
+        kv = self.cache.kv
 
-        def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            self.cache.k[layer][slot_t, :, pos_t] = k[:, :, 0]
-            self.cache.v[layer][slot_t, :, pos_t] = v[:, :, 0]
+        def write(layer: int, new: torch.Tensor) -> None:
+            kv[layer][slot_t, pos_t] = new[:, 0]
 
         def read(layer: int):
             if contiguous:  # a view, no gather
-                lo = slots[0]
-                return self.cache.k[layer][lo : lo + bsz, :, :total], self.cache.v[layer][
-                    lo : lo + bsz, :, :total
-                ]
-            return self.cache.k[layer][slot_t, :, :total], self.cache.v[layer][slot_t, :, :total]
+                return self._split(kv[layer][lo : lo + bsz, :total])
+            return self._split(kv[layer][slot_t, :total])
 
-        h = self.model.model.embed_tokens(torch.tensor(tokens).view(bsz, 1))
-        h = self._layers(h, pos_t.view(bsz, 1), write, read, mask)
-        return self._logits(h[:, 0])
+        h = w.embed[self._ids(tokens)].view(bsz, 1, -1)
+        h = self._layers(w, h, self.cos_sin[pos_t].view(bsz, 1, 1, -1), write, read, mask)
+        return self._logits(w, h[:, 0])
+
+    def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, K, 2·KVH, hd] → keys, values [B, KVH, K, hd] (views)."""
+        kv = kv.transpose(1, 2)
+        return kv[:, : self.n_kv], kv[:, self.n_kv :]

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -190,6 +191,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             "weight_version": str(engine.weight_version),
             "max_running_requests": engine.max_running,
             "context_length": engine.max_context,
+            "dtype": engine.dtype,
             "paused": engine.paused,
             "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),
             **engine.load_state(),
@@ -399,6 +401,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--cache-slots", type=int, default=None, help="KV cache slots (default: 2 × max-running)"
     )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="GEMM and residual dtype (bfloat16: faster decode, log-probs within ~1e-2 of fp32)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -410,9 +418,23 @@ def main(argv: list[str] | None = None) -> None:
         max_running=args.max_running,
         cache_slots=args.cache_slots,
         max_len=args.context_length,
+        dtype=args.dtype,
+        scheduler="main",
     )
     app = create_app(engine, args.model)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    )
+
+    def serve() -> None:  # HTTP in a thread, the engine's compute on the main thread
+        try:
+            server.run()
+        finally:
+            engine.close()
+
+    threading.Thread(target=serve, name="http", daemon=True).start()
+    engine.run()
+    server.should_exit = True
 
 
 if __name__ == "__main__":

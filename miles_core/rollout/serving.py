@@ -38,6 +38,11 @@ from miles_core.rollout.sampler import sample_next
 from miles_core.rollout.slots import Slot, SlotState, SlotTable
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+# thread: a scheduler thread steps the engine (requests from any thread, streaming handles);
+# caller: `generate` steps it on the calling thread (no second OpenMP pool in the process, see
+# `run` below); main: the process's main thread runs `run()` (the HTTP server does this)
+SCHEDULERS = ("thread", "caller", "main")
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger("miles.engine")
 
 
@@ -97,13 +102,18 @@ class ServingEngine:
         cache_slots: int | None = None,
         max_len: int | None = None,
         prefix_cache: bool = True,
+        dtype: str = "float32",
+        scheduler: str = "thread",
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.vocab_size = int(model.config.vocab_size)
         self.max_running = max_running
         slots = cache_slots or 2 * max_running
-        self.runner = Qwen3Runner(model, slots=slots, max_len=max_len)
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
+        self.dtype = dtype
+        self.runner = Qwen3Runner(model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype])
         self.max_context = self.runner.max_len
         # min_match beyond any context length turns prefix reuse off (for side-by-side benchmarks)
         self.table = SlotTable(slots, min_match=1 if prefix_cache else 1 << 30)
@@ -125,9 +135,19 @@ class ServingEngine:
             "cached_tokens": 0,
             "generated_tokens": 0,
             "busy_seconds": 0.0,
+            "slot_moves": 0,  # KV rows moved to keep running requests in contiguous slots
+            "steps": 0,  # engine steps, and the running / waiting requests summed over them
+            "running_sum": 0,
+            "waiting_sum": 0,
         }
-        self._thread = threading.Thread(target=self._loop, name="miles-engine", daemon=True)
-        self._thread.start()
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {SCHEDULERS}")
+        self.scheduler = scheduler
+        self._loop_state = "idle"  # idle → running → exited
+        self._exited = threading.Event()
+        if scheduler == "thread":
+            self._loop_state = "running"
+            threading.Thread(target=self.run, name="miles-engine", daemon=True).start()
 
     # ------------------------------------------------------------------ protocol
     @property
@@ -146,8 +166,15 @@ class ServingEngine:
             raise EngineRequestError("weights are released; resume memory occupation first")
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
+        """Queues one request; the handle completes when it finishes. With the `caller` scheduler
+        nothing steps the engine between `generate` calls, so use `generate` there."""
+        if self.scheduler == "caller":
+            raise EngineRequestError("this engine steps only inside generate(); call generate")
+        return self._enqueue(req)
+
+    def _enqueue(self, req: GenerateRequest) -> RequestHandle:
         self.validate(req)
-        if not self._thread.is_alive():
+        if not self.alive():
             raise EngineRequestError("the engine's scheduler has stopped; restart the engine")
         rid = req.rid or uuid.uuid4().hex
         r = _Request(rid=rid, input_ids=list(req.input_ids), req=req)
@@ -162,7 +189,7 @@ class ServingEngine:
         return RequestHandle(r)
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._loop_state != "exited"
 
     @contextlib.contextmanager
     def between_steps(self):
@@ -189,7 +216,13 @@ class ServingEngine:
     ) -> list[GenerateResponse]:
         for r in requests:
             self.validate(r)
-        handles = [self.submit(r) for r in requests]
+        if self.scheduler == "caller" and self._paused is not None:
+            raise EngineRequestError(f"the engine is paused ({self._paused}); continue it first")
+        handles = [self._enqueue(r) for r in requests]
+        if self.scheduler == "caller":
+            while not all(h.done() for h in handles):
+                with self._step_lock:
+                    self._guarded_step()
         return [h.result(timeout) for h in handles]
 
     # ------------------------------------------------------------------ control
@@ -286,6 +319,10 @@ class ServingEngine:
             "cached_slots": float(self.table.count(SlotState.CACHED)),
         }
 
+    def load_counters(self) -> dict[str, float]:
+        """Cumulative step and load counters (see `RolloutEngine.load_counters`)."""
+        return {k: float(self.stats[k]) for k in ("steps", "running_sum", "waiting_sum")}
+
     def prefix_cache_hit_rate(self) -> float:
         p = self.stats["prompt_tokens"]
         return self.stats["cached_tokens"] / p if p else 0.0
@@ -294,10 +331,24 @@ class ServingEngine:
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join(timeout=10)
+        if self._loop_state == "running":
+            self._exited.wait(timeout=10)
         self.abort()
 
     # ------------------------------------------------------------------ scheduler
+    def run(self) -> None:
+        """The scheduler loop, until `close`. With the `main` scheduler the process's main thread
+        calls this (the HTTP server runs in a thread): libgomp shortens its spin-wait when a process
+        has more OpenMP threads than cores, so a second compute thread beside a main thread that
+        already used OpenMP makes every parallel op wait on a futex (≈1.7× slower decode on 2 cores).
+        """
+        self._loop_state = "running"
+        try:
+            self._loop()
+        finally:
+            self._loop_state = "exited"
+            self._exited.set()
+
     def _loop(self) -> None:
         while True:
             with self._wake:
@@ -312,16 +363,21 @@ class ServingEngine:
             with self._step_lock:
                 if self._paused is not None:
                     continue
-                t0 = time.perf_counter()
-                try:
-                    self._step()
-                except Exception as e:  # a bug must not leave callers waiting forever
-                    log.exception("engine step failed")
-                    with self._wake:
-                        everyone = list(self._by_rid.values())
-                    for r in everyone:
-                        self._finish(r, FinishReason(type="abort", message=f"engine error: {e!r}"))
-                self.stats["busy_seconds"] += time.perf_counter() - t0
+                self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """One step, with the step lock held. A failing step aborts every request with the
+        error instead of leaving callers waiting forever."""
+        t0 = time.perf_counter()
+        try:
+            self._step()
+        except Exception as e:
+            log.exception("engine step failed")
+            with self._wake:
+                everyone = list(self._by_rid.values())
+            for r in everyone:
+                self._finish(r, FinishReason(type="abort", message=f"engine error: {e!r}"))
+        self.stats["busy_seconds"] += time.perf_counter() - t0
 
     def _step(self) -> None:
         self._drain_inbox()
@@ -336,7 +392,11 @@ class ServingEngine:
                 r.kv_len = len(r.tokens)
             self._sample(admitted, logits)
         decoding = [r for r in self._running if r not in admitted and r.finish is None]
+        self.stats["steps"] += 1
+        self.stats["running_sum"] += len(admitted) + len(decoding)
+        self.stats["waiting_sum"] += len(self._waiting)
         if decoding:
+            self._compact()
             decoding.sort(key=lambda r: r.slot.index)
             logits = self.runner.decode(
                 [r.slot.index for r in decoding],
@@ -346,6 +406,23 @@ class ServingEngine:
             for r in decoding:
                 r.kv_len = len(r.tokens)
             self._sample(decoding, logits)
+
+    def _compact(self) -> None:
+        """Moves running requests into slots 0..n-1, so a decode step reads the KV cache as one
+        view instead of gathering it per layer. Each request moves at most once per change of
+        the running set (a finished request's hole is filled by one swap)."""
+        n = len(self._running)
+        outside = [r for r in self._running if r.slot.index >= n]
+        if not outside:
+            return
+        inside = {r.slot.index for r in self._running}
+        holes = iter(i for i in range(n) if i not in inside)
+        for r in outside:
+            other = self.table.slots[next(holes)]
+            length = max(len(r.slot.tokens), len(other.tokens))
+            self.runner.cache.swap(r.slot.index, other.index, length)
+            self.table.swap(r.slot, other)
+            self.stats["slot_moves"] += 1
 
     def _admit(self) -> list[_Request]:
         """Moves waiting requests into slots. A request whose best prefix match is a slot being

@@ -105,5 +105,12 @@ class SlotTable:
             if s.state == SlotState.CACHED:
                 s.state, s.tokens = SlotState.FREE, []
 
+    def swap(self, a: Slot, b: Slot) -> None:
+        """Exchanges the positions of two slots; each keeps its state and tokens (the caller
+        moves the KV rows with `SlotKVCache.swap`)."""
+        ia, ib = a.index, b.index
+        a.index, b.index = ib, ia
+        self.slots[ia], self.slots[ib] = b, a
+
     def count(self, state: SlotState) -> int:
         return sum(s.state == state for s in self.slots)
