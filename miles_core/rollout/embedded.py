@@ -112,7 +112,8 @@ class EmbeddedEngine:
                 cache=cache,
                 use_cache=True,
             ).logits[:, -1, :]
-            tokens, token_lp = sample_next(logits, temperature, top_k, top_p, self.generator)
+            uniforms = torch.rand(bsz, generator=self.generator)
+            tokens, token_lp = sample_next(logits, temperature, top_k, top_p, uniforms)
             self._load["steps"] += 1
             self._load["running_sum"] += sum(f is None for f in finish)
             tok_list, lp_list = tokens.tolist(), token_lp.tolist()

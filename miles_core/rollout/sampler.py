@@ -1,5 +1,8 @@
 """Token sampling from one step's logits: temperature, top-k, top-p, per row.
 
+Each row is sampled by inverse CDF from one uniform number, which the caller draws: from the
+engine's generator, or from a request's own seeded generator (so a seeded request samples the
+same tokens whatever batch it runs in, and a batch of seeded requests still samples in one op).
 Log-probs are those of the temperature-scaled distribution before top-k/top-p truncation, which
 is what the trainer recomputes (it divides its logits by the same temperature).
 """
@@ -14,16 +17,20 @@ def sample_next(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
-    generator: torch.Generator | None,
+    uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] → (token ids [B], log-probs of those tokens [B])."""
+    """logits [B, V], uniforms [B] in [0, 1) → (token ids [B], log-probs of those tokens [B])."""
     scaled = logits.float() / temperature.unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
     filtered = logprobs
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         filtered = _truncate(logprobs, top_k, top_p)
-    probs = filtered.exp()
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = filtered.exp().cumsum(-1)
+    total = cdf[:, -1:]
+    # the first token whose cdf exceeds u·total; u·total stays below total, so a token with
+    # probability 0 (cut by top-k/top-p) is never chosen
+    target = torch.minimum(uniforms.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

@@ -400,11 +400,11 @@ class ServingEngine:
             decoding.sort(key=lambda r: r.slot.index)
             logits = self.runner.decode(
                 [r.slot.index for r in decoding],
-                [len(r.tokens) - 1 for r in decoding],
-                [r.tokens[-1] for r in decoding],
+                [len(r.input_ids) + len(r.output) - 1 for r in decoding],
+                [r.output[-1] for r in decoding],
             )
             for r in decoding:
-                r.kv_len = len(r.tokens)
+                r.kv_len = len(r.input_ids) + len(r.output)
             self._sample(decoding, logits)
 
     def _compact(self) -> None:
@@ -468,24 +468,19 @@ class ServingEngine:
         temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
         top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
-        seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
-        if not seeded:
-            tokens, lps = sample_next(logits, temperature, top_k, top_p, self.generator)
-        else:
-            tokens, lps = sample_next(logits, temperature, top_k, top_p, self.generator)
-            for i in seeded:
-                t, lp = sample_next(
-                    logits[i : i + 1],
-                    temperature[i : i + 1],
-                    top_k[i : i + 1],
-                    top_p[i : i + 1],
-                    reqs[i].generator,
-                )
-                tokens[i], lps[i] = t[0], lp[0]
+        uniforms = torch.rand(len(reqs), generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:  # a seeded request draws from its own stream
+                uniforms[i] = torch.rand(1, generator=r.generator)
+        tokens, lps = sample_next(logits, temperature, top_k, top_p, uniforms)
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
             r.output.append(t)
             r.logprobs.append(lp)
-            r.slot.tokens = r.tokens[: r.kv_len]
+            held = r.slot.tokens  # the KV now covers every token but the one just sampled
+            if len(held) == r.kv_len - 1:
+                held.append(r.input_ids[-1] if len(r.output) == 1 else r.output[-2])
+            elif len(held) != r.kv_len:
+                r.slot.tokens = r.tokens[: r.kv_len]
             self.stats["generated_tokens"] += 1
             sp = r.req.sampling_params
             if sp.stop_token_ids and t in sp.stop_token_ids:
