@@ -28,7 +28,7 @@ def server(tiny_dir, tmp_path_factory):
     proc.start()
     yield proc
     proc.stop()
-    assert proc.proc.poll() is not None  # stopped by PID
+    assert proc.proc.returncode == 0  # SIGTERM by PID: the step finishes, then a clean exit
 
 
 @pytest.fixture
@@ -274,3 +274,23 @@ def test_many_requests_in_flight_do_not_block_control_calls(client, tiny):
     assert len(out["r"]) == 24 and all(len(r.output_ids) == 300 for r in out["r"])
     assert {r.meta_info.weight_version for r in out["r"]} == {"9"}
     client.set_weight_version(0)
+
+
+def test_a_server_that_cannot_bind_exits_nonzero_with_the_reason(tiny_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "miles_core.rollout.server", "--model", str(tiny_dir)]
+            + ["--port", str(port), "--threads", "1"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode != 0
+    assert "address already in use" in proc.stderr and f"127.0.0.1:{port} failed" in proc.stderr

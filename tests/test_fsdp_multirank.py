@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp_parity.py"
@@ -47,8 +46,18 @@ def test_two_rank_step_matches_one_rank(tiny_dir, tmp_path, overrides):
     w1, r1 = _run(1, tiny_dir, tmp_path / "one", overrides)
     w2, r2 = _run(2, tiny_dir, tmp_path / "two", overrides)
     assert set(w1) == set(w2)
+    # Adam's first steps move every weight by ≈ lr·sign(grad), so a gradient that is zero up to
+    # reduction-order noise (1 rank vs 2) may flip its sign: such elements may differ by up to
+    # 2·lr per step, and must stay rare. Everything else agrees to 1e-5; the loss and grad-norm
+    # checks below catch a wrong normalisation (which Adam's scale invariance would hide here).
+    lr = overrides.get("lr", 1e-2)
+    total = sum(t.numel() for t in w1.values())
+    off = 0
     for name in w1:
-        assert torch.allclose(w1[name], w2[name], atol=1e-5, rtol=0), name
+        diff = (w1[name] - w2[name]).abs()
+        assert diff.max() <= 2 * 2 * lr + 1e-6, name
+        off += int((diff > 1e-5).sum())
+    assert off <= 1e-4 * total, f"{off} of {total} weights differ by more than 1e-5"
     for m1, m2 in zip(r1["metrics"], r2["metrics"], strict=True):
         for key in ("loss", "pg_loss", "ppo_kl", "pg_clipfrac", "entropy", "grad_norm"):
             assert m1[key] == pytest.approx(m2[key], abs=1e-5), key

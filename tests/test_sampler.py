@@ -34,7 +34,7 @@ def test_tokens_cut_by_top_k_and_top_p_are_never_drawn_even_at_the_edges():
     nucleus, _ = _draw(logits, 50_000, top_p=0.5)
     assert set(nucleus.tolist()) <= {1, 2} and len(set(nucleus.tolist())) == 2
     n = 4  # u = 0 and u just below 1 pick the first and the last kept token
-    edges = torch.tensor([0.0, 1.0 - 2**-24, 0.0, 1.0 - 2**-24])
+    edges = torch.tensor([0.0, 1.0 - 2**-53, 0.0, 1.0 - 2**-53], dtype=torch.float64)
     tokens, _ = sample_next(
         logits.expand(n, -1),
         torch.ones(n),
@@ -43,3 +43,10 @@ def test_tokens_cut_by_top_k_and_top_p_are_never_drawn_even_at_the_edges():
         edges,
     )
     assert tokens.tolist() == [1, 2, 0, 5]
+
+
+def test_a_tail_token_rarer_than_fp32_resolution_can_be_drawn():
+    logp = torch.log(torch.tensor([[1 - 2e-9, 1e-9, 1e-9]], dtype=torch.float64)).float()
+    u = torch.tensor([1 - 1.5e-9], dtype=torch.float64)  # lands in token 1's sliver of the CDF
+    token, lp = sample_next(logp, torch.ones(1), torch.tensor([-1]), torch.ones(1), u)
+    assert token.item() == 1 and lp.item() < -20

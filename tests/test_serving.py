@@ -277,3 +277,39 @@ def test_load_counters_give_active_requests_and_queue_depth(tiny):
     assert load["rollout/engine_steps"] >= 18  # 6 requests × 6 tokens, 2 at a time
     assert 1.0 < load["rollout/engine_active_requests"] <= 2.0
     assert load["rollout/engine_queue_depth"] > 0.5
+
+
+def _wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
+def test_caller_engine_honours_pause_from_another_thread_and_close(engine, tiny):
+    model, tok = tiny
+    req = _req(tok, "reverse abc", max_new_tokens=150, sampling_seed=7)
+    want = engine.generate([req], timeout=60)[0].output_ids
+    caller = ServingEngine(copy.deepcopy(model), tok, max_running=8, scheduler="caller")
+    got: list = []
+    worker = threading.Thread(target=lambda: got.extend(caller.generate([req])))
+    worker.start()
+    _wait_for(lambda: caller.stats["generated_tokens"] >= 5)
+    caller.pause("in_place")  # the stepping thread waits; the request keeps its KV
+    frozen = caller.stats["generated_tokens"]
+    assert frozen < 150
+    caller.resume()
+    worker.join(timeout=60)
+    assert got[0].output_ids == want  # nothing lost, same tokens as an uninterrupted run
+
+    got.clear()
+    long = _req(tok, "reverse abc", max_new_tokens=400)
+    worker = threading.Thread(target=lambda: got.extend(caller.generate([long])))
+    worker.start()
+    _wait_for(lambda: caller.stats["generated_tokens"] >= frozen + 155)
+    caller.close()
+    worker.join(timeout=60)
+    assert got[0].meta_info.finish_reason.type == "abort" and len(got[0].output_ids) < 400
+    assert not caller.alive()
+    with pytest.raises(EngineRequestError, match="stopped"):
+        caller.generate([req])

@@ -112,7 +112,7 @@ class EmbeddedEngine:
                 cache=cache,
                 use_cache=True,
             ).logits[:, -1, :]
-            uniforms = torch.rand(bsz, generator=self.generator)
+            uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
             tokens, token_lp = sample_next(logits, temperature, top_k, top_p, uniforms)
             self._load["steps"] += 1
             self._load["running_sum"] += sum(f is None for f in finish)

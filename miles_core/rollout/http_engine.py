@@ -160,7 +160,10 @@ class HttpEngine:
 
     def load_counters(self) -> dict[str, float]:
         """The server's cumulative load counters; {} when it does not report them (SGLang)."""
-        info = self.server_info()
+        try:
+            info = self.server_info()
+        except httpx.HTTPError:  # e.g. a router in front of the engines
+            return {}
         keys = ("steps", "running_sum", "waiting_sum")
         return {k: float(info[k]) for k in keys} if all(k in info for k in keys) else {}
 

@@ -10,8 +10,8 @@ with fewer, fused ops, because a decode step on small models is bound by per-op 
 - q, k, v and the q/k-norm weights with the RoPE half-rotation are packed into two GEMMs (the
   rotation is a signed permutation, so folding it into a matrix is exact in fp32);
 - the MLP's SiLU, gate·up product and both residual adds are GEMM epilogues (oneDNN);
-- on CPU, GEMMs use oneDNN weights prepacked for the batch size (MKL takes a generic path on
-  some CPUs, e.g. AMD, and runs 1.3–1.8× slower);
+- on CPU, GEMMs use oneDNN prepacked weights (packed once per weight change with a batch-size
+  hint of 32; MKL takes a generic path on some CPUs, e.g. AMD, and runs 1.3–1.8× slower);
 - `dtype=torch.bfloat16` runs the GEMMs and the residual stream in bf16 while q/k norms, RoPE,
   the KV cache, attention and the logits stay fp32 (CPU bf16 attention kernels are slow); decode
   is faster on CPUs with bf16 units, at a log-prob deviation of ≈1e-2 against an fp32 scorer
@@ -164,8 +164,9 @@ class Qwen3Runner:
         return other + F.linear(x, w)
 
     def _rms(self, x: torch.Tensor) -> torch.Tensor:
-        """x / rms(x) over the last dim, in 4 ops (the norm weight lives in the next GEMM; the
-        sum of squares is accumulated in fp32 even for bf16 x)."""
+        """x / rms(x) over the last dim, in 4 ops (the norm weight lives in the next GEMM). For
+        bf16 x the sum of squares is rounded to bf16 before the rsqrt (≈0.4 %, the same order as
+        rounding the normalised activations to bf16)."""
         ss = torch.linalg.vecdot(x, x).float() if x.dtype != torch.float32 else (x * x).sum(-1)
         return x * torch.rsqrt(ss.div_(x.shape[-1]).add_(self.eps)).unsqueeze(-1).to(x.dtype)
 

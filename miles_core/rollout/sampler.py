@@ -1,8 +1,9 @@
 """Token sampling from one step's logits: temperature, top-k, top-p, per row.
 
 Each row is sampled by inverse CDF from one uniform number, which the caller draws: from the
-engine's generator, or from a request's own seeded generator (so a seeded request samples the
-same tokens whatever batch it runs in, and a batch of seeded requests still samples in one op).
+engine's generator, or from a request's own seeded generator (so a seeded request's random
+stream does not depend on the batch it runs in, and a batch of seeded requests still samples in
+one op).
 Log-probs are those of the temperature-scaled distribution before top-k/top-p truncation, which
 is what the trainer recomputes (it divides its logits by the same temperature).
 """
@@ -25,7 +26,11 @@ def sample_next(
     filtered = logprobs
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
         filtered = _truncate(logprobs, top_k, top_p)
-    cdf = filtered.exp().cumsum(-1)
+    if bool(torch.isnan(scaled).any()):
+        raise ValueError("the model produced NaN logits; cannot sample")
+    # float64 CDF and uniforms: in fp32 the running sum near 1 has a step of 6e-8, and tokens
+    # rarer than that (a large vocabulary's tail) could never be drawn
+    cdf = filtered.exp().double().cumsum(-1)
     total = cdf[:, -1:]
     # the first token whose cdf exceeds u·total; u·total stays below total, so a token with
     # probability 0 (cut by top-k/top-p) is never chosen

@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
+import sys
 import threading
 from typing import Any
 
@@ -426,15 +428,29 @@ def main(argv: list[str] | None = None) -> None:
         uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
     )
 
+    failed: list[BaseException] = []
+
     def serve() -> None:  # HTTP in a thread, the engine's compute on the main thread
         try:
             server.run()
+        except BaseException as e:  # noqa: BLE001  (uvicorn exits with SystemExit, e.g. port taken)
+            failed.append(e)
         finally:
-            engine.close()
+            engine.request_stop()
 
-    threading.Thread(target=serve, name="http", daemon=True).start()
+    def stop(signum, frame) -> None:  # SIGTERM / SIGINT: finish the step, then shut down
+        engine.request_stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    http = threading.Thread(target=serve, name="http", daemon=True)
+    http.start()
     engine.run()
+    engine.close()  # in-flight requests get their (aborted) responses before HTTP shuts down
     server.should_exit = True
+    http.join(timeout=10)
+    if failed or not server.started:
+        sys.exit(f"engine server on {args.host}:{args.port} failed: {failed[0]!r}" if failed else 1)
 
 
 if __name__ == "__main__":

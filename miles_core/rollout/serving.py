@@ -1,7 +1,8 @@
 """The serving engine: continuous batching over a slot KV cache with prefix reuse.
 
-A scheduler thread repeats one step: admit waiting requests into free (or prefix-matching) slots
-and prefill their uncached tokens; then decode one token for every running request. Requests
+The scheduler (a thread of its own, the caller's thread inside `generate`, or the process's main
+thread; see SCHEDULERS) repeats one step: admit waiting requests into free (or prefix-matching)
+slots and prefill their uncached tokens; then decode one token for every running request. Requests
 join and leave between steps. Control calls (abort, pause, continue, weight updates, memory
 release) take the step lock, so they act between two steps.
 
@@ -220,10 +221,32 @@ class ServingEngine:
             raise EngineRequestError(f"the engine is paused ({self._paused}); continue it first")
         handles = [self._enqueue(r) for r in requests]
         if self.scheduler == "caller":
-            while not all(h.done() for h in handles):
-                with self._step_lock:
-                    self._guarded_step()
+            self._step_until_done(handles, timeout)
+            timeout = 10 if self._stop else 0  # close() is aborting them; else all are done
         return [h.result(timeout) for h in handles]
+
+    def _step_until_done(self, handles: list[RequestHandle], timeout: float | None) -> None:
+        """The `caller` scheduler: steps on this thread until the handles finish, with the same
+        manners as the scheduler thread (control calls from other threads go first, a pause
+        holds the requests, `close` ends it). Requests still running at the deadline are
+        aborted, so nothing is left queued with no one to step it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(h.done() for h in handles):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                for h in handles:
+                    if not h.done():
+                        self.abort(h.rid)
+                return
+            with self._wake:
+                if self._stop:  # close() aborts everything in flight
+                    return
+                if self._control_waiting or self._paused is not None:
+                    self._wake.wait(left)
+                    continue
+            with self._step_lock:
+                if self._paused is None:
+                    self._guarded_step()
 
     # ------------------------------------------------------------------ control
     def abort(self, rid: str | None = None) -> int:
@@ -328,12 +351,21 @@ class ServingEngine:
         return self.stats["cached_tokens"] / p if p else 0.0
 
     def close(self) -> None:
+        """Stops the scheduler and aborts every request still in flight."""
         with self._wake:
             self._stop = True
-            self._wake.notify()
+            self._wake.notify_all()
         if self._loop_state == "running":
             self._exited.wait(timeout=10)
+        self._loop_state = "exited"
         self.abort()
+
+    def request_stop(self) -> None:
+        """Asks the scheduler loop to end after its current step (safe in a signal handler on the
+        thread running `run`: it only sets a flag and notifies)."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
 
     # ------------------------------------------------------------------ scheduler
     def run(self) -> None:
@@ -468,10 +500,10 @@ class ServingEngine:
         temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
         top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
-        uniforms = torch.rand(len(reqs), generator=self.generator)
+        uniforms = torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
         for i, r in enumerate(reqs):
             if r.generator is not None:  # a seeded request draws from its own stream
-                uniforms[i] = torch.rand(1, generator=r.generator)
+                uniforms[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
         tokens, lps = sample_next(logits, temperature, top_k, top_p, uniforms)
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
             r.output.append(t)
