@@ -102,6 +102,27 @@ class OptimConfig(_Strict):
         return self
 
 
+class OffPolicyConfig(_Strict):
+    mode: Literal["none", "tis", "icepop", "mis"] = Field(
+        "none",
+        description="importance correction for π_old/π_rollout: tis truncates the ratio, icepop "
+        "masks tokens outside [low, high], mis weights at `level` with truncate or mask",
+    )
+    low: float = Field(0.0, ge=0, description="lower bound of the ratio band")
+    high: float = Field(2.0, gt=0, description="upper bound of the ratio band")
+    level: Literal["token", "sequence", "geometric"] = "token"
+    mis_mode: Literal["truncate", "mask"] = "truncate"
+    veto_threshold: float | None = Field(
+        None, gt=0, lt=1, description="mis: reject a sequence holding a token ratio below this"
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> OffPolicyConfig:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
 class TrainConfig(OptimConfig):
     backend: Literal["fsdp"] = "fsdp"
     num_steps: int = Field(50, gt=0, description="rollout → train → weight update iterations")
@@ -117,6 +138,7 @@ class TrainConfig(OptimConfig):
         0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model"
     )
     entropy_coef: float = Field(0.0, ge=0)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
 
 
 class SFTConfig(OptimConfig):

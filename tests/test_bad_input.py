@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
         (["train.threads=0"], "threads"),
         (["rollout.dtype=bfloat16"], "rollout.dtype bfloat16 needs rollout.engine: serving"),
         (["rollout.dtype=float16"], "rollout.dtype"),
+        (["train.off_policy.mode=tis", "train.off_policy.low=3"], r"low \(3.0\) must be below"),
+        (["train.off_policy.mode=is"], "train.off_policy.mode"),
         (["weight_sync.transport=carrier-pigeon"], "unknown weight transport 'carrier-pigeon'"),
     ],
 )

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_core.train import distributed as spmd
 from miles_core.train.batch import PaddedBatch, TrainBatch
+from miles_core.train.corrections import correction_weights
 from miles_core.train.losses import (
     aggregate,
     entropy_from_logits,
@@ -197,6 +198,17 @@ class FSDPBackend:
         cfg = self.loss_cfg
         eps_high = cfg.get("eps_clip_high") or cfg["eps_clip"]
         pg, clipped, approx_kl = ppo_clip_loss(lp, old, adv, cfg["eps_clip"], eps_high)
+        off = dict(cfg.get("off_policy") or {})
+        correction = None
+        if off.get("mode", "none") != "none":
+            if mb.rollout_log_probs is None:
+                raise ValueError(
+                    "train.off_policy needs the engine's log-probs (samples without "
+                    "rollout_log_probs)"
+                )
+            rollout = padded.per_token(mb.rollout_log_probs)
+            correction = correction_weights(old, rollout, mask, **off)
+            pg = pg * correction.weights  # the numerator only: `denom` keeps every token
         pg_loss = aggregate(pg, mask, agg, denom)
         total = pg_loss
         logits_for_entropy = resp_logits if cfg.get("entropy_coef") else resp_logits.detach()
@@ -221,6 +233,8 @@ class FSDPBackend:
             diff = old - rollout
             stats["_train_rollout_logprob_abs_diff"] = float((diff.abs() * mask).sum())
             stats["_train_rollout_kl"] = float((k3_kl(rollout, old) * mask).sum())
+        if correction is not None:
+            stats.update(correction.stats)
         stats["loss"] = float(total.detach())
         return total, stats
 
