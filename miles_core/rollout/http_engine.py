@@ -191,6 +191,21 @@ class HttpEngine:
             body["weight_version"] = str(version)
         self._post("/update_weights_from_disk", body)
 
+    def update_weights_from_shared_memory(
+        self, descriptions: list[str], version: int | None = None, flush_cache: bool = True
+    ) -> None:
+        body: dict = {
+            "serialized_named_tensors": descriptions,
+            "load_format": "shared_memory",
+            "flush_cache": flush_cache,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        self._post("/update_weights_from_tensor", body)
+
+    def weights_checksum(self) -> str:
+        return str(self._post("/weights_checker", {"action": "checksum"})["message"])
+
     def close(self) -> None:
         self._sync.close()
 

@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
+from miles_core.weights.disk import load_weight_dir
+from miles_core.weights.shm import read_bucket
 
 MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
 log = logging.getLogger("miles.engine")
@@ -62,6 +64,13 @@ class VersionBody(_Body):
 
 class DiskBody(_Body):
     model_path: str
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class TensorBody(_Body):
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
     weight_version: str | None = None
     flush_cache: bool = True
 
@@ -258,8 +267,8 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
     async def update_weights_from_disk(body: DiskBody):
         version = parse_version(body.weight_version) if body.weight_version is not None else None
         try:
-            tensors = await asyncio.to_thread(_read_safetensors, body.model_path)
-        except FileNotFoundError as e:
+            tensors = await asyncio.to_thread(load_weight_dir, body.model_path)
+        except (FileNotFoundError, ValueError) as e:  # missing, corrupt, or not the manifest's
             return _error(400, str(e))
         try:
             await asyncio.to_thread(
@@ -274,6 +283,26 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             "message": "Succeeded to update model weights.",
             "num_paused_requests": 0,
         }
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: TensorBody):
+        """Same-host push: each item describes a bucket in shared memory (weights/shm.py). All
+        buckets are checked before the first copy, so a bad push changes nothing."""
+        if body.load_format != "shared_memory":
+            return _error(
+                400,
+                f"load_format {body.load_format!r} is not supported by this engine; "
+                "use 'shared_memory' (buckets in /dev/shm on this host)",
+            )
+        version = parse_version(body.weight_version) if body.weight_version is not None else None
+        try:
+            tensors = [t for d in body.serialized_named_tensors for t in read_bucket(d)]
+            await asyncio.to_thread(engine.update_weights_from_tensor, tensors, body.flush_cache)
+        except (KeyError, ValueError) as e:
+            return _error(400, f"weights do not fit this model: {e}")
+        if version is not None:
+            engine.set_weight_version(version)
+        return {"success": True, "message": f"loaded {len(tensors)} tensors"}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory(body: MemoryBody | None = None):
@@ -322,20 +351,6 @@ async def _wait(handle):
 
     handle.add_done_callback(done)
     return await future
-
-
-def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
-    if not files or not files[0].exists():
-        raise FileNotFoundError(f"no safetensors weights at {path!r}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def _listify(value, n: int, what: str) -> list:

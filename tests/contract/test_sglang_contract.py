@@ -20,6 +20,7 @@ from miles_core.rollout.server import (
     GenerateBody,
     MemoryBody,
     PauseBody,
+    TensorBody,
     VersionBody,
     create_app,
 )
@@ -59,6 +60,7 @@ def test_generate_payload_uses_sglang_field_names():
         (PauseBody, "PauseGenerationReqInput"),
         (VersionBody, "UpdateWeightVersionReqInput"),
         (DiskBody, "UpdateWeightFromDiskReqInput"),
+        (TensorBody, "UpdateWeightsFromTensorReqInput"),
         (MemoryBody, "ReleaseMemoryOccupationReqInput"),
         (CheckerBody, "CheckWeightsReqInput"),
     ],

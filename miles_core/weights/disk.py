@@ -1,0 +1,119 @@
+"""Disk transport: each push is a safetensors checkpoint under an fsspec root (a local path, or
+s3://… for engines on other hosts), which the engines load with `/update_weights_from_disk`.
+
+Layout: `<root>/weight_v{version:06d}/model.safetensors` + `manifest.json` ({"version", "tensors":
+{name: sha256 of the raw bytes}}). The engine verifies every tensor against the manifest before
+loading, so a corrupt or mismatched file is refused and the engine keeps its weights. The only
+pause is the engine's own load (between two scheduler steps); the write overlaps generation.
+Older versions are removed, keeping `keep` of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterable
+
+import fsspec
+import torch
+from safetensors.torch import load, save
+
+from miles_core.rollout.http_engine import EngineRequestRejected
+from miles_core.rollout.process import ProcessUnavailable
+from miles_core.weights.remote import (
+    PushFailed,
+    RemoteEngine,
+    check_reachable,
+    require_remote,
+)
+from miles_core.weights.transport import Bucket, PushStats, register_transport
+
+MANIFEST = "manifest.json"
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def version_dir(root: str, version: int) -> str:
+    return f"{root.rstrip('/')}/weight_v{version:06d}"
+
+
+def load_weight_dir(path: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
+    """Reads every *.safetensors file of a directory (local or fsspec URL), or one file. With a
+    manifest, each tensor's sha256 must match it and the names must be exactly its names."""
+    fs, base = fsspec.core.url_to_fs(path, **(storage_options or {}))
+    if fs.isdir(base):
+        files = sorted(f for f in fs.ls(base, detail=False) if f.endswith(".safetensors"))
+    else:
+        files = [base] if fs.exists(base) else []
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights at {path!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with fs.open(f, "rb") as fh:
+            tensors.update(load(fh.read()))
+    manifest_path = f"{base}/{MANIFEST}"
+    if fs.isdir(base) and fs.exists(manifest_path):
+        with fs.open(manifest_path, "r") as fh:
+            expected = json.load(fh)["tensors"]
+        if set(expected) != set(tensors):
+            raise ValueError(
+                f"{path}: tensors do not match the manifest "
+                f"(missing {sorted(set(expected) - set(tensors))[:3]}, "
+                f"extra {sorted(set(tensors) - set(expected))[:3]})"
+            )
+        for name, t in tensors.items():
+            if tensor_sha256(t) != expected[name]:
+                raise ValueError(f"{path}: checksum mismatch for {name}; the file is corrupt")
+    return tensors
+
+
+class DiskTransport:
+    def __init__(self, root: str = "weights", storage_options: dict | None = None, keep: int = 2):
+        self.root = root
+        self.storage_options = storage_options or {}
+        self.keep = keep
+        self.engines: list[RemoteEngine] = []
+        self.last = PushStats()
+        self._written: list[str] = []
+
+    def connect(self, engines: list) -> None:
+        self.engines = require_remote(engines, "disk")
+
+    def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
+        t0 = time.perf_counter()
+        tensors = {name: t.detach().contiguous() for bucket in buckets for name, t in bucket}
+        path = version_dir(self.root, version)
+        fs, base = fsspec.core.url_to_fs(path, **self.storage_options)
+        fs.makedirs(base, exist_ok=True)
+        data = save(tensors, metadata={"version": str(version)})
+        with fs.open(f"{base}/model.safetensors", "wb") as f:
+            f.write(data)
+        manifest = {
+            "version": version,
+            "tensors": {n: tensor_sha256(t) for n, t in tensors.items()},
+        }
+        with fs.open(f"{base}/{MANIFEST}", "w") as f:
+            json.dump(manifest, f)
+        check_reachable(self.engines)
+        for e in self.engines:
+            try:
+                e.update_weights_from_disk(path, version)
+            except (ProcessUnavailable, EngineRequestRejected) as err:
+                raise PushFailed(f"engine at {e.url} did not load {path}: {err}") from err
+        self._written.append(path)
+        while len(self._written) > self.keep:
+            old = self._written.pop(0)
+            fs.rm(fsspec.core.url_to_fs(old, **self.storage_options)[1], recursive=True)
+        self.last = PushStats(
+            bytes=len(data) * len(self.engines), seconds=time.perf_counter() - t0, version=version
+        )
+        return self.last
+
+    def metrics(self) -> dict[str, float]:
+        return self.last.as_metrics()
+
+
+register_transport("disk", DiskTransport)

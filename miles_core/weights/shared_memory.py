@@ -1,0 +1,50 @@
+"""Shared-memory transport: trainer and engine servers on one host (colocated, CPU).
+
+Every push: the trainer writes all buckets into /dev/shm files (weights/shm.py) → pauses every
+engine (mode) → each engine maps the files and copies them in (`/update_weights_from_tensor`,
+load_format shared_memory, with the new version) → continue. Pausing first doubles as the
+reachability check: if any engine cannot be paused, nothing has been loaded anywhere and the push
+fails naming it, so every engine keeps its previous weights and version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from miles_core.weights.remote import RemoteEngine, paused, require_remote
+from miles_core.weights.shm import ShmBucketWriter
+from miles_core.weights.transport import Bucket, PushStats, register_transport
+
+
+class SharedMemoryTransport:
+    def __init__(self) -> None:
+        self.engines: list[RemoteEngine] = []
+        self.writer = ShmBucketWriter()
+        self.last = PushStats()
+
+    def connect(self, engines: list) -> None:
+        self.engines = require_remote(engines, "shared_memory")
+
+    def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
+        t0 = time.perf_counter()
+        descriptions, nbytes = [], 0
+        for i, bucket in enumerate(buckets):  # consume every bucket (trainer collectives)
+            descriptions.append(self.writer.write(i, bucket))
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        with paused(self.engines, pause_mode):
+            for e in self.engines:
+                e.update_weights_from_shared_memory(descriptions, version)
+        self.last = PushStats(
+            bytes=nbytes * len(self.engines), seconds=time.perf_counter() - t0, version=version
+        )
+        return self.last
+
+    def metrics(self) -> dict[str, float]:
+        return self.last.as_metrics()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+register_transport("shared_memory", SharedMemoryTransport)

@@ -1,0 +1,103 @@
+"""Weight buckets in shared memory: the trainer writes a bucket's tensors into one file under
+/dev/shm and sends only its description; an engine process on the same host maps the file and
+copies the tensors into its parameters. One file per bucket slot, reused across pushes (its pages
+are faulted in once).
+
+A description is the JSON string that travels in SGLang's `serialized_named_tensors` field with
+`load_format: "shared_memory"`: {"path", "nbytes", "tensors": [{"name", "dtype", "shape",
+"offset"}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+ALIGN = 64
+_DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+}
+
+
+def shm_dir() -> Path:
+    d = Path("/dev/shm")
+    return d if d.is_dir() and os.access(d, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class ShmBucketWriter:
+    """Owns the bucket files of one transport; `write` fills slot i and returns its description."""
+
+    def __init__(self, prefix: str | None = None):
+        self.prefix = prefix or f"miles-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._files: dict[int, tuple[Path, torch.Tensor]] = {}
+
+    def write(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> str:
+        layout, offset = [], 0
+        for name, t in bucket:
+            layout.append(
+                {
+                    "name": name,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "offset": offset,
+                }
+            )
+            offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        buf = self._buffer(slot, offset)
+        for (_, t), spec in zip(bucket, layout, strict=True):
+            nbytes = t.numel() * t.element_size()
+            dst = buf[spec["offset"] : spec["offset"] + nbytes].view(t.dtype)
+            dst.copy_(t.detach().reshape(-1))
+        path = self._files[slot][0]
+        return json.dumps({"path": str(path), "nbytes": offset, "tensors": layout})
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        held = self._files.get(slot)
+        if held is not None and held[1].numel() >= nbytes:
+            return held[1]
+        path = shm_dir() / f"{self.prefix}-{slot}"
+        size = max(nbytes, ALIGN)
+        with open(path, "wb") as f:
+            f.truncate(size)
+        buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self._files[slot] = (path, buf)
+        return buf
+
+    def close(self) -> None:
+        for path, _ in self._files.values():
+            path.unlink(missing_ok=True)
+        self._files.clear()
+
+
+def read_bucket(description: str) -> list[tuple[str, torch.Tensor]]:
+    """Maps a described bucket (views into the shared file: copy before the writer reuses it)."""
+    try:
+        spec = json.loads(description)
+        path, nbytes, tensors = spec["path"], int(spec["nbytes"]), spec["tensors"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed shared-memory bucket description: {e!r}") from e
+    if not Path(path).is_file():
+        raise ValueError(f"shared-memory bucket {path!r} does not exist on this host")
+    if Path(path).stat().st_size < nbytes:
+        raise ValueError(f"shared-memory bucket {path!r} is smaller than described")
+    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    out = []
+    for t in tensors:
+        dtype = _DTYPES.get(t["dtype"])
+        if dtype is None:
+            raise ValueError(f"unsupported dtype {t['dtype']!r} for {t['name']}")
+        count = 1
+        for d in t["shape"]:
+            count *= int(d)
+        size = count * torch.empty((), dtype=dtype).element_size()
+        start = int(t["offset"])
+        if start < 0 or start + size > nbytes:
+            raise ValueError(f"tensor {t['name']} lies outside its bucket")
+        out.append((t["name"], buf[start : start + size].view(dtype).view(t["shape"])))
+    return out

@@ -1,0 +1,113 @@
+"""Weight transports to a real engine server subprocess: bitwise equality after every push,
+versions, and bad pushes that change nothing."""
+
+import json
+
+import pytest
+import torch
+
+from miles_core.models import load_hf_dir
+from miles_core.rollout.http_engine import EngineProcess, EngineRequestRejected, HttpEngine
+from miles_core.weights import make_transport, weights_checksum
+from miles_core.weights.disk import DiskTransport, version_dir
+from miles_core.weights.remote import PushFailed
+from miles_core.weights.shm import ShmBucketWriter
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir, tmp_path_factory):
+    proc = EngineProcess(
+        tiny_dir, args=["--threads", "1"], log_path=tmp_path_factory.mktemp("eng") / "log.txt"
+    )
+    proc.start()
+    client = HttpEngine(proc.url)
+    yield client
+    client.close()
+    proc.stop()
+
+
+def _new_weights(tiny_dir, seed):
+    model, _ = load_hf_dir(tiny_dir)
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+        for n, p in model.named_parameters()
+    }
+
+
+def _buckets(weights, per=5):
+    items = list(weights.items())
+    return [items[i : i + per] for i in range(0, len(items), per)]
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "disk"])
+def test_push_is_bitwise_and_sets_the_version(server, tiny_dir, tmp_path, name):
+    transport = (
+        DiskTransport(root=str(tmp_path / "w"), keep=1) if name == "disk" else make_transport(name)
+    )
+    transport.connect([server])
+    for version, seed in ((11, 1), (12, 2)):  # twice: reused shm files / a second directory
+        weights = _new_weights(tiny_dir, seed)
+        stats = transport.push(_buckets(weights), version=version, pause_mode="retract")
+        assert server.weights_checksum() == weights_checksum(weights.items())
+        assert server.weight_version == version
+        assert stats.bytes > 0 and stats.gbps > 0
+    if name == "disk":
+        assert not (tmp_path / "w" / "weight_v000011").exists()  # keeps the newest `keep`
+
+
+def test_a_corrupt_or_foreign_disk_push_is_refused_and_changes_nothing(server, tiny_dir, tmp_path):
+    transport = DiskTransport(root=str(tmp_path / "w"))
+    transport.connect([server])
+    transport.push(_buckets(_new_weights(tiny_dir, 3)), version=20)
+    before = server.weights_checksum()
+    path = version_dir(str(tmp_path / "w"), 20)
+    blob = bytearray((tmp_path / "w" / "weight_v000020" / "model.safetensors").read_bytes())
+    blob[-3] ^= 0xFF  # flip bits inside the last tensor's data
+    (tmp_path / "w" / "weight_v000020" / "model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(EngineRequestRejected, match="checksum mismatch"):
+        server.update_weights_from_disk(path, version=21)
+    manifest = tmp_path / "w" / "weight_v000020" / "manifest.json"
+    spec = json.loads(manifest.read_text())
+    spec["tensors"]["model.extra.weight"] = "0" * 64
+    manifest.write_text(json.dumps(spec))
+    with pytest.raises(EngineRequestRejected, match="do not match the manifest"):
+        server.update_weights_from_disk(path, version=21)
+    assert server.weights_checksum() == before and server.weight_version == 20
+
+
+def test_a_shared_memory_bucket_that_does_not_fit_is_refused_and_changes_nothing(server):
+    before, version = server.weights_checksum(), server.weight_version
+    writer = ShmBucketWriter()
+    try:
+        good = writer.write(0, [("model.norm.weight", torch.zeros(64))])
+        bad = writer.write(1, [("model.nope.weight", torch.zeros(3))])
+        with pytest.raises(EngineRequestRejected, match="do not fit this model"):
+            server.update_weights_from_shared_memory([good, bad], version=99)
+        with pytest.raises(EngineRequestRejected, match="load_format"):
+            server._post("/update_weights_from_tensor", {"serialized_named_tensors": [good]})
+    finally:
+        writer.close()
+    assert server.weights_checksum() == before and server.weight_version == version
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "disk"])
+def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
+    server, tiny_dir, tmp_path, name
+):
+    dead = HttpEngine("http://127.0.0.1:9")  # nothing listens on the discard port
+    transport = DiskTransport(root=str(tmp_path / "w")) if name == "disk" else make_transport(name)
+    transport.connect([server, dead])
+    before, version = server.weights_checksum(), server.weight_version
+    with pytest.raises(PushFailed, match="127.0.0.1:9 cannot be reached"):
+        transport.push(_buckets(_new_weights(tiny_dir, 5)), version=version + 1)
+    assert server.weights_checksum() == before and server.weight_version == version
+    assert server.server_info()["paused"] is None  # the live engine was continued
+
+
+def test_transports_for_servers_refuse_in_process_engines(tiny):
+    from miles_core.rollout.embedded import EmbeddedEngine
+
+    model, tok = tiny
+    with pytest.raises(ValueError, match="use transport 'colocated'"):
+        make_transport("shared_memory").connect([EmbeddedEngine(model, tok)])
