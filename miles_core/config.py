@@ -51,10 +51,15 @@ class DataConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
-    engine: Literal["embedded", "serving"] = Field(
+    engine: Literal["embedded", "serving", "server"] = Field(
         "embedded",
         description="embedded: batched sampler on the HF modules; serving: continuous batching "
-        "with prefix reuse (GRPO siblings share the prompt's KV), per-request seeds",
+        "with prefix reuse (GRPO siblings share the prompt's KV), per-request seeds; server: the "
+        "serving engine as a subprocess on 127.0.0.1 behind SGLang's HTTP API (weights travel "
+        "by weight_sync.transport shared_memory or disk)",
+    )
+    engine_threads: int | None = Field(
+        None, ge=1, description="torch threads of the engine server process (default: all cores)"
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -73,8 +78,8 @@ class RolloutConfig(_Strict):
 
     @model_validator(mode="after")
     def _dtype_needs_serving(self) -> RolloutConfig:
-        if self.dtype != "float32" and self.engine != "serving":
-            raise ValueError(f"rollout.dtype {self.dtype} needs rollout.engine: serving")
+        if self.dtype != "float32" and self.engine == "embedded":
+            raise ValueError(f"rollout.dtype {self.dtype} needs rollout.engine: serving or server")
         return self
 
 
@@ -170,8 +175,16 @@ class SFTConfig(OptimConfig):
 
 
 class WeightSyncConfig(_Strict):
-    transport: str = Field("colocated", description="a registered weight transport (colocated)")
+    transport: str = Field(
+        "colocated",
+        description="colocated (engine in the trainer's process); shared_memory or disk (engine "
+        "servers, rollout.engine: server)",
+    )
     bucket_mb: int = Field(64, gt=0)
+    disk_root: str | None = Field(
+        None, description="disk transport: fsspec root for pushed weights (default: a temp dir)"
+    )
+    keep_versions: int = Field(2, ge=1, description="disk transport: pushed versions kept")
     check_equal: bool = Field(
         False, description="verify engine weights bitwise after every push (slow)"
     )
@@ -236,6 +249,17 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"micro_batch_size × world_size ({unit})"
+            )
+        remote = self.weight_sync.transport in ("shared_memory", "disk")
+        if r.engine == "server" and not remote:
+            raise ValueError(
+                "rollout.engine: server needs weight_sync.transport shared_memory or disk "
+                f"(not {self.weight_sync.transport!r})"
+            )
+        if r.engine != "server" and remote:
+            raise ValueError(
+                f"weight_sync.transport {self.weight_sync.transport} pushes to engine servers: "
+                "set rollout.engine: server (or use transport colocated)"
             )
         if self.sft is not None and self.sft.world_size != t.world_size:
             raise ValueError(

@@ -7,6 +7,7 @@ Nothing here knows about Prefect; `tasks/` wraps these functions, `flows/` order
 from __future__ import annotations
 
 import base64
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, load_examples
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.rollout.serving import ServingEngine
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
@@ -63,7 +65,11 @@ class RLRuntime:
         model, self.tokenizer = load_hf_dir(model_dir)
         self.architecture = architecture_of(model.config)
         seed = config.rollout.seed + config.seed
-        if config.rollout.engine == "serving":
+        self.workdir = new_workdir()
+        self.engine_process: EngineProcess | None = None
+        if config.rollout.engine == "server":
+            self.engine = self._start_engine_server(model_dir, seed)
+        elif config.rollout.engine == "serving":
             batch = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt
             self.engine = ServingEngine(
                 model,
@@ -75,19 +81,30 @@ class RLRuntime:
             )
         else:
             self.engine = EmbeddedEngine(model, self.tokenizer, seed=seed)
-        train = config.train
-        self.trainer = FSDPBackend(
-            str(model_dir),
-            optim=train.model_dump(),
-            loss=train.model_dump(),
-            total_steps=train.num_steps * config.optimizer_steps_per_rollout,
-            seed=config.seed,
-        )
-        self.transport = make_transport(config.weight_sync.transport)
-        self.transport.connect([self.engine])
-        self.store = CheckpointStore(
-            config.checkpoint.root, config.name, config.checkpoint.storage_options
-        )
+        try:  # an engine server started above must not outlive a failed start-up
+            train = config.train
+            self.trainer = FSDPBackend(
+                str(model_dir),
+                optim=train.model_dump(),
+                loss=train.model_dump(),
+                total_steps=train.num_steps * config.optimizer_steps_per_rollout,
+                seed=config.seed,
+            )
+            ws = config.weight_sync
+            self.transport = make_transport(
+                ws.transport,
+                root=ws.disk_root or str(self.workdir / "pushed_weights"),
+                storage_options=config.checkpoint.storage_options,
+                keep=ws.keep_versions,
+            )
+            self.transport.connect([self.engine])
+            self.store = CheckpointStore(
+                config.checkpoint.root, config.name, config.checkpoint.storage_options
+            )
+        except BaseException:
+            if self.engine_process is not None:
+                self.engine_process.stop()
+            raise
         self.policy_version = 0
         self.start_step = 0
         self.last_saved_step: int | None = None
@@ -97,6 +114,18 @@ class RLRuntime:
                 or f"random init: preset {config.model.preset}, seed {config.model.seed}"
             )
             tracker.set_tags({"miles.init_model": origin})
+
+    def _start_engine_server(self, model_dir: Path, seed: int) -> HttpEngine:
+        """The serving engine as a subprocess on 127.0.0.1, stopped by PID in `close`."""
+        r = self.config.rollout
+        batch = r.prompts_per_step * r.n_samples_per_prompt
+        args = ["--max-running", str(batch), "--seed", str(seed), "--dtype", r.dtype]
+        if r.engine_threads:
+            args += ["--threads", str(r.engine_threads)]
+        self.engine_process = EngineProcess(
+            model_dir, args=args, log_path=self.workdir / "engine.log"
+        ).start()
+        return HttpEngine(self.engine_process.url, concurrency=batch)
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
@@ -129,6 +158,12 @@ class RLRuntime:
 
     def check_weights_equal(self) -> None:
         expected = [x for b in self.trainer.named_weights(64 << 20) for x in b]
+        if isinstance(self.engine, HttpEngine):  # compare checksums over HTTP
+            if self.engine.weights_checksum() != weights_checksum(expected):
+                raise RuntimeError(
+                    f"engine at {self.engine.url} holds weights that differ from the trainer's"
+                )
+            return
         bad = mismatched_tensors(expected, self.engine.named_tensors())
         if bad:
             raise RuntimeError(
@@ -140,16 +175,20 @@ class RLRuntime:
         return bool(interval) and (step + 1) % interval == 0
 
     def save(self, step: int) -> str:
-        checksum = weights_checksum(self.engine.named_tensors().items())
+        if isinstance(self.engine, HttpEngine):
+            checksum = self.engine.weights_checksum()
+        else:
+            checksum = weights_checksum(self.engine.named_tensors().items())
+        generator = getattr(self.engine, "generator", None)  # servers seed every request
         state = {
             "step": step,
             "policy_version": self.policy_version,
             "weights_sha256": checksum,
             "init_model": self.config.model.path,
             "data": self.source.state(),
-            "engine_rng": base64.b64encode(
-                self.engine.generator.get_state().numpy().tobytes()
-            ).decode(),
+            "engine_rng": base64.b64encode(generator.get_state().numpy().tobytes()).decode()
+            if generator is not None
+            else None,
             "mlflow_run_id": self.tracker.run_id if self.tracker else None,
             "architecture": self.architecture,
         }
@@ -176,8 +215,9 @@ class RLRuntime:
         state = self.store.read_state(step)
         self.trainer.load(str(local))
         self.source.load_state(state["data"])
-        rng = torch.frombuffer(bytearray(base64.b64decode(state["engine_rng"])), dtype=torch.uint8)
-        self.engine.generator.set_state(rng)
+        if state.get("engine_rng") and hasattr(self.engine, "generator"):
+            raw = bytearray(base64.b64decode(state["engine_rng"]))
+            self.engine.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8))
         self.policy_version = int(state["policy_version"])
         bucket = self.config.weight_sync.bucket_mb << 20
         self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
@@ -189,6 +229,14 @@ class RLRuntime:
         self.store.close()
         if isinstance(self.engine, ServingEngine):
             self.engine.close()
+        if isinstance(self.engine, HttpEngine):
+            self.engine.close()
+        if self.engine_process is not None:
+            self.engine_process.stop()
+        close_transport = getattr(self.transport, "close", None)
+        if close_transport is not None:
+            close_transport()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def new_workdir() -> Path:

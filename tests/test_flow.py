@@ -120,15 +120,27 @@ def _histories(client, run_id, keys):
     return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
 
 
+SERVER = ["rollout.engine=server", "rollout.engine_threads=1", "weight_sync.check_equal=true"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["embedded", "serving"])
+@pytest.mark.parametrize(
+    "engine, extra",
+    [
+        ("embedded", []),
+        ("serving", []),
+        ("server", [*SERVER, "weight_sync.transport=shared_memory"]),
+        ("server", [*SERVER, "weight_sync.transport=disk"]),
+    ],
+    ids=["embedded", "serving", "server-shared_memory", "server-disk"],
+)
 def test_resume_continues_the_same_run_bit_identically(
-    prefect_server, tmp_path, monkeypatch, engine
+    prefect_server, tmp_path, monkeypatch, engine, extra
 ):
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
 
-    extra = [f"rollout.engine={engine}"]
+    extra = [f"rollout.engine={engine}", *extra]
     rl_train(_tiny_config(tmp_path, "full", 6, extra))
     rl_train(_tiny_config(tmp_path, "part", 4, extra))  # checkpoints after steps 1 and 3
     rl_train(_tiny_config(tmp_path, "part", 6, extra), resume=True)
@@ -138,7 +150,7 @@ def test_resume_continues_the_same_run_bit_identically(
     runs = {r.info.run_name: r for r in client.search_runs([exp])}
     assert set(runs) == {"full", "part"}  # the resumed job re-attached to its MLflow run
     assert runs["part"].data.tags["miles.resume.train.num_steps"] == "6"
-    if engine == "serving":  # GRPO siblings reuse the prompt's KV
+    if engine != "embedded":  # GRPO siblings reuse the prompt's KV
         hit = [
             m.value
             for m in client.get_metric_history(

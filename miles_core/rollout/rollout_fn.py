@@ -64,7 +64,7 @@ def generate_groups(
     sp = sampling_params(cfg, tokenizer)
     n = cfg.n_samples_per_prompt
     encoded = [encode_prompt(tokenizer, ex.prompt) for _, ex in prompts]
-    seeded = cfg.engine == "serving"  # continuous batching: seed per request, not per batch
+    seeded = cfg.engine != "embedded"  # continuous batching: seed per request, not per batch
     requests = [
         GenerateRequest(
             input_ids=ids,

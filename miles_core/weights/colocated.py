@@ -10,7 +10,7 @@ from miles_core.weights.transport import Bucket, PushStats, register_transport
 
 
 class ColocatedTransport:
-    def __init__(self) -> None:
+    def __init__(self, **_options) -> None:
         self.engines: list[RolloutEngine] = []
         self.last = PushStats()
 

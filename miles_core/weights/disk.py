@@ -71,7 +71,13 @@ def load_weight_dir(path: str, storage_options: dict | None = None) -> dict[str,
 
 
 class DiskTransport:
-    def __init__(self, root: str = "weights", storage_options: dict | None = None, keep: int = 2):
+    def __init__(
+        self,
+        root: str = "weights",
+        storage_options: dict | None = None,
+        keep: int = 2,
+        **_options,
+    ):
         self.root = root
         self.storage_options = storage_options or {}
         self.keep = keep

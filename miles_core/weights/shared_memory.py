@@ -18,7 +18,7 @@ from miles_core.weights.transport import Bucket, PushStats, register_transport
 
 
 class SharedMemoryTransport:
-    def __init__(self) -> None:
+    def __init__(self, **_options) -> None:
         self.engines: list[RemoteEngine] = []
         self.writer = ShmBucketWriter()
         self.last = PushStats()

@@ -45,14 +45,16 @@ class WeightTransport(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-_TRANSPORTS: dict[str, Callable[[], WeightTransport]] = {}
+_TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {}
 
 
-def register_transport(name: str, factory: Callable[[], WeightTransport]) -> None:
+def register_transport(name: str, factory: Callable[..., WeightTransport]) -> None:
+    """`factory(**options)` builds the transport; it takes the options it knows (e.g. the disk
+    transport's `root`) and ignores the rest."""
     _TRANSPORTS[name] = factory
 
 
-def make_transport(name: str) -> WeightTransport:
+def make_transport(name: str, **options) -> WeightTransport:
     if name not in _TRANSPORTS:
         raise ValueError(f"unknown weight transport {name!r}; known: {sorted(_TRANSPORTS)}")
-    return _TRANSPORTS[name]()
+    return _TRANSPORTS[name](**options)
