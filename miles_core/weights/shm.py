@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
@@ -36,6 +37,9 @@ class ShmBucketWriter:
     def __init__(self, prefix: str | None = None):
         self.prefix = prefix or f"miles-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._files: dict[int, tuple[Path, torch.Tensor]] = {}
+        self._paths: list[Path] = []
+        # the files are removed by `close`, or when the writer is collected / the process exits
+        self._finalizer = weakref.finalize(self, _unlink, self._paths)
 
     def write(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> str:
         layout, offset = [], 0
@@ -67,12 +71,17 @@ class ShmBucketWriter:
             f.truncate(size)
         buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         self._files[slot] = (path, buf)
+        self._paths.append(path)
         return buf
 
     def close(self) -> None:
-        for path, _ in self._files.values():
-            path.unlink(missing_ok=True)
         self._files.clear()
+        self._finalizer()
+
+
+def _unlink(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def read_bucket(description: str) -> list[tuple[str, torch.Tensor]]:
