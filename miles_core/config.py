@@ -61,6 +61,23 @@ class RolloutConfig(_Strict):
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine server process (default: all cores)"
     )
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
+        "sync",
+        description="sync: generate, then train; one_step_off: the next batch is generated "
+        "while the trainer trains (weights pushed between batches); fully_async: a producer "
+        "keeps the engine busy, weights pushed any time (needs rollout.engine: server)",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="fully_async: most policy versions a sample may lag the trainer"
+    )
+    stale_policy: Literal["pace", "drop", "retry"] = Field(
+        "pace",
+        description="fully_async: pace admission so no sample exceeds max_staleness (default), "
+        "or admit freely and drop / requeue stale groups",
+    )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="how a weight push pauses generation on the engine"
+    )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="serving engine compute dtype; bfloat16 decodes faster on CPUs with bf16 "
@@ -78,6 +95,8 @@ class RolloutConfig(_Strict):
 
     @model_validator(mode="after")
     def _dtype_needs_serving(self) -> RolloutConfig:
+        if self.mode != "sync" and self.engine != "server":
+            raise ValueError(f"rollout.mode {self.mode} needs rollout.engine: server")
         if self.dtype != "float32" and self.engine == "embedded":
             raise ValueError(f"rollout.dtype {self.dtype} needs rollout.engine: serving or server")
         return self

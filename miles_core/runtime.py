@@ -18,6 +18,7 @@ from miles_core.data import PromptSource, get_task, load_examples
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.rollout.embedded import EmbeddedEngine
 from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+from miles_core.rollout.producer import RolloutProducer
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.rollout.serving import ServingEngine
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
@@ -106,6 +107,8 @@ class RLRuntime:
                 self.engine_process.stop()
             raise
         self.policy_version = 0
+        self.engine_version = 0  # the version the engines serve (= policy_version after a push)
+        self.producer: RolloutProducer | None = None
         self.start_step = 0
         self.last_saved_step: int | None = None
         if tracker is not None:
@@ -129,10 +132,23 @@ class RLRuntime:
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
-        prompts = self.source.next_batch(self.config.rollout.prompts_per_step)
-        return generate_groups(
-            self.engine, self.tokenizer, self.task, prompts, self.config.rollout, step
-        )
+        r = self.config.rollout
+        if r.mode == "sync":
+            prompts = self.source.next_batch(r.prompts_per_step)
+            return generate_groups(self.engine, self.tokenizer, self.task, prompts, r, step)
+        if self.producer is None:  # first call: after a resume has set the data position
+            if r.mode == "one_step_off":  # one batch ahead, pushes between batches
+                r = r.model_copy(update={"max_staleness": 1, "stale_policy": "pace"})
+            self.producer = RolloutProducer(
+                self.engine,
+                self.tokenizer,
+                self.task,
+                self.source,
+                r,
+                version=lambda: self.engine_version,
+                first_group=step * r.prompts_per_step,
+            ).start()
+        return self.producer.take(step)
 
     def train(self, result: RolloutResult) -> dict[str, float]:
         cfg = self.config
@@ -151,7 +167,15 @@ class RLRuntime:
     def update_weights(self) -> dict[str, float]:
         self.policy_version += 1
         bucket = self.config.weight_sync.bucket_mb << 20
-        stats = self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
+        r = self.config.rollout
+        if self.producer is not None and r.mode == "one_step_off":
+            self.producer.wait_idle()  # the batch in flight finishes on the old weights
+        stats = self.transport.push(
+            self.trainer.named_weights(bucket), self.policy_version, pause_mode=r.pause_mode
+        )
+        self.engine_version = self.policy_version
+        if self.producer is not None:
+            self.producer.notify_version()
         if self.config.weight_sync.check_equal:
             self.check_weights_equal()
         return stats.as_metrics() | {"train/policy_version": float(self.policy_version)}
@@ -185,7 +209,7 @@ class RLRuntime:
             "policy_version": self.policy_version,
             "weights_sha256": checksum,
             "init_model": self.config.model.path,
-            "data": self.source.state(),
+            "data": self.producer.data_state() if self.producer else self.source.state(),
             "engine_rng": base64.b64encode(generator.get_state().numpy().tobytes()).decode()
             if generator is not None
             else None,
@@ -218,13 +242,15 @@ class RLRuntime:
         if state.get("engine_rng") and hasattr(self.engine, "generator"):
             raw = bytearray(base64.b64decode(state["engine_rng"]))
             self.engine.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8))
-        self.policy_version = int(state["policy_version"])
+        self.policy_version = self.engine_version = int(state["policy_version"])
         bucket = self.config.weight_sync.bucket_mb << 20
         self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
         self.start_step = self.last_saved_step = int(state["step"])
         self.start_step += 1
 
     def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
         self.trainer.close()
         self.store.close()
         if isinstance(self.engine, ServingEngine):

@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
         (["rollout.dtype=bfloat16"], "rollout.dtype bfloat16 needs rollout.engine: serving"),
         (["rollout.engine=server"], "rollout.engine: server needs weight_sync.transport"),
         (["weight_sync.transport=disk"], "set rollout.engine: server"),
+        (["rollout.mode=fully_async"], "rollout.mode fully_async needs rollout.engine: server"),
+        (["rollout.max_staleness=-1"], "rollout.max_staleness"),
         (["rollout.dtype=float16"], "rollout.dtype"),
         (["train.off_policy.mode=tis", "train.off_policy.low=3"], r"low \(3.0\) must be below"),
         (["train.off_policy.mode=is"], "train.off_policy.mode"),

@@ -204,3 +204,19 @@ def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, m
         rl_run.data.params["model.path"] == "None"
     )  # the flow param; the RL run started from the SFT output
     assert (tmp_path / "ckpt" / "warm-sft" / "step_000020" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from flows.rl_train import rl_train
+
+    extra = [*SERVER, "weight_sync.transport=shared_memory", "rollout.mode=fully_async"]
+    state = rl_train(_tiny_config(tmp_path, "async", 6, extra), return_state=True)
+    assert state.is_completed()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("resume").experiment_id])[0]
+    worst = client.get_metric_history(run.info.run_id, "rollout/staleness/max")
+    assert len(worst) == 6 and max(m.value for m in worst) <= 1
+    for key in ("rollout/weight_version/mixed_version_ratio", "buffer/size"):
+        assert len(client.get_metric_history(run.info.run_id, key)) == 6, key

@@ -107,7 +107,7 @@ class HttpEngine:
                         raise EngineUnavailable(
                             f"engine at {self.url} failed during /generate: {e!r}"
                         ) from e
-                    return self._parse(r)
+                    return self.parse_response(r)
 
             work = asyncio.gather(*(one(r) for r in requests))
             watchdog = asyncio.create_task(self._watch(client))
@@ -134,7 +134,7 @@ class HttpEngine:
                     f"engine at {self.url} failed {failures} health checks in a row ({last})"
                 )
 
-    def _parse(self, r: httpx.Response) -> GenerateResponse:
+    def parse_response(self, r: httpx.Response) -> GenerateResponse:
         if 400 <= r.status_code < 500:
             raise EngineRequestRejected(f"engine at {self.url} rejected the request: {_message(r)}")
         if r.status_code != 200:

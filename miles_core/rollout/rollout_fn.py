@@ -12,7 +12,7 @@ from miles_core.config import RolloutConfig
 from miles_core.data.dataset import to_messages
 from miles_core.data.tasks import Example, Task
 from miles_core.rollout.engine import RolloutEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.types import FINISH_REASON_TO_STATUS, Sample, SampleGroup, Status
 
 
@@ -52,6 +52,69 @@ def sampling_params(cfg: RolloutConfig, tokenizer) -> SamplingParams:
     )
 
 
+def group_requests(
+    ids: list[int], sp: SamplingParams, cfg: RolloutConfig, step: int, g: int, seeded: bool
+) -> list[GenerateRequest]:
+    """The n requests of group g of a step (rid `step-g-k`; per-request seeds unless the engine
+    samples a whole batch from one generator)."""
+    n = cfg.n_samples_per_prompt
+    return [
+        GenerateRequest(
+            input_ids=ids,
+            sampling_params=sp.model_copy(
+                update={"sampling_seed": request_seed(cfg.seed, step, g * n + k)}
+            )
+            if seeded
+            else sp,
+            rid=f"{step}-{g}-{k}",
+        )
+        for k in range(n)
+    ]
+
+
+def build_group(
+    task: Task,
+    step: int,
+    g: int,
+    n: int,
+    data_index: int,
+    ex: Example,
+    ids: list[int],
+    responses: list[GenerateResponse],
+    versions: list[list[int]] | None = None,
+) -> SampleGroup:
+    """Scores the responses of one prompt; `versions[k]` are the weight versions of sample k's
+    generation calls (default: the version its single response reports)."""
+    samples = []
+    for k, resp in enumerate(responses):
+        out = resp.output_ids
+        status = FINISH_REASON_TO_STATUS[resp.meta_info.finish_reason.type]
+        score = task.score(resp.text, ex.label)
+        sample = Sample(
+            group_index=g,
+            index=g * n + k,
+            rollout_id=f"s{step}-g{g}-{k}",
+            prompt=ex.prompt,
+            tokens=ids + out,
+            response_length=len(out),
+            loss_mask=[1] * len(out),
+            rollout_log_probs=resp.output_log_probs,
+            weight_versions=versions[k] if versions else [int(resp.meta_info.weight_version)],
+            reward=score.reward,
+            status=status,
+            label=ex.label,
+            response=resp.text,
+            metadata={
+                "data_index": data_index,
+                "metrics": score.metrics,
+                "cached_tokens": resp.meta_info.cached_tokens,
+            },
+        )
+        sample.validate()
+        samples.append(sample)
+    return SampleGroup(group_index=g, samples=samples)
+
+
 def generate_groups(
     engine: RolloutEngine,
     tokenizer,
@@ -66,54 +129,16 @@ def generate_groups(
     encoded = [encode_prompt(tokenizer, ex.prompt) for _, ex in prompts]
     seeded = cfg.engine != "embedded"  # continuous batching: seed per request, not per batch
     requests = [
-        GenerateRequest(
-            input_ids=ids,
-            sampling_params=sp.model_copy(
-                update={"sampling_seed": request_seed(cfg.seed, step, g * n + k)}
-            )
-            if seeded
-            else sp,
-            rid=f"{step}-{g}-{k}",
-        )
-        for g, ids in enumerate(encoded)
-        for k in range(n)
+        r for g, ids in enumerate(encoded) for r in group_requests(ids, sp, cfg, step, g, seeded)
     ]
     load_before = engine.load_counters()
     responses = engine.generate(requests)
     gen_seconds = time.perf_counter() - t0
     load = engine_load(load_before, engine.load_counters())
-
-    groups: list[SampleGroup] = []
-    for g, ((data_index, ex), ids) in enumerate(zip(prompts, encoded, strict=True)):
-        samples = []
-        for k in range(n):
-            resp = responses[g * n + k]
-            out = resp.output_ids
-            status = FINISH_REASON_TO_STATUS[resp.meta_info.finish_reason.type]
-            score = task.score(resp.text, ex.label)
-            sample = Sample(
-                group_index=g,
-                index=g * n + k,
-                rollout_id=f"s{step}-g{g}-{k}",
-                prompt=ex.prompt,
-                tokens=ids + out,
-                response_length=len(out),
-                loss_mask=[1] * len(out),
-                rollout_log_probs=resp.output_log_probs,
-                weight_versions=[int(resp.meta_info.weight_version)],
-                reward=score.reward,
-                status=status,
-                label=ex.label,
-                response=resp.text,
-                metadata={
-                    "data_index": data_index,
-                    "metrics": score.metrics,
-                    "cached_tokens": resp.meta_info.cached_tokens,
-                },
-            )
-            sample.validate()
-            samples.append(sample)
-        groups.append(SampleGroup(group_index=g, samples=samples))
+    groups = [
+        build_group(task, step, g, n, data_index, ex, ids, responses[g * n : (g + 1) * n])
+        for g, ((data_index, ex), ids) in enumerate(zip(prompts, encoded, strict=True))
+    ]
     result = RolloutResult(groups)
     result.metrics = rollout_metrics(result.samples, gen_seconds) | load
     return result

@@ -1,0 +1,339 @@
+"""The asynchronous rollout producer: a long-lived thread that keeps an engine server busy
+while the trainer trains, and hands the trainer whole batches of groups.
+
+Group i (0-based over the run) belongs to step i // B (B = prompts per step) and uses the same
+prompt order and sampling seeds as a sync run. Admission is paced, not filtered:
+
+- `pace` (default): group i may start once the engine serves version ≥ i // B − max_staleness,
+  and the trainer takes groups strictly in index order. A group started at version v is then
+  consumed at step i // B ≤ v + max_staleness: staleness never exceeds the bound, nothing is
+  dropped or requeued, and long trajectories are consumed exactly where a sync run would consume
+  them (drop-and-retry starves them: slime#1800, tinker-cookbook#822).
+- `drop` / `retry`: at most (1 + max_staleness) · B groups in flight or waiting; the trainer takes
+  groups in completion order; a group staler than the bound is dropped, or its prompt is queued
+  again (`retry`). Kept for comparison; both bias the data toward short trajectories.
+
+A weight push pauses the engine (`pause_mode`); with `retract` or `in_place` running requests
+continue after it, with `abort` the producer continues each interrupted request from its tokens
+in a new generation call. Every sample records the version of each of its calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from miles_core.config import RolloutConfig
+from miles_core.data import PromptSource
+from miles_core.data.tasks import Task
+from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine, generate_payload
+from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse
+from miles_core.rollout.rollout_fn import (
+    RolloutResult,
+    build_group,
+    encode_prompt,
+    group_requests,
+    rollout_metrics,
+    sampling_params,
+)
+from miles_core.types import SampleGroup
+
+log = logging.getLogger("miles.producer")
+MAX_CONTINUATIONS = 16
+
+
+@dataclass
+class _Ticket:
+    index: int  # global group index
+    data_index: int
+    example: object
+    ids: list[int]
+    admitted_version: int
+    source_state: dict  # the prompt source's state before this group's prompt was drawn
+    group: SampleGroup | None = None
+    retries: int = 0
+    done_at: float = 0.0
+    versions: list[list[int]] = field(default_factory=list)
+
+
+class RolloutProducer:
+    def __init__(
+        self,
+        engine: HttpEngine,
+        tokenizer,
+        task: Task,
+        source: PromptSource,
+        cfg: RolloutConfig,
+        version: Callable[[], int],
+        first_group: int = 0,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.task = task
+        self.source = source
+        self.cfg = cfg
+        self.version = version
+        self.batch = cfg.prompts_per_step
+        self.n = cfg.n_samples_per_prompt
+        self.sp = sampling_params(cfg, tokenizer)
+        self._next_index = first_group  # next group to admit
+        self._next_take = first_group  # pace: next group the trainer takes
+        self._tickets: dict[int, _Ticket] = {}  # admitted and not yet taken
+        self._retry: collections.deque[_Ticket] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self.counters = collections.Counter()
+        self._thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
+
+    # ------------------------------------------------------------------ trainer side
+    def start(self) -> RolloutProducer:
+        self._thread.start()
+        return self
+
+    def notify_version(self) -> None:
+        """The trainer pushed new weights: admission may move on."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def take(self, step: int) -> RolloutResult:
+        """The B groups of `step`, waiting for them; metrics include staleness and buffer state."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while True:
+                self._raise_if_failed()
+                picked = self._pick(step)
+                if picked is not None:
+                    break
+                self._cond.wait(1.0)
+            for t in picked:
+                del self._tickets[t.index]
+            self._cond.notify_all()
+        waited = time.perf_counter() - t0
+        groups = []
+        for g, t in enumerate(picked):
+            assert t.group is not None
+            t.group.group_index = g
+            groups.append(t.group)
+        result = RolloutResult(groups)
+        current = self.version()
+        result.metrics = rollout_metrics(result.samples, max(waited, 1e-9)) | self._metrics(
+            picked, current, waited
+        )
+        result.metrics.pop("rollout/tokens_per_s", None)  # not meaningful for a wait
+        return result
+
+    def wait_idle(self) -> None:
+        """Blocks until no admitted group is still generating."""
+        with self._cond:
+            while any(t.group is None for t in self._tickets.values()):
+                self._raise_if_failed()
+                self._cond.wait(1.0)
+
+    def data_state(self) -> dict | None:
+        """The prompt source's state to resume from: just after the groups taken so far."""
+        with self._cond:
+            pending = sorted(self._tickets.values(), key=lambda t: t.index)
+            if pending:
+                return pending[0].source_state
+            return self.source.state()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        with contextlib.suppress(Exception):
+            self.engine.abort()
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ selection
+    def _pick(self, step: int) -> list[_Ticket] | None:
+        if self.cfg.stale_policy == "pace":
+            first = step * self.batch
+            wanted = [self._tickets.get(i) for i in range(first, first + self.batch)]
+            if all(t is not None and t.group is not None for t in wanted):
+                return wanted  # type: ignore[return-value]
+            return None
+        ready = sorted(
+            (t for t in self._tickets.values() if t.group is not None), key=lambda t: t.done_at
+        )
+        current = self.version()
+        keep = []
+        for t in ready:
+            if current - t.admitted_version > self.cfg.max_staleness:
+                del self._tickets[t.index]
+                self.counters["stale_groups"] += 1
+                if self.cfg.stale_policy == "retry":
+                    t.group, t.retries = None, t.retries + 1
+                    self._retry.append(t)
+                self._cond.notify_all()
+                continue
+            keep.append(t)
+        return keep[: self.batch] if len(keep) >= self.batch else None
+
+    def _may_admit(self) -> bool:
+        if self.cfg.stale_policy == "pace":
+            return self.version() >= self._next_index // self.batch - self.cfg.max_staleness
+        return len(self._tickets) < (1 + self.cfg.max_staleness) * self.batch
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
+
+    # ------------------------------------------------------------------ producer thread
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._produce())
+        except BaseException as e:  # noqa: BLE001  (handed to the trainer in `take`)
+            log.exception("rollout producer failed")
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+
+    async def _produce(self) -> None:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        async with httpx.AsyncClient(
+            base_url=self.engine.url, timeout=self.engine.request_timeout, limits=limits
+        ) as client:
+            running: set[asyncio.Task] = set()
+            while True:
+                ticket = await asyncio.to_thread(self._admit_next)
+                if ticket is None:
+                    break
+                task = asyncio.create_task(self._generate(client, ticket))
+                running.add(task)
+                task.add_done_callback(self._finished)
+                task.add_done_callback(running.discard)
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        """A group's generation failed (e.g. the engine died): the trainer's `take` raises it."""
+        if not task.cancelled() and task.exception() is not None:
+            with self._cond:
+                self._error = self._error or task.exception()
+                self._cond.notify_all()
+
+    def _admit_next(self) -> _Ticket | None:
+        """Blocks until a group may start (or the producer stops); draws its prompt."""
+        with self._cond:
+            while not self._stop and not self._may_admit():
+                self._cond.wait(1.0)
+            if self._stop:
+                return None
+            if self._retry:
+                ticket = self._retry.popleft()
+                ticket.admitted_version = self.version()
+            else:
+                state = self.source.state()
+                (data_index, example) = self.source.next_batch(1)[0]
+                ticket = _Ticket(
+                    index=self._next_index,
+                    data_index=data_index,
+                    example=example,
+                    ids=encode_prompt(self.tokenizer, example.prompt),
+                    admitted_version=self.version(),
+                    source_state=state,
+                )
+                self._next_index += 1
+            self._tickets[ticket.index] = ticket
+            self.counters["admitted_groups"] += 1
+            return ticket
+
+    async def _generate(self, client: httpx.AsyncClient, ticket: _Ticket) -> None:
+        step, g = divmod(ticket.index, self.batch)
+        requests = group_requests(ticket.ids, self.sp, self.cfg, step, g, seeded=True)
+        results = await asyncio.gather(*(self._one(client, r) for r in requests))
+        responses = [r for r, _ in results]
+        group = build_group(
+            self.task,
+            step,
+            g,
+            self.n,
+            ticket.data_index,
+            ticket.example,  # type: ignore[arg-type]
+            ticket.ids,
+            responses,
+            [v for _, v in results],
+        )
+        with self._cond:
+            ticket.group = group
+            ticket.done_at = time.monotonic()
+            self._cond.notify_all()
+
+    async def _one(
+        self, client: httpx.AsyncClient, req: GenerateRequest
+    ) -> tuple[GenerateResponse, list[int]]:
+        """One sample, continued from its own tokens after each pause-abort."""
+        out_ids: list[int] = []
+        logprobs: list[tuple] = []
+        versions: list[int] = []
+        current = req
+        for _ in range(MAX_CONTINUATIONS):
+            start_version = self.version()
+            try:
+                r = await client.post("/generate", json=generate_payload(current))
+            except httpx.HTTPError as e:
+                raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
+            resp = self.engine.parse_response(r)
+            # the versions this call may have used, in order without repeats (a call that
+            # spanned a push under retract / in_place records both)
+            for v in (start_version, int(resp.meta_info.weight_version)):
+                if not versions or versions[-1] != v:
+                    versions.append(v)
+            out_ids += resp.output_ids
+            logprobs += resp.meta_info.output_token_logprobs or []
+            reason = resp.meta_info.finish_reason
+            left = req.sampling_params.max_new_tokens - len(out_ids)
+            interrupted = reason.type == "abort" and reason.message is None and not self._stop
+            if not interrupted or left <= 0:
+                break
+            self.counters["continued_requests"] += 1
+            current = req.model_copy(
+                update={
+                    "input_ids": req.input_ids + out_ids,
+                    "sampling_params": req.sampling_params.model_copy(
+                        update={"max_new_tokens": left}
+                    ),
+                    "rid": f"{req.rid}-c{len(versions)}",
+                }
+            )
+        if len(out_ids) >= req.sampling_params.max_new_tokens and reason.type == "abort":
+            reason = FinishReason(type="length", length=len(out_ids))
+        meta = resp.meta_info.model_copy(
+            update={
+                "finish_reason": reason,
+                "completion_tokens": len(out_ids),
+                "prompt_tokens": len(req.input_ids),
+                "output_token_logprobs": logprobs,
+            }
+        )
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        return GenerateResponse(text=text, output_ids=out_ids, meta_info=meta), versions
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, picked: list[_Ticket], current: int, waited: float) -> dict[str, float]:
+        stale = [current - min(s.weight_versions) for t in picked for s in t.group.samples]  # type: ignore[union-attr]
+        mixed = [len(set(s.weight_versions)) > 1 for t in picked for s in t.group.samples]  # type: ignore[union-attr]
+        with self._cond:
+            in_buffer = sum(1 for t in self._tickets.values() if t.group is not None)
+            in_flight = sum(1 for t in self._tickets.values() if t.group is None)
+        return {
+            "rollout/staleness/mean": sum(stale) / len(stale),
+            "rollout/staleness/max": float(max(stale)),
+            "rollout/weight_version/mixed_version_ratio": sum(mixed) / len(mixed),
+            "buffer/size": float(in_buffer),
+            "buffer/in_flight_groups": float(in_flight),
+            "buffer/stale_groups_total": float(self.counters["stale_groups"]),
+            "rollout/continued_requests_total": float(self.counters["continued_requests"]),
+            "perf/rollout_wait_time_s": waited,
+        }
