@@ -110,7 +110,8 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
             (n, p.detach() + 0.01 * torch.randn(p.shape, generator=g))
             for n, p in model.named_parameters()
         ]
-        transport.push([new], version=start + 1, pause_mode=mode)  # ends with continue
+        transport.push([new], version=start + 1, pause_mode=mode)
+        engine.resume()  # our own freeze (in_place pushes need no pause of their own)
         version[0] = start + 1
         producer.notify_version()
         result = producer.take(0)

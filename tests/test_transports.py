@@ -46,14 +46,16 @@ def test_push_is_bitwise_and_sets_the_version(server, tiny_dir, tmp_path, name):
         DiskTransport(root=str(tmp_path / "w"), keep=1) if name == "disk" else make_transport(name)
     )
     transport.connect([server])
-    for version, seed in ((11, 1), (12, 2)):  # twice: reused shm files / a second directory
+    # three pushes: shared memory alternates its two file sets (the engine adopts one while the
+    # trainer writes the other), disk writes a directory per version and keeps the newest
+    for version, seed in ((11, 1), (12, 2), (13, 3)):
         weights = _new_weights(tiny_dir, seed)
         stats = transport.push(_buckets(weights), version=version, pause_mode="retract")
         assert server.weights_checksum() == weights_checksum(weights.items())
         assert server.weight_version == version
         assert stats.bytes > 0 and stats.gbps > 0
     if name == "disk":
-        assert not (tmp_path / "w" / "weight_v000011").exists()  # keeps the newest `keep`
+        assert not (tmp_path / "w" / "weight_v000012").exists()  # keeps the newest `keep`
 
 
 def test_a_corrupt_or_foreign_disk_push_is_refused_and_changes_nothing(server, tiny_dir, tmp_path):
@@ -103,6 +105,10 @@ def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
         transport.push(_buckets(_new_weights(tiny_dir, 5)), version=version + 1)
     assert server.weights_checksum() == before and server.weight_version == version
     assert server.server_info()["paused"] is None  # the live engine was continued
+    transport.connect([server])  # the next push works (shared memory now copies: safe)
+    weights = _new_weights(tiny_dir, 6)
+    transport.push(_buckets(weights), version=version + 1)
+    assert server.weights_checksum() == weights_checksum(weights.items())
 
 
 def test_transports_for_servers_refuse_in_process_engines(tiny):

@@ -36,10 +36,14 @@ class RolloutEngine(Protocol):
 
 
 def load_named_tensors(
-    params: dict[str, torch.Tensor], named_tensors: Iterable[tuple[str, torch.Tensor]]
+    params: dict[str, torch.Tensor],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    adopt: bool = False,
 ) -> int:
     """Copies tensors into parameters by HF name, all or nothing: every name and shape is checked
-    before the first copy. Returns the bytes copied."""
+    before the first copy. With `adopt`, parameters take the tensors' storage instead of copying
+    (zero-copy; the caller guarantees nobody writes that storage while it is in use). Returns the
+    bytes loaded."""
     pairs = list(named_tensors)
     for name, tensor in pairs:
         param = params.get(name)
@@ -49,7 +53,12 @@ def load_named_tensors(
             raise ValueError(
                 f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
             )
+        if adopt and param.dtype != tensor.dtype:
+            raise ValueError(f"{name}: engine dtype {param.dtype} != pushed {tensor.dtype}")
     with torch.no_grad():
         for name, tensor in pairs:
-            params[name].copy_(tensor)
+            if adopt:
+                params[name].data = tensor
+            else:
+                params[name].copy_(tensor)
     return sum(t.numel() * t.element_size() for _, t in pairs)

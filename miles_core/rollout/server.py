@@ -296,8 +296,12 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             )
         version = parse_version(body.weight_version) if body.weight_version is not None else None
         try:
-            tensors = [t for d in body.serialized_named_tensors for t in read_bucket(d)]
-            await asyncio.to_thread(engine.update_weights_from_tensor, tensors, body.flush_cache)
+            buckets = [read_bucket(d) for d in body.serialized_named_tensors]
+            tensors = [t for b in buckets for t in b.tensors]
+            adopt = bool(buckets) and all(b.adopt for b in buckets)
+            await asyncio.to_thread(
+                engine.update_weights_from_tensor, tensors, body.flush_cache, adopt
+            )
         except (KeyError, ValueError) as e:
             return _error(400, f"weights do not fit this model: {e}")
         if version is not None:

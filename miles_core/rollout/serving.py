@@ -288,13 +288,17 @@ class ServingEngine:
         return self._paused
 
     def update_weights_from_tensor(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        flush_cache: bool = True,
+        adopt: bool = False,
     ) -> int:
-        """Checks every name and shape first, then copies: a bad push changes nothing. Cached
-        prefixes computed with the old weights are never reused afterwards (slot epochs)."""
+        """Checks every name and shape first, then copies (or, with `adopt`, takes the tensors'
+        storage): a bad push changes nothing. Cached prefixes computed with the old weights are
+        never reused afterwards (slot epochs)."""
         pairs = list(named_tensors)
         with self.between_steps():
-            copied = load_named_tensors(self._params, pairs)
+            copied = load_named_tensors(self._params, pairs, adopt=adopt)
             self.runner.invalidate()
             self.table.new_epoch(flush=flush_cache)
         return copied

@@ -1,10 +1,12 @@
 """Shared-memory transport: trainer and engine servers on one host (colocated, CPU).
 
 Every push: the trainer writes all buckets into /dev/shm files (weights/shm.py) → pauses every
-engine (mode) → each engine maps the files and copies them in (`/update_weights_from_tensor`,
-load_format shared_memory, with the new version) → continue. Pausing first doubles as the
-reachability check: if any engine cannot be paused, nothing has been loaded anywhere and the push
-fails naming it, so every engine keeps its previous weights and version.
+engine (mode) → each engine maps the files and takes them as its parameters, zero-copy
+(`/update_weights_from_tensor`, load_format shared_memory, with the new version) → continue.
+Pausing first doubles as the reachability check: if any engine cannot be paused, nothing has been
+loaded anywhere and the push fails naming it, so every engine keeps its previous weights and
+version. `in_place` needs no pause call: the engine swaps weights between two decode steps and
+its running requests keep their KV, which is what in_place means.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class SharedMemoryTransport:
         self.engines: list[RemoteEngine] = []
         self.writer = ShmBucketWriter()
         self.last = PushStats()
+        self._parity = 0  # the file set the next push writes (engines serve the other one)
+        self._adopt = True  # zero-copy until a push fails
 
     def connect(self, engines: list) -> None:
         self.engines = require_remote(engines, "shared_memory")
@@ -30,11 +34,16 @@ class SharedMemoryTransport:
         t0 = time.perf_counter()
         descriptions, nbytes = [], 0
         for i, bucket in enumerate(buckets):  # consume every bucket (trainer collectives)
-            descriptions.append(self.writer.write(i, bucket))
+            descriptions.append(self.writer.write(i, bucket, self._parity, self._adopt))
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        with paused(self.engines, pause_mode):
-            for e in self.engines:
-                e.update_weights_from_shared_memory(descriptions, version)
+        try:
+            with paused(self.engines, pause_mode, skip=pause_mode == "in_place"):
+                for e in self.engines:
+                    e.update_weights_from_shared_memory(descriptions, version)
+        except BaseException:
+            self._adopt = False  # an engine may still serve from either file set: copy from now
+            raise
+        self._parity ^= 1
         self.last = PushStats(
             bytes=nbytes * len(self.engines), seconds=time.perf_counter() - t0, version=version
         )

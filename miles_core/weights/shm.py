@@ -1,11 +1,16 @@
 """Weight buckets in shared memory: the trainer writes a bucket's tensors into one file under
-/dev/shm and sends only its description; an engine process on the same host maps the file and
-copies the tensors into its parameters. One file per bucket slot, reused across pushes (its pages
-are faulted in once).
+/dev/shm and sends only its description; an engine process on the same host maps the file (the
+mapping is cached) and loads the tensors.
+
+Zero-copy (`adopt`): the engine's parameters become views of the shared files instead of copies,
+so a push costs one memcpy (the trainer's write). Files come in two sets (parity 0/1) and pushes
+alternate between them: the trainer only ever writes the set the engines are not serving from.
+The parity flips only after every engine took the push; after a failed push the transport stops
+adopting (engines copy), because some engine may still be reading either set.
 
 A description is the JSON string that travels in SGLang's `serialized_named_tensors` field with
-`load_format: "shared_memory"`: {"path", "nbytes", "tensors": [{"name", "dtype", "shape",
-"offset"}]}.
+`load_format: "shared_memory"`: {"path", "nbytes", "adopt", "tensors": [{"name", "dtype",
+"shape", "offset"}]}.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import tempfile
 import uuid
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +47,13 @@ class ShmBucketWriter:
         # the files are removed by `close`, or when the writer is collected / the process exits
         self._finalizer = weakref.finalize(self, _unlink, self._paths)
 
-    def write(self, slot: int, bucket: list[tuple[str, torch.Tensor]]) -> str:
+    def write(
+        self,
+        slot: int,
+        bucket: list[tuple[str, torch.Tensor]],
+        parity: int = 0,
+        adopt: bool = False,
+    ) -> str:
         layout, offset = [], 0
         for name, t in bucket:
             layout.append(
@@ -53,13 +65,14 @@ class ShmBucketWriter:
                 }
             )
             offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        buf = self._buffer(slot, offset)
+        key = 2 * slot + parity
+        buf = self._buffer(key, offset)
         for (_, t), spec in zip(bucket, layout, strict=True):
             nbytes = t.numel() * t.element_size()
             dst = buf[spec["offset"] : spec["offset"] + nbytes].view(t.dtype)
             dst.copy_(t.detach().reshape(-1))
-        path = self._files[slot][0]
-        return json.dumps({"path": str(path), "nbytes": offset, "tensors": layout})
+        path = self._files[key][0]
+        return json.dumps({"path": str(path), "nbytes": offset, "adopt": adopt, "tensors": layout})
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         held = self._files.get(slot)
@@ -84,18 +97,39 @@ def _unlink(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def read_bucket(description: str) -> list[tuple[str, torch.Tensor]]:
-    """Maps a described bucket (views into the shared file: copy before the writer reuses it)."""
+@dataclass
+class SharedBucket:
+    tensors: list[tuple[str, torch.Tensor]]  # views into the shared file
+    adopt: bool  # the engine may keep the views as its parameters
+
+
+_MAPPED: dict[tuple[str, int, int], torch.Tensor] = {}  # (path, inode, size) → mapping
+
+
+def _map(path: str, size: int) -> torch.Tensor:
+    key = (path, os.stat(path).st_ino, size)
+    buf = _MAPPED.get(key)
+    if buf is None:
+        for old in [k for k in _MAPPED if k[0] == path]:
+            del _MAPPED[old]  # the writer replaced the file: drop the stale mapping
+        buf = _MAPPED[key] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    return buf
+
+
+def read_bucket(description: str) -> SharedBucket:
+    """Maps a described bucket: views into the shared file (copy them unless `adopt`)."""
     try:
         spec = json.loads(description)
         path, nbytes, tensors = spec["path"], int(spec["nbytes"]), spec["tensors"]
+        adopt = bool(spec.get("adopt", False))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"malformed shared-memory bucket description: {e!r}") from e
     if not Path(path).is_file():
         raise ValueError(f"shared-memory bucket {path!r} does not exist on this host")
-    if Path(path).stat().st_size < nbytes:
+    size = Path(path).stat().st_size
+    if size < nbytes:
         raise ValueError(f"shared-memory bucket {path!r} is smaller than described")
-    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    buf = _map(path, size)
     out = []
     for t in tensors:
         dtype = _DTYPES.get(t["dtype"])
@@ -109,4 +143,4 @@ def read_bucket(description: str) -> list[tuple[str, torch.Tensor]]:
         if start < 0 or start + size > nbytes:
             raise ValueError(f"tensor {t['name']} lies outside its bucket")
         out.append((t["name"], buf[start : start + size].view(dtype).view(t["shape"])))
-    return out
+    return SharedBucket(out, adopt)

@@ -1,0 +1,123 @@
+"""Steps/s and reward per sample of sync, one-step-off and fully async RL, side by side.
+
+Same model, task, data order and seeds for every variant; the engine is a server subprocess and
+weights travel by shared memory in all of them. Sync runs at each thread setting (engine and
+trainer with 1 or 2 threads each, one phase at a time) and the fastest is the baseline; the
+async variants run the trainer and the engine at one thread each, so each owns one of the two
+cores. The first `--warmup` steps are not timed. Prints a table, then one JSON object.
+
+    python benchmarks/async_vs_sync.py [--preset small] [--steps 14] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from miles_core.config import load_config
+from miles_core.runtime import RLRuntime, prepare_model_dir
+
+
+def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="miles-bench-"))
+    cfg = load_config(
+        None,
+        [
+            f"name=bench-{mode}",
+            f"model.preset={preset}",
+            f"data.task={args.task}",
+            f"rollout.prompts_per_step={args.prompts}",
+            f"rollout.n_samples_per_prompt={args.samples}",
+            f"rollout.max_new_tokens={args.max_new_tokens}",
+            f"train.global_batch_size={args.prompts * args.samples}",
+            f"train.micro_batch_size={args.prompts * args.samples}",
+            f"train.lr={args.lr}",
+            f"train.threads={threads}",
+            "rollout.engine=server",
+            f"rollout.engine_threads={threads}",
+            "weight_sync.transport=shared_memory",
+            f"rollout.mode={mode}",
+            f"rollout.max_staleness={args.max_staleness}",
+            f"checkpoint.root={tmp}/ckpt",
+        ],
+    )
+    torch.set_num_threads(threads)
+    rt = RLRuntime(cfg, prepare_model_dir(cfg, tmp), None)
+    rewards, staleness, t0 = [], [], 0.0
+    try:
+        for step in range(steps):
+            if step == warmup:
+                t0 = time.perf_counter()
+            result = rt.rollout(step)
+            rt.train(result)
+            rt.update_weights()
+            rewards.append(result.metrics["rollout/reward_mean"])
+            staleness.append(result.metrics.get("rollout/staleness/mean", 0.0))
+        seconds = time.perf_counter() - t0
+    finally:
+        rt.close()
+    timed = steps - warmup
+    return {
+        "steps_per_s": timed / seconds,
+        "rewards": rewards,
+        "reward_last5": statistics.fmean(rewards[-5:]),
+        "mean_staleness": statistics.fmean(staleness[warmup:]),
+        "threads": threads,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--task", default="say_a")
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-staleness", type=int, default=1)
+    args = ap.parse_args()
+    runs = {
+        f"sync_{t}t": run(args.preset, args.steps, args.warmup, "sync", t, args) for t in (1, 2)
+    }
+    runs["one_step_off"] = run(args.preset, args.steps, args.warmup, "one_step_off", 1, args)
+    runs["fully_async"] = run(args.preset, args.steps, args.warmup, "fully_async", 1, args)
+    sync_name = max(("sync_1t", "sync_2t"), key=lambda k: runs[k]["steps_per_s"])
+    base = runs[sync_name]["steps_per_s"]
+    print(f"preset {args.preset}, task {args.task}, {args.prompts}×{args.samples} samples/step")
+    print(
+        f"{'variant':14}{'threads':>8}{'steps/s':>10}{'× sync':>8}{'staleness':>11}{'reward last5':>14}"
+    )
+    for name, r in runs.items():
+        print(
+            f"{name:14}{r['threads']:>8}{r['steps_per_s']:>10.3f}{r['steps_per_s'] / base:>8.2f}"
+            f"{r['mean_staleness']:>11.2f}{r['reward_last5']:>14.3f}"
+        )
+    print("reward per step (samples consumed = step × samples/step):")
+    for name, r in runs.items():
+        print(f"  {name:14}" + " ".join(f"{x:.2f}" for x in r["rewards"]))
+    print(
+        json.dumps(
+            {
+                "fully_async_over_sync": round(runs["fully_async"]["steps_per_s"] / base, 3),
+                "one_step_off_over_sync": round(runs["one_step_off"]["steps_per_s"] / base, 3),
+                "mean_staleness": round(runs["fully_async"]["mean_staleness"], 3),
+                "sync_baseline": sync_name,
+                "steps_per_s": {k: round(r["steps_per_s"], 3) for k, r in runs.items()},
+                "reward_last5": {k: round(r["reward_last5"], 3) for k, r in runs.items()},
+                "preset": args.preset,
+                "target": 1.6,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""GB/s of each weight transport against a plain memcpy of the same tensors, in one run.
+
+Pushes use the runs' default pause mode, retract. For each preset: memcpy (one `copy_` of every tensor into preallocated storage: the floor any
+transport pays at least once), colocated (in-process engine), shared_memory and disk (an engine
+server subprocess on 127.0.0.1). Each push is verified bitwise (checksum over HTTP) outside the
+timed region. Median of `--reps` pushes after one warm-up. Prints a table, then one JSON object.
+
+    python benchmarks/weight_sync.py [--presets small,medium] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from miles_core.models import build_model, save_hf_dir
+from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
+from miles_core.weights.disk import DiskTransport
+
+TRANSPORTS = ("colocated", "shared_memory", "disk")
+
+
+def buckets(named: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20):
+    out, cur, size = [], [], 0
+    for name, t in named.items():
+        cur.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+    return out + ([cur] if cur else [])
+
+
+def bench(preset: str, reps: int) -> dict[str, float]:
+    model, tok = build_model(preset, seed=0)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    results: dict[str, float] = {}
+
+    dst = {n: torch.empty_like(t) for n, t in weights.items()}
+
+    def memcpy() -> None:
+        for n, t in weights.items():
+            dst[n].copy_(t)
+
+    results["memcpy"] = nbytes / _median(memcpy, reps) / 1e9
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_dir(model, tok, tmp)
+        engine_model, _ = build_model(preset, seed=1)
+        colocated = EmbeddedEngine(engine_model, tok)
+        with EngineProcess(tmp, args=["--threads", "1"]) as proc:
+            server = HttpEngine(proc.url)
+            for name in TRANSPORTS:
+                if name == "disk":
+                    transport = DiskTransport(root=str(Path(tmp) / "pushed"), keep=1)
+                else:
+                    transport = make_transport(name)
+                target = colocated if name == "colocated" else server
+                transport.connect([target])
+                version = [0]
+
+                def push(transport=transport, version=version) -> None:
+                    version[0] += 1
+                    transport.push(buckets(weights), version=version[0], pause_mode="retract")
+
+                results[name] = nbytes / _median(push, reps) / 1e9
+                if name == "colocated":
+                    assert not mismatched_tensors(weights.items(), colocated.named_tensors())
+                else:
+                    assert server.weights_checksum() == weights_checksum(weights.items())
+                getattr(transport, "close", lambda: None)()
+            server.close()
+    results["bytes"] = float(nbytes)
+    return results
+
+
+def _median(fn, reps: int) -> float:
+    fn()  # warm-up: first-touch page faults, server imports
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="small,medium")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results = {p: bench(p, args.reps) for p in args.presets.split(",")}
+    cols = ("memcpy", *TRANSPORTS)
+    print(f"{'preset':8}{'MB':>8}" + "".join(f"{c + ' GB/s':>20}" for c in cols))
+    for p, r in results.items():
+        print(f"{p:8}{r['bytes'] / 1e6:>8.1f}" + "".join(f"{r[c]:>20.2f}" for c in cols))
+    print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / memcpy':>20}" for c in TRANSPORTS))
+    for p, r in results.items():
+        print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r['memcpy']:>20.3f}" for c in TRANSPORTS))
+    print(
+        json.dumps(
+            {
+                "fraction_of_memcpy": {
+                    p: {c: round(r[c] / r["memcpy"], 3) for c in TRANSPORTS}
+                    for p, r in results.items()
+                },
+                "gbps": {p: {c: round(r[c], 3) for c in cols} for p, r in results.items()},
+                "bytes": {p: int(r["bytes"]) for p, r in results.items()},
+                "targets": {"shared_memory": 0.5, "broadcast": 0.25, "delta_bytes_fraction": 0.1},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
