@@ -1,9 +1,10 @@
 """GB/s of each weight transport against a plain memcpy of the same tensors, in one run.
 
-Pushes use the runs' default pause mode, retract. For each preset: memcpy (one `copy_` of every tensor into preallocated storage: the floor any
-transport pays at least once), colocated (in-process engine), shared_memory and disk (an engine
-server subprocess on 127.0.0.1). Each push is verified bitwise (checksum over HTTP) outside the
-timed region. Median of `--reps` pushes after one warm-up. Prints a table, then one JSON object.
+For each preset: memcpy (one `copy_` of every tensor into preallocated storage: the floor any
+transport pays at least once), colocated (in-process engine), then shared_memory, broadcast
+(gloo) and disk (an engine server subprocess on 127.0.0.1). Pushes use the runs' default pause
+mode, retract. Each push is verified bitwise (checksum over HTTP) outside the timed region.
+Median of `--reps` pushes after one warm-up. Prints a table, then one JSON object.
 
     python benchmarks/weight_sync.py [--presets small,medium] [--reps 5]
 """
@@ -25,7 +26,7 @@ from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
 from miles_core.weights.disk import DiskTransport
 
-TRANSPORTS = ("colocated", "shared_memory", "disk")
+TRANSPORTS = ("colocated", "shared_memory", "broadcast", "disk")
 
 
 def buckets(named: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20):

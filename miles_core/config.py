@@ -56,7 +56,7 @@ class RolloutConfig(_Strict):
         description="embedded: batched sampler on the HF modules; serving: continuous batching "
         "with prefix reuse (GRPO siblings share the prompt's KV), per-request seeds; server: the "
         "serving engine as a subprocess on 127.0.0.1 behind SGLang's HTTP API (weights travel "
-        "by weight_sync.transport shared_memory or disk)",
+        "by weight_sync.transport shared_memory, disk or broadcast)",
     )
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine server process (default: all cores)"
@@ -196,7 +196,7 @@ class SFTConfig(OptimConfig):
 class WeightSyncConfig(_Strict):
     transport: str = Field(
         "colocated",
-        description="colocated (engine in the trainer's process); shared_memory or disk (engine "
+        description="colocated (engine in the trainer's process); shared_memory, disk or broadcast (engine "
         "servers, rollout.engine: server)",
     )
     bucket_mb: int = Field(64, gt=0)
@@ -269,10 +269,10 @@ class RunConfig(_Strict):
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"micro_batch_size × world_size ({unit})"
             )
-        remote = self.weight_sync.transport in ("shared_memory", "disk")
+        remote = self.weight_sync.transport in ("shared_memory", "disk", "broadcast")
         if r.engine == "server" and not remote:
             raise ValueError(
-                "rollout.engine: server needs weight_sync.transport shared_memory or disk "
+                "rollout.engine: server needs weight_sync.transport shared_memory, disk or broadcast "
                 f"(not {self.weight_sync.transport!r})"
             )
         if r.engine != "server" and remote:

@@ -131,8 +131,9 @@ SERVER = ["rollout.engine=server", "rollout.engine_threads=1", "weight_sync.chec
         ("serving", []),
         ("server", [*SERVER, "weight_sync.transport=shared_memory"]),
         ("server", [*SERVER, "weight_sync.transport=disk"]),
+        ("server", [*SERVER, "weight_sync.transport=broadcast"]),
     ],
-    ids=["embedded", "serving", "server-shared_memory", "server-disk"],
+    ids=["embedded", "serving", "server-shared_memory", "server-disk", "server-broadcast"],
 )
 def test_resume_continues_the_same_run_bit_identically(
     prefect_server, tmp_path, monkeypatch, engine, extra

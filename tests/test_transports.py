@@ -40,7 +40,7 @@ def _buckets(weights, per=5):
     return [items[i : i + per] for i in range(0, len(items), per)]
 
 
-@pytest.mark.parametrize("name", ["shared_memory", "disk"])
+@pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
 def test_push_is_bitwise_and_sets_the_version(server, tiny_dir, tmp_path, name):
     transport = (
         DiskTransport(root=str(tmp_path / "w"), keep=1) if name == "disk" else make_transport(name)
@@ -56,6 +56,7 @@ def test_push_is_bitwise_and_sets_the_version(server, tiny_dir, tmp_path, name):
         assert stats.bytes > 0 and stats.gbps > 0
     if name == "disk":
         assert not (tmp_path / "w" / "weight_v000012").exists()  # keeps the newest `keep`
+    getattr(transport, "close", lambda: None)()
 
 
 def test_a_corrupt_or_foreign_disk_push_is_refused_and_changes_nothing(server, tiny_dir, tmp_path):
@@ -93,14 +94,19 @@ def test_a_shared_memory_bucket_that_does_not_fit_is_refused_and_changes_nothing
     assert server.weights_checksum() == before and server.weight_version == version
 
 
-@pytest.mark.parametrize("name", ["shared_memory", "disk"])
+@pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
 def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
     server, tiny_dir, tmp_path, name
 ):
     dead = HttpEngine("http://127.0.0.1:9")  # nothing listens on the discard port
     transport = DiskTransport(root=str(tmp_path / "w")) if name == "disk" else make_transport(name)
-    transport.connect([server, dead])
     before, version = server.weights_checksum(), server.weight_version
+    if name == "broadcast":  # the group is formed at connect: that is where it fails
+        with pytest.raises(PushFailed, match="127.0.0.1:9 cannot be reached"):
+            transport.connect([server, dead])
+        assert server.weights_checksum() == before and server.weight_version == version
+        return
+    transport.connect([server, dead])
     with pytest.raises(PushFailed, match="127.0.0.1:9 cannot be reached"):
         transport.push(_buckets(_new_weights(tiny_dir, 5)), version=version + 1)
     assert server.weights_checksum() == before and server.weight_version == version

@@ -29,6 +29,7 @@ from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, Sam
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
 from miles_core.weights.disk import load_weight_dir
+from miles_core.weights.group import DTYPES, flat_layout, open_group
 from miles_core.weights.shm import read_bucket
 
 MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
@@ -73,6 +74,28 @@ class TensorBody(_Body):
     load_format: str | None = None
     weight_version: str | None = None
     flush_cache: bool = True
+
+
+class GroupBody(_Body):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class DistributedBody(_Body):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class DestroyGroupBody(_Body):
+    group_name: str = "weight_update_group"
 
 
 class MemoryBody(_Body):
@@ -307,6 +330,75 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
         if version is not None:
             engine.set_weight_version(version)
         return {"success": True, "message": f"loaded {len(tensors)} tensors"}
+
+    groups: dict[str, Any] = {}  # group name → (store, process group)
+    staged: dict[str, list] = {}  # group name → tensors received, loaded at the versioned call
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: GroupBody):
+        """Joins the trainer's weight-broadcast group (gloo on CPU) as rank `rank_offset`."""
+        if body.backend != "gloo":
+            return _error(400, f"backend {body.backend!r} is not available here; use gloo (CPU)")
+        if body.group_name in groups:
+            return _error(400, f"weight update group {body.group_name!r} already exists")
+        try:
+            groups[body.group_name] = await asyncio.to_thread(
+                open_group,
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+            )
+        except Exception as e:  # noqa: BLE001  (rendezvous failures: timeout, refused)
+            return _error(400, f"could not join weight update group {body.group_name!r}: {e}")
+        staged[body.group_name] = []
+        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: DistributedBody):
+        """Receives one bucket by broadcast (one flat buffer per dtype). Buckets are staged and
+        loaded together, all or nothing, by the call that carries `weight_version`."""
+        if body.group_name not in groups:
+            return _error(400, f"no weight update group {body.group_name!r}; init it first")
+        version = parse_version(body.weight_version) if body.weight_version is not None else None
+        try:
+            sizes, layout = flat_layout(body.names, body.dtypes, body.shapes)
+        except ValueError as e:
+            return _error(400, str(e))
+        pg = groups[body.group_name][1]
+
+        def receive() -> list:
+            flats = {}
+            for dtype in sorted(sizes):
+                flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
+                pg.broadcast(flats[dtype], 0).wait()
+            out = []
+            for name, dtype, shape, offset in layout:
+                count = 1
+                for d in shape:
+                    count *= d
+                out.append((name, flats[dtype][offset : offset + count].view(shape)))
+            return out
+
+        staged[body.group_name] += await asyncio.to_thread(receive)
+        if version is None:
+            return {"success": True, "message": f"staged {len(body.names)} tensors"}
+        tensors, staged[body.group_name] = staged[body.group_name], []
+        try:
+            await asyncio.to_thread(
+                engine.update_weights_from_tensor, tensors, body.flush_cache, True
+            )
+        except (KeyError, ValueError) as e:
+            return _error(400, f"weights do not fit this model: {e}")
+        engine.set_weight_version(version)
+        return {"success": True, "message": f"loaded {len(tensors)} tensors"}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: DestroyGroupBody):
+        if groups.pop(body.group_name, None) is None:
+            return _error(400, f"no weight update group {body.group_name!r}")
+        staged.pop(body.group_name, None)
+        return {"success": True, "message": f"left {body.group_name}"}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory(body: MemoryBody | None = None):

@@ -1,0 +1,55 @@
+"""A standalone gloo process group between a trainer's sending rank and engine processes, apart
+from any default group (the trainer's FSDP ranks keep theirs): a TCPStore rendezvous on the
+trainer's host, then `ProcessGroupGloo` bound to that address. SGLang's
+`/init_weights_update_group` builds the same thing with NCCL on GPUs."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+from torch.distributed import ProcessGroupGloo, TCPStore
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def open_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0
+) -> tuple[TCPStore, ProcessGroupGloo]:
+    """Joins (rank 0: hosts) the rendezvous; returns once all `world_size` ranks are in."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    opts = ProcessGroupGloo._Options()
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    return store, ProcessGroupGloo(store, rank, world_size, opts)
+
+
+DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+}
+
+
+def flat_layout(
+    names, dtypes, shapes
+) -> tuple[dict[str, int], list[tuple[str, str, list[int], int]]]:
+    """Per-dtype flat buffer sizes (elements) and each tensor's (name, dtype, shape, offset)."""
+    sizes: dict[str, int] = {}
+    layout = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} for {name}")
+        count = 1
+        for d in shape:
+            count *= int(d)
+        layout.append((name, dtype, list(shape), sizes.get(dtype, 0)))
+        sizes[dtype] = sizes.get(dtype, 0) + count
+    return sizes, layout
