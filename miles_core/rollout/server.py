@@ -29,7 +29,7 @@ from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, Sam
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
 from miles_core.weights.disk import load_weight_dir
-from miles_core.weights.group import DTYPES, flat_layout, open_group
+from miles_core.weights.group import DTYPES, broadcast, flat_layout, open_group
 from miles_core.weights.shm import read_bucket
 
 MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
@@ -371,7 +371,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             flats = {}
             for dtype in sorted(sizes):
                 flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
-                pg.broadcast(flats[dtype], 0).wait()
+                broadcast(pg, flats[dtype])
             out = []
             for name, dtype, shape, offset in layout:
                 count = 1

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from miles_core.weights.group import free_port, open_group
+from miles_core.weights.group import broadcast, free_port, open_group
 from miles_core.weights.remote import (
     PushFailed,
     RemoteEngine,
@@ -94,7 +94,7 @@ class BroadcastTransport:
                 for dtype in sorted({str(t.dtype).removeprefix("torch.") for _, t in bucket}):
                     same = [t for _, t in bucket if str(t.dtype).removeprefix("torch.") == dtype]
                     flat = torch.cat([t.detach().reshape(-1) for t in same])
-                    pg.broadcast(flat, 0).wait()
+                    broadcast(pg, flat)
                     nbytes += flat.numel() * flat.element_size()
                 for e, c in zip(self.engines, calls, strict=True):
                     try:
