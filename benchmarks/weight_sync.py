@@ -81,7 +81,30 @@ def bench(preset: str, reps: int) -> dict[str, float]:
                 getattr(transport, "close", lambda: None)()
             server.close()
     results["bytes"] = float(nbytes)
+    results["delta_bytes_fraction"] = delta_fraction(model)
     return results
+
+
+def delta_fraction(model: torch.nn.Module, lr: float = 1e-5) -> float:
+    """Bytes of a disk delta after one AdamW step at `lr` / bytes of the full push before it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        transport = DiskTransport(root=tmp, keep=2, delta=True)
+        transport.connect([])  # write only
+        named = lambda: {n: p.detach().clone() for n, p in model.named_parameters()}  # noqa: E731
+        transport.push(buckets(named()), version=1)
+        full = _dir_bytes(Path(tmp) / "weight_v000001")
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        ids = torch.randint(
+            0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0)
+        )
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        transport.push(buckets(named()), version=2)
+        return _dir_bytes(Path(tmp) / "weight_v000002") / full
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.glob("*.safetensors"))
 
 
 def _median(fn, reps: int) -> float:
@@ -109,8 +132,15 @@ def main() -> None:
     for p, r in results.items():
         print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r['memcpy']:>20.3f}" for c in TRANSPORTS))
     print(
+        "disk delta bytes / full push after one AdamW step at lr 1e-5 (fp32 weights): "
+        + ", ".join(f"{p} {r['delta_bytes_fraction']:.3f}" for p, r in results.items())
+    )
+    print(
         json.dumps(
             {
+                "delta_bytes_fraction": {
+                    p: round(r["delta_bytes_fraction"], 3) for p, r in results.items()
+                },
                 "fraction_of_memcpy": {
                     p: {c: round(r[c] / r["memcpy"], 3) for c in TRANSPORTS}
                     for p, r in results.items()

@@ -204,6 +204,9 @@ class WeightSyncConfig(_Strict):
         None, description="disk transport: fsspec root for pushed weights (default: a temp dir)"
     )
     keep_versions: int = Field(2, ge=1, description="disk transport: pushed versions kept")
+    disk_delta: bool = Field(
+        False, description="disk transport: after the first push, write only changed tensors (XOR)"
+    )
     check_equal: bool = Field(
         False, description="verify engine weights bitwise after every push (slow)"
     )

@@ -97,6 +97,7 @@ class RLRuntime:
                 root=ws.disk_root or str(self.workdir / "pushed_weights"),
                 storage_options=config.checkpoint.storage_options,
                 keep=ws.keep_versions,
+                delta=ws.disk_delta,
             )
             self.transport.connect([self.engine])
             self.store = CheckpointStore(

@@ -123,3 +123,35 @@ def test_transports_for_servers_refuse_in_process_engines(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="use transport 'colocated'"):
         make_transport("shared_memory").connect([EmbeddedEngine(model, tok)])
+
+
+def test_disk_deltas_carry_only_changed_tensors_and_are_refused_out_of_order_or_corrupt(
+    server, tiny_dir, tmp_path
+):
+    root = tmp_path / "d"
+    transport = DiskTransport(root=str(root), keep=5, delta=True)
+    transport.connect([server])
+    weights = _new_weights(tiny_dir, 7)
+    full = transport.push(_buckets(weights), version=30).bytes
+    assert json.loads((root / "weight_v000030" / "manifest.json").read_text())["kind"] == "full"
+    for version in (31, 32):  # small updates of half the tensors
+        for i, name in enumerate(sorted(weights)):
+            if i % 2 == version % 2:
+                weights[name] = weights[name] + 1e-5 * torch.ones_like(weights[name])
+        stats = transport.push(_buckets(weights), version=version)
+        assert server.weights_checksum() == weights_checksum(weights.items())
+        spec = json.loads((root / f"weight_v{version:06d}" / "manifest.json").read_text())
+        assert spec["kind"] == "delta" and spec["base_version"] == version - 1
+        assert 0 < len(spec["encoded"]) < len(weights)
+        assert stats.bytes < full
+    before = server.weights_checksum()
+    with pytest.raises(EngineRequestRejected, match="delta from version 31"):
+        server.update_weights_from_disk(str(root / "weight_v000032"), version=33)  # engine at 32
+    transport.engines = []  # write delta v33 without loading it, then corrupt one byte
+    transport.push(_buckets({n: t + 1e-3 for n, t in weights.items()}), version=33)
+    blob = bytearray((root / "weight_v000033" / "model.safetensors").read_bytes())
+    blob[-5] ^= 0x01
+    (root / "weight_v000033" / "model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(EngineRequestRejected, match="corrupt|checksum mismatch"):
+        server.update_weights_from_disk(str(root / "weight_v000033"), version=33)
+    assert server.weights_checksum() == before and server.weight_version == 32

@@ -290,7 +290,13 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
     async def update_weights_from_disk(body: DiskBody):
         version = parse_version(body.weight_version) if body.weight_version is not None else None
         try:
-            tensors = await asyncio.to_thread(load_weight_dir, body.model_path)
+            tensors = await asyncio.to_thread(
+                load_weight_dir,
+                body.model_path,
+                None,
+                engine.named_tensors(),
+                engine.weight_version,
+            )
         except (FileNotFoundError, ValueError) as e:  # missing, corrupt, or not the manifest's
             return _error(400, str(e))
         try:

@@ -1,11 +1,14 @@
 """Disk transport: each push is a safetensors checkpoint under an fsspec root (a local path, or
 s3://… for engines on other hosts), which the engines load with `/update_weights_from_disk`.
 
-Layout: `<root>/weight_v{version:06d}/model.safetensors` + `manifest.json` ({"version", "tensors":
-{name: sha256 of the raw bytes}}). The engine verifies every tensor against the manifest before
-loading, so a corrupt or mismatched file is refused and the engine keeps its weights. The only
-pause is the engine's own load (between two scheduler steps); the write overlaps generation.
-Older versions are removed, keeping `keep` of them.
+Layout: `<root>/weight_v{version:06d}/model.safetensors` + `manifest.json` ({"version", "kind":
+full | delta, "tensors": {name: sha256 of the final raw bytes}}). With `delta`, every push after
+the first holds only the tensors that changed, XOR-encoded against the previous push
+(weights/delta.py; the manifest names `base_version` and each encoded tensor's dtype and shape).
+The engine verifies every tensor against the manifest before loading, so a corrupt, mismatched
+or out-of-order file is refused and the engine keeps its weights. The only pause is the engine's
+own load (between two scheduler steps); the write overlaps generation. Older versions are
+removed, keeping `keep` of them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import zlib
 from collections.abc import Iterable
 
 import fsspec
@@ -21,6 +25,7 @@ from safetensors.torch import load, save
 
 from miles_core.rollout.http_engine import EngineRequestRejected
 from miles_core.rollout.process import ProcessUnavailable
+from miles_core.weights import delta
 from miles_core.weights.remote import (
     PushFailed,
     RemoteEngine,
@@ -40,9 +45,16 @@ def version_dir(root: str, version: int) -> str:
     return f"{root.rstrip('/')}/weight_v{version:06d}"
 
 
-def load_weight_dir(path: str, storage_options: dict | None = None) -> dict[str, torch.Tensor]:
+def load_weight_dir(
+    path: str,
+    storage_options: dict | None = None,
+    current: dict[str, torch.Tensor] | None = None,
+    current_version: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Reads every *.safetensors file of a directory (local or fsspec URL), or one file. With a
-    manifest, each tensor's sha256 must match it and the names must be exactly its names."""
+    manifest, each tensor's sha256 must match it and the names must be exactly its names. A
+    delta is decoded against `current` (the engine's weights), which must be at its base
+    version; it returns only the changed tensors."""
     fs, base = fsspec.core.url_to_fs(path, **(storage_options or {}))
     if fs.isdir(base):
         files = sorted(f for f in fs.ls(base, detail=False) if f.endswith(".safetensors"))
@@ -57,7 +69,10 @@ def load_weight_dir(path: str, storage_options: dict | None = None) -> dict[str,
     manifest_path = f"{base}/{MANIFEST}"
     if fs.isdir(base) and fs.exists(manifest_path):
         with fs.open(manifest_path, "r") as fh:
-            expected = json.load(fh)["tensors"]
+            manifest = json.load(fh)
+        expected = manifest["tensors"]
+        if manifest.get("kind") == "delta":
+            tensors = _apply_delta(path, manifest, tensors, current, current_version)
         if set(expected) != set(tensors):
             raise ValueError(
                 f"{path}: tensors do not match the manifest "
@@ -70,14 +85,40 @@ def load_weight_dir(path: str, storage_options: dict | None = None) -> dict[str,
     return tensors
 
 
+def _apply_delta(path, manifest, packed, current, current_version) -> dict[str, torch.Tensor]:
+    if current is None:
+        raise ValueError(f"{path} is a delta; it needs the engine's current weights")
+    if manifest.get("encoding") != delta.ENCODING:
+        raise ValueError(f"{path}: unknown delta encoding {manifest.get('encoding')!r}")
+    if current_version != manifest["base_version"]:
+        raise ValueError(
+            f"{path} is a delta from version {manifest['base_version']}, but this engine is at "
+            f"version {current_version}: push the full weights (or the missing deltas) first"
+        )
+    out = {}
+    for name, spec in manifest["encoded"].items():
+        old = current.get(name)
+        if old is None or list(old.shape) != spec["shape"] or name not in packed:
+            raise ValueError(f"{path}: delta tensor {name} does not fit this model")
+        try:
+            out[name] = delta.decode(packed[name], old)
+        except (ValueError, zlib.error) as e:
+            raise ValueError(f"{path}: checksum mismatch for {name}; the delta is corrupt") from e
+    return out
+
+
 class DiskTransport:
     def __init__(
         self,
         root: str = "weights",
         storage_options: dict | None = None,
         keep: int = 2,
+        delta: bool = False,
         **_options,
     ):
+        self.delta = delta
+        self._base: dict[str, torch.Tensor] | None = None  # the last pushed weights (delta)
+        self._base_version = 0
         self.root = root
         self.storage_options = storage_options or {}
         self.keep = keep
@@ -94,13 +135,28 @@ class DiskTransport:
         path = version_dir(self.root, version)
         fs, base = fsspec.core.url_to_fs(path, **self.storage_options)
         fs.makedirs(base, exist_ok=True)
-        data = save(tensors, metadata={"version": str(version)})
-        with fs.open(f"{base}/model.safetensors", "wb") as f:
-            f.write(data)
-        manifest = {
+        manifest: dict = {
             "version": version,
+            "kind": "full",
             "tensors": {n: tensor_sha256(t) for n, t in tensors.items()},
         }
+        payload = tensors
+        if self.delta and self._base is not None:
+            changed = {n: t for n, t in tensors.items() if not torch.equal(t, self._base[n])}
+            payload = {n: delta.encode(t, self._base[n]) for n, t in changed.items()}
+            manifest.update(
+                kind="delta",
+                base_version=self._base_version,
+                encoding=delta.ENCODING,
+                encoded={
+                    n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    for n, t in changed.items()
+                },
+                tensors={n: manifest["tensors"][n] for n in changed},
+            )
+        data = save(payload, metadata={"version": str(version)})
+        with fs.open(f"{base}/model.safetensors", "wb") as f:
+            f.write(data)
         with fs.open(f"{base}/{MANIFEST}", "w") as f:
             json.dump(manifest, f)
         check_reachable(self.engines)
@@ -109,6 +165,9 @@ class DiskTransport:
                 e.update_weights_from_disk(path, version)
             except (ProcessUnavailable, EngineRequestRejected) as err:
                 raise PushFailed(f"engine at {e.url} did not load {path}: {err}") from err
+        if self.delta:
+            self._base = {n: t.clone() for n, t in tensors.items()}
+            self._base_version = version
         self._written.append(path)
         while len(self._written) > self.keep:
             old = self._written.pop(0)
