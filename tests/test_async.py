@@ -128,3 +128,36 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
         assert len(s.rollout_log_probs) == s.response_length
     if mode == "abort":
         assert producer.counters["continued_requests"] > 0
+
+
+@pytest.mark.parametrize("policy", ["drop", "retry"])
+def test_drop_and_retry_policies_never_hand_out_stale_groups(engine, tiny_dir, tmp_path, policy):
+    cfg = _config(
+        tmp_path,
+        "rollout.mode=fully_async",
+        "rollout.max_staleness=0",
+        f"rollout.stale_policy={policy}",
+    ).rollout
+    _, tok = load_hf_dir(tiny_dir)
+    source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
+    version = [engine.weight_version]
+    producer = RolloutProducer(
+        engine, tok, get_task("reverse"), source, cfg, version=lambda: version[0]
+    ).start()
+    try:
+        _wait(lambda: producer.counters["admitted_groups"] >= cfg.prompts_per_step)
+        producer.wait_idle()  # a full buffer of groups made at the current version
+        first = [t.data_index for t in sorted(producer._tickets.values(), key=lambda t: t.index)]
+        version[0] += 1  # a push: all of them are now one version stale
+        engine.set_weight_version(version[0])
+        producer.notify_version()
+        result = producer.take(0)
+    finally:
+        producer.stop()
+    assert producer.counters["stale_groups"] >= cfg.prompts_per_step
+    assert result.metrics["rollout/staleness/max"] == 0
+    taken = [g.samples[0].metadata["data_index"] for g in result.groups]
+    if policy == "retry":  # the stale prompts come back first, regenerated on new weights
+        assert sorted(taken) == sorted(first)
+    else:
+        assert not set(taken) & set(first)
