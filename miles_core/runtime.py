@@ -250,20 +250,22 @@ class RLRuntime:
         self.start_step += 1
 
     def close(self) -> None:
-        if self.producer is not None:
-            self.producer.stop()
-        self.trainer.close()
-        self.store.close()
-        if isinstance(self.engine, ServingEngine):
-            self.engine.close()
-        if isinstance(self.engine, HttpEngine):
-            self.engine.close()
-        if self.engine_process is not None:
-            self.engine_process.stop()
-        close_transport = getattr(self.transport, "close", None)
-        if close_transport is not None:
-            close_transport()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        """Stops everything the run started; the engine process is stopped even if an earlier
+        step of the shutdown fails."""
+        try:
+            if self.producer is not None:
+                self.producer.stop()
+            close_transport = getattr(self.transport, "close", None)
+            if close_transport is not None:  # while the engines still answer
+                close_transport()
+            self.trainer.close()
+            self.store.close()
+        finally:
+            if isinstance(self.engine, ServingEngine | HttpEngine):
+                self.engine.close()
+            if self.engine_process is not None:
+                self.engine_process.stop()
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def new_workdir() -> Path:

@@ -87,3 +87,9 @@ def test_a_correction_without_engine_logprobs_is_a_clear_error(tiny_dir, tiny):
     batch.rollout_log_probs = None
     with pytest.raises(ValueError, match="needs the engine's log-probs"):
         trainer.train_step(batch)
+
+
+def test_tokens_both_policies_rule_out_do_not_poison_the_batch():
+    old = torch.tensor([[float("-inf"), -1.0, -0.5]])
+    c = correction_weights(old, old.clone(), torch.ones_like(old), mode="mis", level="sequence")
+    assert torch.isfinite(c.weights).all() and torch.allclose(c.weights, torch.ones(1, 3))

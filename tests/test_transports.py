@@ -111,10 +111,11 @@ def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
         transport.push(_buckets(_new_weights(tiny_dir, 5)), version=version + 1)
     assert server.weights_checksum() == before and server.weight_version == version
     assert server.server_info()["paused"] is None  # the live engine was continued
-    transport.connect([server])  # the next push works (shared memory now copies: safe)
-    weights = _new_weights(tiny_dir, 6)
-    transport.push(_buckets(weights), version=version + 1)
-    assert server.weights_checksum() == weights_checksum(weights.items())
+    transport.connect([server])  # later pushes work; shared memory moved to fresh files, so
+    for seed in (6, 7, 8):  # no file an engine may still serve from is ever written again
+        weights = _new_weights(tiny_dir, seed)
+        transport.push(_buckets(weights), version=version + seed)
+        assert server.weights_checksum() == weights_checksum(weights.items())
 
 
 def test_transports_for_servers_refuse_in_process_engines(tiny):
@@ -144,14 +145,21 @@ def test_disk_deltas_carry_only_changed_tensors_and_are_refused_out_of_order_or_
         assert spec["kind"] == "delta" and spec["base_version"] == version - 1
         assert 0 < len(spec["encoded"]) < len(weights)
         assert stats.bytes < full
+    name = sorted(weights)[0]  # a change only in the sign of a zero is a change of bytes
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] = 0.0
+    transport.push(_buckets(weights), version=40)
+    weights[name].view(-1)[0] = -0.0
+    transport.push(_buckets(weights), version=41)
+    assert server.weights_checksum() == weights_checksum(weights.items())
     before = server.weights_checksum()
-    with pytest.raises(EngineRequestRejected, match="delta from version 31"):
-        server.update_weights_from_disk(str(root / "weight_v000032"), version=33)  # engine at 32
+    with pytest.raises(EngineRequestRejected, match="delta from version 40"):
+        server.update_weights_from_disk(str(root / "weight_v000041"), version=42)  # engine at 41
     transport.engines = []  # write delta v33 without loading it, then corrupt one byte
-    transport.push(_buckets({n: t + 1e-3 for n, t in weights.items()}), version=33)
-    blob = bytearray((root / "weight_v000033" / "model.safetensors").read_bytes())
+    transport.push(_buckets({n: t + 1e-3 for n, t in weights.items()}), version=42)
+    blob = bytearray((root / "weight_v000042" / "model.safetensors").read_bytes())
     blob[-5] ^= 0x01
-    (root / "weight_v000033" / "model.safetensors").write_bytes(bytes(blob))
+    (root / "weight_v000042" / "model.safetensors").write_bytes(bytes(blob))
     with pytest.raises(EngineRequestRejected, match="corrupt|checksum mismatch"):
-        server.update_weights_from_disk(str(root / "weight_v000033"), version=33)
-    assert server.weights_checksum() == before and server.weight_version == 32
+        server.update_weights_from_disk(str(root / "weight_v000042"), version=42)
+    assert server.weights_checksum() == before and server.weight_version == 41

@@ -82,7 +82,9 @@ class HttpEngine:
         self.request_timeout = request_timeout
         self.health_interval = health_interval
         self.health_failures = health_failures
-        self._sync = httpx.Client(base_url=self.url, timeout=30.0)
+        # control calls may load a whole model (disk, last broadcast bucket): long reads, fast
+        # connection failures
+        self._sync = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0))
 
     # ------------------------------------------------------------------ data plane
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:

@@ -47,7 +47,8 @@ def correction_weights(
     """old, rollout: per-token log-probs [B, T]; mask: 0/1 loss mask [B, T]."""
     if mode not in MODES:
         raise ValueError(f"unknown off-policy correction {mode!r}; choose one of {MODES}")
-    log_r = ((old - rollout) * mask).detach()
+    # -inf − -inf is NaN: a token both policies rule out carries no evidence, so log r = 0
+    log_r = (torch.nan_to_num(old - rollout, nan=0.0, posinf=20.0, neginf=-20.0) * mask).detach()
     ratio = log_r.clamp(-20.0, 20.0).exp()
     r = ratio  # the ratio at the correction's level, before clipping or masking
     if mode == "none":

@@ -142,7 +142,11 @@ class DiskTransport:
         }
         payload = tensors
         if self.delta and self._base is not None:
-            changed = {n: t for n, t in tensors.items() if not torch.equal(t, self._base[n])}
+            changed = {  # compared as bytes: torch.equal treats -0.0 == 0.0
+                n: t
+                for n, t in tensors.items()
+                if not torch.equal(t.view(torch.uint8), self._base[n].view(torch.uint8))
+            }
             payload = {n: delta.encode(t, self._base[n]) for n, t in changed.items()}
             manifest.update(
                 kind="delta",

@@ -47,7 +47,7 @@ def paused(engines: list, mode: str, skip: bool = False):
         for e in engines:
             e.pause(mode)
             done.append(e)
-    except (ProcessUnavailable, OSError) as err:
+    except (ProcessUnavailable, OSError, ValueError) as err:  # ValueError: request rejected
         _resume(done)
         raise PushFailed(
             f"weight push aborted: engine at {e.url} cannot be reached ({err}); no engine "
@@ -73,5 +73,5 @@ def check_reachable(engines: list) -> None:
 
 def _resume(engines: list) -> None:
     for e in engines:
-        with contextlib.suppress(ProcessUnavailable, OSError):
+        with contextlib.suppress(ProcessUnavailable, OSError, ValueError):
             e.resume()

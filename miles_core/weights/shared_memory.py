@@ -25,7 +25,6 @@ class SharedMemoryTransport:
         self.writer = ShmBucketWriter()
         self.last = PushStats()
         self._parity = 0  # the file set the next push writes (engines serve the other one)
-        self._adopt = True  # zero-copy until a push fails
 
     def connect(self, engines: list) -> None:
         self.engines = require_remote(engines, "shared_memory")
@@ -34,14 +33,17 @@ class SharedMemoryTransport:
         t0 = time.perf_counter()
         descriptions, nbytes = [], 0
         for i, bucket in enumerate(buckets):  # consume every bucket (trainer collectives)
-            descriptions.append(self.writer.write(i, bucket, self._parity, self._adopt))
+            descriptions.append(self.writer.write(i, bucket, self._parity, adopt=True))
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         try:
             with paused(self.engines, pause_mode, skip=pause_mode == "in_place"):
                 for e in self.engines:
                     e.update_weights_from_shared_memory(descriptions, version)
         except BaseException:
-            self._adopt = False  # an engine may still serve from either file set: copy from now
+            # an engine may now serve from either file set (some took the push, some did not):
+            # later pushes go to fresh files, so no set an engine may hold is ever written again
+            self.writer = ShmBucketWriter()
+            self._parity = 0
             raise
         self._parity ^= 1
         self.last = PushStats(
