@@ -24,18 +24,17 @@ from miles_core.weights.remote import (
     paused,
     require_remote,
 )
-from miles_core.weights.transport import Bucket, PushStats, register_transport
+from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
 
 GROUP = "miles_weight_broadcast"
 
 
-class BroadcastTransport:
+class BroadcastTransport(RecordsPushes):
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 120.0, **_options) -> None:
         self.host = host
         self.timeout_s = timeout_s
         self.engines: list[RemoteEngine] = []
         self.group = None
-        self.last = PushStats()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
 
     def connect(self, engines: list) -> None:
@@ -101,13 +100,7 @@ class BroadcastTransport:
                         c.result(timeout=self.timeout_s)
                     except Exception as err:  # noqa: BLE001
                         raise PushFailed(f"engine at {e.url} failed to load: {err}") from err
-        self.last = PushStats(
-            bytes=nbytes * len(self.engines), seconds=time.perf_counter() - t0, version=version
-        )
-        return self.last
-
-    def metrics(self) -> dict[str, float]:
-        return self.last.as_metrics()
+        return self._record(nbytes * len(self.engines), t0, version)
 
     def close(self) -> None:
         for e in self.engines:

@@ -6,13 +6,12 @@ import time
 from collections.abc import Iterable
 
 from miles_core.rollout.engine import RolloutEngine
-from miles_core.weights.transport import Bucket, PushStats, register_transport
+from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
 
 
-class ColocatedTransport:
+class ColocatedTransport(RecordsPushes):
     def __init__(self, **_options) -> None:
         self.engines: list[RolloutEngine] = []
-        self.last = PushStats()
 
     def connect(self, engines: list[RolloutEngine]) -> None:
         self.engines = list(engines)
@@ -31,11 +30,7 @@ class ColocatedTransport:
         finally:
             for e in self.engines:
                 e.resume()
-        self.last = PushStats(bytes=copied, seconds=time.perf_counter() - t0, version=version)
-        return self.last
-
-    def metrics(self) -> dict[str, float]:
-        return self.last.as_metrics()
+        return self._record(copied, t0, version)
 
 
 register_transport("colocated", ColocatedTransport)

@@ -32,7 +32,7 @@ from miles_core.weights.remote import (
     check_reachable,
     require_remote,
 )
-from miles_core.weights.transport import Bucket, PushStats, register_transport
+from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
 
 MANIFEST = "manifest.json"
 
@@ -107,7 +107,7 @@ def _apply_delta(path, manifest, packed, current, current_version) -> dict[str, 
     return out
 
 
-class DiskTransport:
+class DiskTransport(RecordsPushes):
     def __init__(
         self,
         root: str = "weights",
@@ -123,7 +123,6 @@ class DiskTransport:
         self.storage_options = storage_options or {}
         self.keep = keep
         self.engines: list[RemoteEngine] = []
-        self.last = PushStats()
         self._written: list[str] = []
 
     def connect(self, engines: list) -> None:
@@ -176,13 +175,7 @@ class DiskTransport:
         while len(self._written) > self.keep:
             old = self._written.pop(0)
             fs.rm(fsspec.core.url_to_fs(old, **self.storage_options)[1], recursive=True)
-        self.last = PushStats(
-            bytes=len(data) * len(self.engines), seconds=time.perf_counter() - t0, version=version
-        )
-        return self.last
-
-    def metrics(self) -> dict[str, float]:
-        return self.last.as_metrics()
+        return self._record(len(data) * len(self.engines), t0, version)
 
 
 register_transport("disk", DiskTransport)

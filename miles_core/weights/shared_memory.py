@@ -16,14 +16,13 @@ from collections.abc import Iterable
 
 from miles_core.weights.remote import RemoteEngine, paused, require_remote
 from miles_core.weights.shm import ShmBucketWriter
-from miles_core.weights.transport import Bucket, PushStats, register_transport
+from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(RecordsPushes):
     def __init__(self, **_options) -> None:
         self.engines: list[RemoteEngine] = []
         self.writer = ShmBucketWriter()
-        self.last = PushStats()
         self._parity = 0  # the file set the next push writes (engines serve the other one)
 
     def connect(self, engines: list) -> None:
@@ -46,13 +45,7 @@ class SharedMemoryTransport:
             self._parity = 0
             raise
         self._parity ^= 1
-        self.last = PushStats(
-            bytes=nbytes * len(self.engines), seconds=time.perf_counter() - t0, version=version
-        )
-        return self.last
-
-    def metrics(self) -> dict[str, float]:
-        return self.last.as_metrics()
+        return self._record(nbytes * len(self.engines), t0, version)
 
     def close(self) -> None:
         self.writer.close()

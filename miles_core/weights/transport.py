@@ -6,6 +6,7 @@ seconds and GB/s recorded. Transports register by name (`register_transport`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +34,19 @@ class PushStats:
             "perf/weight_sync_time_s": self.seconds,
             "perf/weight_sync_gbps": self.gbps,
         }
+
+
+class RecordsPushes:
+    """The bookkeeping every transport shares: the last push's stats and their metrics."""
+
+    last: PushStats = PushStats()
+
+    def _record(self, nbytes: int, started: float, version: int) -> PushStats:
+        self.last = PushStats(bytes=nbytes, seconds=time.perf_counter() - started, version=version)
+        return self.last
+
+    def metrics(self) -> dict[str, float]:
+        return self.last.as_metrics()
 
 
 class WeightTransport(Protocol):
