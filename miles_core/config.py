@@ -272,10 +272,10 @@ class RunConfig(_Strict):
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"micro_batch_size × world_size ({unit})"
             )
-        remote = self.weight_sync.transport in ("shared_memory", "disk", "broadcast")
+        remote = self.weight_sync.transport in ("shared_memory", "disk", "broadcast", "p2p")
         if r.engine == "server" and not remote:
             raise ValueError(
-                "rollout.engine: server needs weight_sync.transport shared_memory, disk or broadcast "
+                "rollout.engine: server needs weight_sync.transport shared_memory, disk, broadcast or p2p "
                 f"(not {self.weight_sync.transport!r})"
             )
         if r.engine != "server" and remote:

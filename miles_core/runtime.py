@@ -167,19 +167,22 @@ class RLRuntime:
 
     def update_weights(self) -> dict[str, float]:
         self.policy_version += 1
-        bucket = self.config.weight_sync.bucket_mb << 20
         r = self.config.rollout
         if self.producer is not None and r.mode == "one_step_off":
             self.producer.wait_idle()  # the batch in flight finishes on the old weights
-        stats = self.transport.push(
-            self.trainer.named_weights(bucket), self.policy_version, pause_mode=r.pause_mode
-        )
+        stats = self._push(self.policy_version, r.pause_mode)
         self.engine_version = self.policy_version
         if self.producer is not None:
             self.producer.notify_version()
         if self.config.weight_sync.check_equal:
             self.check_weights_equal()
         return stats.as_metrics() | {"train/policy_version": float(self.policy_version)}
+
+    def _push(self, version: int, pause_mode: str):
+        if getattr(self.transport, "pushes_from_trainer", False):  # p2p: every rank sends
+            return self.transport.push_from(self.trainer, version, pause_mode=pause_mode)
+        bucket = self.config.weight_sync.bucket_mb << 20
+        return self.transport.push(self.trainer.named_weights(bucket), version, pause_mode)
 
     def check_weights_equal(self) -> None:
         expected = [x for b in self.trainer.named_weights(64 << 20) for x in b]
@@ -244,8 +247,7 @@ class RLRuntime:
             raw = bytearray(base64.b64decode(state["engine_rng"]))
             self.engine.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8))
         self.policy_version = self.engine_version = int(state["policy_version"])
-        bucket = self.config.weight_sync.bucket_mb << 20
-        self.transport.push(self.trainer.named_weights(bucket), self.policy_version)
+        self._push(self.policy_version, self.config.rollout.pause_mode)
         self.start_step = self.last_saved_step = int(state["step"])
         self.start_step += 1
 

@@ -132,8 +132,16 @@ SERVER = ["rollout.engine=server", "rollout.engine_threads=1", "weight_sync.chec
         ("server", [*SERVER, "weight_sync.transport=shared_memory"]),
         ("server", [*SERVER, "weight_sync.transport=disk"]),
         ("server", [*SERVER, "weight_sync.transport=broadcast"]),
+        ("server", [*SERVER, "weight_sync.transport=p2p"]),
     ],
-    ids=["embedded", "serving", "server-shared_memory", "server-disk", "server-broadcast"],
+    ids=[
+        "embedded",
+        "serving",
+        "server-shared_memory",
+        "server-disk",
+        "server-broadcast",
+        "server-p2p",
+    ],
 )
 def test_resume_continues_the_same_run_bit_identically(
     prefect_server, tmp_path, monkeypatch, engine, extra

@@ -68,11 +68,13 @@ def test_two_rank_step_matches_one_rank(tiny_dir, tmp_path, overrides):
     assert max(abs(a - b) for a, b in zip(flat1, flat2, strict=True)) < 1e-5
 
 
-def _cli_run(tmp_path: Path, world: int) -> dict[str, list[float]]:
+def _cli_run(
+    tmp_path: Path, world: int, extra: tuple = (), tag: str = ""
+) -> dict[str, list[float]]:
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    name = f"cli-{world}"
+    name = f"cli-{world}{tag}"
     args = [
         f"name={name}",
         "model.preset=tiny",
@@ -85,6 +87,7 @@ def _cli_run(tmp_path: Path, world: int) -> dict[str, list[float]]:
         "weight_sync.check_equal=true",  # bitwise engine == trainer after every push
         f"checkpoint.root={tmp_path}/ckpt",
         f"tracking.tracking_uri={uri}",
+        *extra,
     ]
     cmd = [sys.executable, "-m", "flows.cli", "train", "--no-progress"]
     for a in args:
@@ -108,3 +111,12 @@ def test_miles_train_on_two_ranks_under_torchrun(tmp_path):
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"][0]  # same init, same samples
     assert two["train/loss"][0] == pytest.approx(one["train/loss"][0], abs=1e-5)
     assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"][0], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_p2p_push_from_two_trainer_ranks_to_an_engine_server(tmp_path):
+    """Each of two trainer ranks sends its own FSDP shard to the engine server (no gather);
+    weight_sync.check_equal compares the engine's checksum with the trainer's after every push."""
+    extra = ("rollout.engine=server", "rollout.engine_threads=1", "weight_sync.transport=p2p")
+    two = _cli_run(tmp_path, 2, extra, tag="-p2p")
+    assert len(two["train/loss"]) == 3

@@ -29,7 +29,7 @@ from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, Sam
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
 from miles_core.weights.disk import load_weight_dir
-from miles_core.weights.group import DTYPES, broadcast, flat_layout, open_group
+from miles_core.weights.group import DTYPES, broadcast, flat_layout, open_group, row_chunks
 from miles_core.weights.shm import read_bucket
 
 MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
@@ -92,6 +92,7 @@ class DistributedBody(_Body):
     group_name: str = "weight_update_group"
     weight_version: str | None = None
     flush_cache: bool = True
+    load_format: str | None = None  # "p2p_shards/N": N trainer ranks send their own shards
 
 
 class DestroyGroupBody(_Body):
@@ -372,19 +373,34 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
         except ValueError as e:
             return _error(400, str(e))
         pg = groups[body.group_name][1]
+        if body.load_format and body.load_format.startswith("p2p_shards/"):
+            # p2p: trainer ranks 0..N-1 each send their own dim-0 shard of every tensor
+            senders = int(body.load_format.split("/", 1)[1])
 
-        def receive() -> list:
-            flats = {}
-            for dtype in sorted(sizes):
-                flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
-                broadcast(pg, flats[dtype])
-            out = []
-            for name, dtype, shape, offset in layout:
-                count = 1
-                for d in shape:
-                    count *= d
-                out.append((name, flats[dtype][offset : offset + count].view(shape)))
-            return out
+            def receive() -> list:
+                out = []
+                for tag, (name, dtype, shape, _) in enumerate(layout):
+                    full = torch.empty(shape, dtype=DTYPES[dtype])
+                    for rank, (a, b) in enumerate(row_chunks(shape[0], senders)):
+                        if b > a:
+                            pg.recv([full[a:b]], rank, tag).wait()
+                    out.append((name, full))
+                return out
+
+        else:
+
+            def receive() -> list:
+                flats = {}
+                for dtype in sorted(sizes):
+                    flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
+                    broadcast(pg, flats[dtype])
+                out = []
+                for name, dtype, shape, offset in layout:
+                    count = 1
+                    for d in shape:
+                        count *= d
+                    out.append((name, flats[dtype][offset : offset + count].view(shape)))
+                return out
 
         staged[body.group_name] += await asyncio.to_thread(receive)
         if version is None:

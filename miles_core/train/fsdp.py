@@ -104,6 +104,24 @@ class FSDPBackend:
         spmd.announce("named_weights", (bucket_bytes,))
         return self._named_weights(bucket_bytes)
 
+    def param_specs(self) -> list[tuple[str, list[int], str]]:
+        """(HF name, full shape, dtype) of every parameter, in the order `send_shards` sends."""
+        return [
+            (n, list(p.shape), str(p.dtype).removeprefix("torch."))
+            for n, p in self.model.named_parameters()
+        ]
+
+    def join_group(self, group: dict) -> None:
+        """Every rank joins the weight-transfer group {host, port, world} as its own rank."""
+        spmd.announce("join_group", (group,))
+        self._join_group(group)
+
+    def send_shards(self, engine_ranks: list[int]) -> int:
+        """p2p push: every rank sends its own dim-0 shard of each parameter to each engine rank
+        of the joined group (no gather). Returns the bytes this rank sent."""
+        spmd.announce("send_shards", (engine_ranks,))
+        return self._send_shards(engine_ranks)
+
     def save(self, directory: str) -> None:
         spmd.announce("save", (directory,))
         self._save(directory)
@@ -250,6 +268,25 @@ class FSDPBackend:
             else:
                 out[k] = v  # already normalised by the global denominator
         return out
+
+    def _join_group(self, group: dict) -> None:
+        from miles_core.weights.group import open_group
+
+        self._transfer_group = open_group(group["host"], group["port"], self.rank, group["world"])
+
+    def _send_shards(self, engine_ranks: list[int]) -> int:
+        pg = self._transfer_group[1]
+        sent = 0
+        with torch.no_grad():
+            for tag, (_, param) in enumerate(self.model.named_parameters()):
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local = local.detach().contiguous()
+                if local.numel() == 0:
+                    continue
+                for dst in engine_ranks:
+                    pg.send([local], dst, tag).wait()
+                    sent += local.numel() * local.element_size()
+        return sent
 
     def _named_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full tensors (rank 0). Every rank runs one all-gather per parameter, so if

@@ -44,6 +44,13 @@ def broadcast(pg: ProcessGroupGloo, flat: torch.Tensor) -> None:
         w.wait()
 
 
+def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
+    """The dim-0 rows each of `world` ranks holds under FSDP2 sharding (torch.chunk: ceil-sized
+    chunks, trailing ranks may hold none)."""
+    size = -(-rows // world) if rows else 0
+    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(world)]
+
+
 DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
