@@ -2,7 +2,8 @@
 
 For each preset: memcpy (one `copy_` of every tensor into preallocated storage: the floor any
 transport pays at least once), colocated (in-process engine), then shared_memory, broadcast
-(gloo) and disk (an engine server subprocess on 127.0.0.1). Pushes use the runs' default pause
+(gloo), p2p (from a 1-rank FSDP trainer's own shards) and disk (an engine server subprocess on
+127.0.0.1). Pushes use the runs' default pause
 mode, retract. Each push is verified bitwise (checksum over HTTP) outside the timed region.
 Median of `--reps` pushes after one warm-up. Prints a table, then one JSON object.
 
@@ -26,7 +27,7 @@ from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
 from miles_core.weights.disk import DiskTransport
 
-TRANSPORTS = ("colocated", "shared_memory", "broadcast", "disk")
+TRANSPORTS = ("colocated", "shared_memory", "broadcast", "p2p", "disk")
 
 
 def buckets(named: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20):
@@ -61,6 +62,9 @@ def bench(preset: str, reps: int) -> dict[str, float]:
         with EngineProcess(tmp, args=["--threads", "1"]) as proc:
             server = HttpEngine(proc.url)
             for name in TRANSPORTS:
+                if name == "p2p":  # sends from the trainer's own shards: a 1-rank FSDP trainer
+                    results[name] = p2p_gbps(tmp, server, nbytes, reps)
+                    continue
                 if name == "disk":
                     transport = DiskTransport(root=str(Path(tmp) / "pushed"), keep=1)
                 else:
@@ -105,6 +109,28 @@ def delta_fraction(model: torch.nn.Module, lr: float = 1e-5) -> float:
 
 def _dir_bytes(d: Path) -> int:
     return sum(f.stat().st_size for f in d.glob("*.safetensors"))
+
+
+def p2p_gbps(model_dir: str, server: HttpEngine, nbytes: int, reps: int) -> float:
+    from miles_core.config import RunConfig
+    from miles_core.train.fsdp import FSDPBackend
+
+    cfg = RunConfig().train
+    trainer = FSDPBackend(model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=1)
+    transport = make_transport("p2p")
+    transport.connect([server])
+    version = [1000]
+
+    def push() -> None:
+        version[0] += 1
+        transport.push_from(trainer, version[0], pause_mode="retract")
+
+    gbps = nbytes / _median(push, reps) / 1e9
+    expected = [x for b in trainer.named_weights(64 << 20) for x in b]
+    assert server.weights_checksum() == weights_checksum(expected)
+    transport.close()
+    trainer.close()
+    return gbps
 
 
 def _median(fn, reps: int) -> float:
