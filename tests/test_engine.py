@@ -98,15 +98,15 @@ def test_weight_version_is_carried(engine, tiny):
     assert engine.generate([_req(tok, max_new_tokens=2)])[0].meta_info.weight_version == "3"
 
 
-@pytest.mark.parametrize(
-    "ids, sp, message",
-    [
-        ([1, 2, 9999], {}, "outside the vocabulary"),
-        ([], {}, "empty"),
-        ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
-        ([5] * 500, {"max_new_tokens": 100}, "exceeds the context length"),
-    ],
-)
+BAD_REQUESTS = [  # (input ids, sampling params, the reason the engine gives); both engines
+    ([1, 2, 9999], {}, "outside the vocabulary"),
+    ([], {}, "empty"),
+    ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
+    ([5] * 500, {"max_new_tokens": 100}, "exceeds the context length"),
+]
+
+
+@pytest.mark.parametrize("ids, sp, message", BAD_REQUESTS)
 def test_bad_requests_are_refused_with_a_reason(engine, ids, sp, message):
     with pytest.raises(EngineRequestError, match=message):
         engine.generate([GenerateRequest(input_ids=ids, sampling_params=SamplingParams(**sp))])

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from test_engine import BAD_REQUESTS
 
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt, engine_load
@@ -197,15 +198,7 @@ def test_release_and_resume_memory(engine, tiny):
     assert len(engine.generate([_req(tok, max_new_tokens=4)])[0].output_ids) == 4
 
 
-@pytest.mark.parametrize(
-    "ids, sp, message",
-    [
-        ([1, 2, 9999], {}, "outside the vocabulary"),
-        ([], {}, "empty"),
-        ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
-        ([5] * 500, {"max_new_tokens": 100}, "exceeds the context length"),
-    ],
-)
+@pytest.mark.parametrize("ids, sp, message", BAD_REQUESTS)
 def test_bad_requests_are_refused(engine, ids, sp, message):
     with pytest.raises(EngineRequestError, match=message):
         engine.submit(GenerateRequest(input_ids=ids, sampling_params=SamplingParams(**sp)))

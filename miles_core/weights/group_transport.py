@@ -1,0 +1,64 @@
+"""What the transports over a gloo group (broadcast, p2p) share: engines joining the group over
+HTTP while the trainer side joins too, control calls to every engine in parallel, and leaving
+the group on close."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+
+from miles_core.weights.group import free_port
+from miles_core.weights.remote import PushFailed, RemoteEngine, check_reachable
+from miles_core.weights.transport import RecordsPushes
+
+
+class GroupTransport(RecordsPushes):
+    group_name = "miles_weights"
+
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 120.0, **_options) -> None:
+        self.host = host
+        self.timeout_s = timeout_s
+        self.engines: list[RemoteEngine] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+
+    def _form_group(self, first_engine_rank: int, join_here: Callable[[dict], None]) -> None:
+        """Engines join as ranks first_engine_rank.. over HTTP while `join_here({host, port,
+        world})` joins this side (it blocks until everyone is in). A dead engine fails first."""
+        check_reachable(self.engines)  # a dead engine would stall the rendezvous until timeout
+        port, world = free_port(self.host), first_engine_rank + len(self.engines)
+        joins = self._post_all(
+            "/init_weights_update_group",
+            lambda i: {
+                "master_address": self.host,
+                "master_port": port,
+                "rank_offset": first_engine_rank + i,
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": "gloo",
+            },
+        )
+        try:
+            join_here({"host": self.host, "port": port, "world": world})
+        finally:
+            self._wait(joins, "did not join the weight group")
+
+    def _post_all(self, path: str, body: Callable[[int], dict] | dict) -> list:
+        return [
+            self._pool.submit(e._post, path, body(i) if callable(body) else body)
+            for i, e in enumerate(self.engines)
+        ]
+
+    def _wait(self, calls: list, failure: str) -> None:
+        for e, c in zip(self.engines, calls, strict=True):
+            try:
+                c.result(timeout=self.timeout_s)
+            except Exception as err:  # noqa: BLE001
+                raise PushFailed(f"engine at {e.url} {failure}: {err}") from err
+
+    def close(self) -> None:
+        for e in self.engines:
+            try:
+                e._post("/destroy_weights_update_group", {"group_name": self.group_name})
+            except Exception:  # noqa: BLE001  (engine already gone)
+                pass
+        self._pool.shutdown(wait=False)
