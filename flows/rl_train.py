@@ -37,6 +37,7 @@ from tasks import (
 def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
     check_inputs(config, resume)
     tracker = start_tracking(config, config.tracking.run_name or config.name, resume=resume)
+    rt = None
     try:
         if resume:
             config = resumed_config(config)  # starts from the model the run started from
@@ -55,8 +56,10 @@ def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
 
         if rt.last_saved_step != config.train.num_steps - 1:
             save_checkpoint(rt, config.train.num_steps - 1)
-        rt.close()
     except BaseException:
         tracker.finish("FAILED")
         raise
+    finally:  # engine servers and producer threads stop with the run, also when it fails
+        if rt is not None:
+            rt.close()
     return log.finish()

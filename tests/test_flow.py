@@ -1,5 +1,7 @@
 """The rl-train Prefect flow end to end (ephemeral Prefect test server, SQLite MLflow)."""
 
+from pathlib import Path
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -229,3 +231,30 @@ def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_pa
     assert len(worst) == 6 and max(m.value for m in worst) <= 1
     for key in ("rollout/weight_version/mixed_version_ratio", "buffer/size"):
         assert len(client.get_metric_history(run.info.run_id, key)) == 6, key
+
+
+@pytest.mark.slow
+def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "scripts"))
+    from flows.rl_train import rl_train
+
+    extra = [
+        *SERVER,
+        "weight_sync.transport=shared_memory",
+        "data.task=failing_task:FailsOnSecondRollout",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=8",
+    ]
+    with pytest.raises(RuntimeError, match="reward function crashed"):
+        rl_train(_tiny_config(tmp_path, "fails", 4, extra))
+    children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.rollout.server"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert children == ""  # stopped by PID in the flow's finally, not left running
