@@ -18,8 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from miles_core.config import load_config
 from miles_core.runtime import RLRuntime, prepare_model_dir
 
@@ -47,7 +45,6 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
             f"checkpoint.root={tmp}/ckpt",
         ],
     )
-    torch.set_num_threads(threads)
     rt = RLRuntime(cfg, prepare_model_dir(cfg, tmp), None)
     rewards, staleness, t0 = [], [], 0.0
     try:

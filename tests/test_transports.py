@@ -88,7 +88,7 @@ def test_a_shared_memory_bucket_that_does_not_fit_is_refused_and_changes_nothing
         with pytest.raises(EngineRequestRejected, match="do not fit this model"):
             server.update_weights_from_shared_memory([good, bad], version=99)
         with pytest.raises(EngineRequestRejected, match="load_format"):
-            server._post("/update_weights_from_tensor", {"serialized_named_tensors": [good]})
+            server.post("/update_weights_from_tensor", {"serialized_named_tensors": [good]})
     finally:
         writer.close()
     assert server.weights_checksum() == before and server.weight_version == version

@@ -146,7 +146,9 @@ class HttpEngine:
         return GenerateResponse.model_validate(r.json())
 
     # ------------------------------------------------------------------ control plane
-    def _post(self, path: str, body: dict | None = None) -> dict:
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """One control call (SGLang's route and body); 4xx raises EngineRequestRejected, an
+        unreachable engine EngineUnavailable."""
         try:
             r = self._sync.post(path, json=body or {})
         except httpx.HTTPError as e:
@@ -174,24 +176,24 @@ class HttpEngine:
         return int(self.server_info()["weight_version"])
 
     def set_weight_version(self, version: int) -> None:
-        self._post(
+        self.post(
             "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
         )
 
     def pause(self, mode: str = "abort") -> None:
-        self._post("/pause_generation", {"mode": mode})
+        self.post("/pause_generation", {"mode": mode})
 
     def resume(self) -> None:
-        self._post("/continue_generation")
+        self.post("/continue_generation")
 
     def abort(self, rid: str | None = None) -> None:
-        self._post("/abort_request", {"rid": rid or "", "abort_all": rid is None})
+        self.post("/abort_request", {"rid": rid or "", "abort_all": rid is None})
 
     def update_weights_from_disk(self, path: str, version: int | None = None) -> None:
         body: dict = {"model_path": path}
         if version is not None:
             body["weight_version"] = str(version)
-        self._post("/update_weights_from_disk", body)
+        self.post("/update_weights_from_disk", body)
 
     def update_weights_from_shared_memory(
         self, descriptions: list[str], version: int | None = None, flush_cache: bool = True
@@ -203,10 +205,10 @@ class HttpEngine:
         }
         if version is not None:
             body["weight_version"] = str(version)
-        self._post("/update_weights_from_tensor", body)
+        self.post("/update_weights_from_tensor", body)
 
     def weights_checksum(self) -> str:
-        return str(self._post("/weights_checker", {"action": "checksum"})["message"])
+        return str(self.post("/weights_checker", {"action": "checksum"})["message"])
 
     def close(self) -> None:
         self._sync.close()

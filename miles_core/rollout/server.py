@@ -29,7 +29,7 @@ from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, Sam
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
 from miles_core.weights.disk import load_weight_dir
-from miles_core.weights.group import DTYPES, broadcast, flat_layout, open_group, row_chunks
+from miles_core.weights.group import flat_layout, open_group, receive_bucket, receive_shards
 from miles_core.weights.shm import read_bucket
 
 MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
@@ -369,40 +369,18 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             return _error(400, f"no weight update group {body.group_name!r}; init it first")
         version = parse_version(body.weight_version) if body.weight_version is not None else None
         try:
-            sizes, layout = flat_layout(body.names, body.dtypes, body.shapes)
+            flat_layout(body.names, body.dtypes, body.shapes)  # before the sender blocks on us
         except ValueError as e:
             return _error(400, str(e))
         pg = groups[body.group_name][1]
+        spec = (pg, body.names, body.dtypes, body.shapes)
         if body.load_format and body.load_format.startswith("p2p_shards/"):
             # p2p: trainer ranks 0..N-1 each send their own dim-0 shard of every tensor
             senders = int(body.load_format.split("/", 1)[1])
-
-            def receive() -> list:
-                out = []
-                for tag, (name, dtype, shape, _) in enumerate(layout):
-                    full = torch.empty(shape, dtype=DTYPES[dtype])
-                    for rank, (a, b) in enumerate(row_chunks(shape[0], senders)):
-                        if b > a:
-                            pg.recv([full[a:b]], rank, tag).wait()
-                    out.append((name, full))
-                return out
-
+            received = await asyncio.to_thread(receive_shards, *spec, senders)
         else:
-
-            def receive() -> list:
-                flats = {}
-                for dtype in sorted(sizes):
-                    flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
-                    broadcast(pg, flats[dtype])
-                out = []
-                for name, dtype, shape, offset in layout:
-                    count = 1
-                    for d in shape:
-                        count *= d
-                    out.append((name, flats[dtype][offset : offset + count].view(shape)))
-                return out
-
-        staged[body.group_name] += await asyncio.to_thread(receive)
+            received = await asyncio.to_thread(receive_bucket, *spec)
+        staged[body.group_name] += received
         if version is None:
             return {"success": True, "message": f"staged {len(body.names)} tensors"}
         tensors, staged[body.group_name] = staged[body.group_name], []

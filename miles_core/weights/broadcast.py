@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-import torch
-
-from miles_core.weights.group import broadcast, open_group
+from miles_core.weights.group import open_group, send_bucket
 from miles_core.weights.group_transport import GroupTransport
 from miles_core.weights.remote import paused, require_remote
 from miles_core.weights.transport import Bucket, PushStats, register_transport
@@ -48,29 +46,20 @@ class BroadcastTransport(GroupTransport):
             for i, bucket in enumerate(buckets):
                 body = {
                     "names": [n for n, _ in bucket],
-                    "dtypes": [_dtype(t) for _, t in bucket],
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket],
                     "group_name": self.group_name,
                 }
                 if i == len(buckets) - 1:
                     body["weight_version"] = str(version)
                 calls = self._post_all("/update_weights_from_distributed", body)
-                for dtype in sorted({_dtype(t) for _, t in bucket}):
-                    flat = torch.cat(
-                        [t.detach().reshape(-1) for _, t in bucket if _dtype(t) == dtype]
-                    )
-                    broadcast(pg, flat)
-                    nbytes += flat.numel() * flat.element_size()
+                nbytes += send_bucket(pg, bucket)
                 self._wait(calls, "failed to load")
         return self._record(nbytes * len(self.engines), t0, version)
 
     def close(self) -> None:
         super().close()
         self.group = None
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
 
 
 register_transport("broadcast", BroadcastTransport)

@@ -44,6 +44,53 @@ def broadcast(pg: ProcessGroupGloo, flat: torch.Tensor) -> None:
         w.wait()
 
 
+def send_bucket(pg: ProcessGroupGloo, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """Rank 0's half of a bucket: one flat broadcast per dtype (sorted), tensors in bucket
+    order. Returns the bytes sent."""
+    sent = 0
+    for dtype in sorted({_name(t.dtype) for _, t in bucket}):
+        flat = torch.cat([t.detach().reshape(-1) for _, t in bucket if _name(t.dtype) == dtype])
+        broadcast(pg, flat)
+        sent += flat.numel() * flat.element_size()
+    return sent
+
+
+def receive_bucket(pg: ProcessGroupGloo, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
+    """An engine's half of `send_bucket`: views into the received flat buffers."""
+    sizes, layout = flat_layout(names, dtypes, shapes)
+    flats = {}
+    for dtype in sorted(sizes):
+        flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
+        broadcast(pg, flats[dtype])
+    out = []
+    for name, dtype, shape, offset in layout:
+        count = 1
+        for d in shape:
+            count *= d
+        out.append((name, flats[dtype][offset : offset + count].view(shape)))
+    return out
+
+
+def receive_shards(
+    pg: ProcessGroupGloo, names, dtypes, shapes, senders: int
+) -> list[tuple[str, torch.Tensor]]:
+    """An engine's half of p2p (`FSDPBackend.send_shards`): each tensor's dim-0 chunks from
+    ranks 0..senders-1, tagged with the tensor's index."""
+    _, layout = flat_layout(names, dtypes, shapes)  # validates dtypes
+    out = []
+    for tag, (name, dtype, shape, _) in enumerate(layout):
+        full = torch.empty(shape, dtype=DTYPES[dtype])
+        for rank, (a, b) in enumerate(row_chunks(shape[0], senders)):
+            if b > a:
+                pg.recv([full[a:b]], rank, tag).wait()
+        out.append((name, full))
+    return out
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
     """The dim-0 rows each of `world` ranks holds under FSDP2 sharding (torch.chunk: ceil-sized
     chunks, trailing ranks may hold none)."""

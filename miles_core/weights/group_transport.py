@@ -44,7 +44,7 @@ class GroupTransport(RecordsPushes):
 
     def _post_all(self, path: str, body: Callable[[int], dict] | dict) -> list:
         return [
-            self._pool.submit(e._post, path, body(i) if callable(body) else body)
+            self._pool.submit(e.post, path, body(i) if callable(body) else body)
             for i, e in enumerate(self.engines)
         ]
 
@@ -58,7 +58,7 @@ class GroupTransport(RecordsPushes):
     def close(self) -> None:
         for e in self.engines:
             try:
-                e._post("/destroy_weights_update_group", {"group_name": self.group_name})
+                e.post("/destroy_weights_update_group", {"group_name": self.group_name})
             except Exception:  # noqa: BLE001  (engine already gone)
                 pass
         self._pool.shutdown(wait=False)
