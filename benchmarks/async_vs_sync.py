@@ -6,7 +6,7 @@ trainer with 1 or 2 threads each, one phase at a time) and the fastest is the ba
 async variants run the trainer and the engine at one thread each, so each owns one of the two
 cores. The first `--warmup` steps are not timed. Prints a table, then one JSON object.
 
-    python benchmarks/async_vs_sync.py [--preset small] [--steps 14] [--warmup 2]
+    python benchmarks/async_vs_sync.py [--preset tiny] [--steps 24] [--warmup 4]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
             "weight_sync.transport=shared_memory",
             f"rollout.mode={mode}",
             f"rollout.max_staleness={args.max_staleness}",
+            f"rollout.pause_mode={args.pause_mode}",
             f"checkpoint.root={tmp}/ckpt",
         ],
     )
@@ -71,15 +72,16 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="tiny")
     ap.add_argument("--task", default="say_a")
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument("--pause-mode", default="retract", choices=["abort", "retract", "in_place"])
     args = ap.parse_args()
     runs = {
         f"sync_{t}t": run(args.preset, args.steps, args.warmup, "sync", t, args) for t in (1, 2)

@@ -123,7 +123,9 @@ class RLRuntime:
         """The serving engine as a subprocess on 127.0.0.1, stopped by PID in `close`."""
         r = self.config.rollout
         batch = r.prompts_per_step * r.n_samples_per_prompt
-        args = ["--max-running", str(batch), "--seed", str(seed), "--dtype", r.dtype]
+        # async modes may have 1 + max_staleness steps of groups in flight at once
+        running = batch if r.mode == "sync" else batch * (1 + r.max_staleness)
+        args = ["--max-running", str(running), "--seed", str(seed), "--dtype", r.dtype]
         if r.engine_threads:
             args += ["--threads", str(r.engine_threads)]
         self.engine_process = EngineProcess(

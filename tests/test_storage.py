@@ -101,3 +101,47 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path, tiny_dir):
     ):
         check_checkpoint_matches(architecture_of(small.config), str(tiny_dir))
     check_checkpoint_matches(architecture_of(str(tiny_dir)), str(tiny_dir))  # same model: accepted
+
+
+def test_disk_weight_pushes_through_s3_reach_an_engine_server(
+    s3_server, tiny_dir, tmp_path, monkeypatch
+):
+    """The trainer writes full and delta pushes to s3://; the engine server pulls them with the
+    credentials of its own environment (as an engine on another host would)."""
+    import fsspec
+
+    from miles_core.models import load_hf_dir
+    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+    from miles_core.weights import weights_checksum
+    from miles_core.weights.disk import DiskTransport
+
+    for var, value in {
+        "AWS_ACCESS_KEY_ID": s3_server["key"],
+        "AWS_SECRET_ACCESS_KEY": s3_server["secret"],
+        "AWS_ENDPOINT_URL": s3_server["endpoint_url"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(var, value)
+    proc = EngineProcess(tiny_dir, args=["--threads", "1"], log_path=tmp_path / "engine.log")
+    proc.start()
+    engine = HttpEngine(proc.url)
+    try:
+        root = f"s3://{BUCKET}/pushed"
+        transport = DiskTransport(root=root, storage_options=s3_server, keep=2, delta=True)
+        transport.connect([engine])
+        model, _ = load_hf_dir(tiny_dir)
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        sizes = []
+        for version in (1, 2):
+            name = sorted(weights)[version]  # change one tensor per push
+            weights[name] = weights[name] + 0.01
+            sizes.append(transport.push([list(weights.items())], version=version).bytes)
+            assert engine.weights_checksum() == weights_checksum(weights.items())
+            assert engine.weight_version == version
+        fs = fsspec.filesystem("s3", **s3_server)
+        manifest = json.loads(fs.cat_file(f"{BUCKET}/pushed/weight_v000002/manifest.json"))
+        assert manifest["kind"] == "delta" and manifest["base_version"] == 1
+        assert sizes[1] < sizes[0] / 4  # one changed tensor of many
+    finally:
+        engine.close()
+        proc.stop()

@@ -1,9 +1,10 @@
 """Engines behind HTTP: start an engine server as a subprocess, and drive any server that speaks
 SGLang's native API (ours or a real `sglang.launch_server`) with the same client.
 
-`HttpEngine.generate` sends requests concurrently (httpx, pooled, bounded by `concurrency`) while a
-watchdog polls `/health`; a dead or unreachable engine raises `EngineUnavailable` naming the URL
-within a few seconds instead of leaving the rollout waiting.
+`HttpEngine.generate` sends requests concurrently, a few per call in SGLang's batch form (httpx,
+pooled, bounded by `concurrency`), while a watchdog polls `/health`; a dead or unreachable engine
+raises `EngineUnavailable` naming the URL within a few seconds instead of leaving the rollout
+waiting.
 """
 
 from __future__ import annotations
@@ -20,14 +21,27 @@ from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
 
-def generate_payload(req: GenerateRequest) -> dict:
-    """The `/generate` body in SGLang's field names (checked by tests/contract)."""
-    return {
-        "input_ids": req.input_ids,
-        "sampling_params": req.sampling_params.model_dump(exclude_none=True),
+def batch_payload(requests: list[GenerateRequest]) -> dict:
+    """One `/generate` body for several requests (SGLang's batch form: a list per field)."""
+    body = {
+        "input_ids": [r.input_ids for r in requests],
+        "sampling_params": [r.sampling_params.model_dump(exclude_none=True) for r in requests],
         "return_logprob": True,
-        "rid": req.rid,
     }
+    if all(r.rid is not None for r in requests):
+        body["rid"] = [r.rid for r in requests]
+    return body
+
+
+def batches(requests: list[GenerateRequest], size: int) -> list[list[GenerateRequest]]:
+    """Consecutive runs of at most `size` requests that share a routing key (one per call)."""
+    out: list[list[GenerateRequest]] = []
+    for r in requests:
+        if out and len(out[-1]) < size and out[-1][0].routing_key == r.routing_key:
+            out[-1].append(r)
+        else:
+            out.append([r])
+    return out
 
 
 EngineUnavailable = ProcessUnavailable  # the engine process died, hangs, or cannot be reached
@@ -73,12 +87,14 @@ class HttpEngine:
         self,
         url: str,
         concurrency: int = 64,
+        batch_size: int = 8,
         request_timeout: float = 600.0,
         health_interval: float = 1.0,
         health_failures: int = 3,
     ):
         self.url = url.rstrip("/")
         self.concurrency = concurrency
+        self.batch_size = batch_size  # requests per HTTP call: few calls keep the client cheap
         self.request_timeout = request_timeout
         self.health_interval = health_interval
         self.health_failures = health_failures
@@ -97,21 +113,24 @@ class HttpEngine:
         async with httpx.AsyncClient(
             base_url=self.url, timeout=self.request_timeout, limits=limits
         ) as client:
-            sem = asyncio.Semaphore(self.concurrency)
+            chunks = batches(requests, self.batch_size)
+            sem = asyncio.Semaphore(max(1, self.concurrency // self.batch_size))
 
-            async def one(req: GenerateRequest) -> GenerateResponse:
+            async def one(chunk: list[GenerateRequest]) -> list[GenerateResponse]:
                 async with sem:
-                    payload = generate_payload(req)
-                    headers = {ROUTING_KEY_HEADER: req.routing_key} if req.routing_key else None
+                    key = chunk[0].routing_key
+                    headers = {ROUTING_KEY_HEADER: key} if key else None
                     try:
-                        r = await client.post("/generate", json=payload, headers=headers)
+                        r = await client.post(
+                            "/generate", json=batch_payload(chunk), headers=headers
+                        )
                     except httpx.HTTPError as e:
                         raise EngineUnavailable(
                             f"engine at {self.url} failed during /generate: {e!r}"
                         ) from e
-                    return self.parse_response(r)
+                    return self.parse_responses(r)
 
-            work = asyncio.gather(*(one(r) for r in requests))
+            work = asyncio.gather(*(one(c) for c in chunks))
             watchdog = asyncio.create_task(self._watch(client))
             done, _ = await asyncio.wait({work, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if watchdog in done:
@@ -119,7 +138,7 @@ class HttpEngine:
                 await asyncio.gather(work, return_exceptions=True)
                 watchdog.result()  # raises EngineUnavailable
             watchdog.cancel()
-            return work.result()
+            return [resp for chunk in work.result() for resp in chunk]
 
     async def _watch(self, client: httpx.AsyncClient) -> None:
         failures, last = 0, ""
@@ -144,6 +163,15 @@ class HttpEngine:
                 f"engine at {self.url} answered HTTP {r.status_code}: {_message(r)}"
             )
         return GenerateResponse.model_validate(r.json())
+
+    def parse_responses(self, r: httpx.Response) -> list[GenerateResponse]:
+        """The answer to a `batch_payload` request, one response per request in order."""
+        if r.status_code != 200:
+            self.parse_response(r)  # raises the matching error
+        data = r.json()
+        return [
+            GenerateResponse.model_validate(d) for d in (data if isinstance(data, list) else [data])
+        ]
 
     # ------------------------------------------------------------------ control plane
     def post(self, path: str, body: dict | None = None) -> dict:

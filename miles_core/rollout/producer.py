@@ -34,7 +34,7 @@ import httpx
 from miles_core.config import RolloutConfig
 from miles_core.data import PromptSource
 from miles_core.data.tasks import Task
-from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine, generate_payload
+from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine, batch_payload
 from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse
 from miles_core.rollout.rollout_fn import (
     RolloutResult,
@@ -252,7 +252,13 @@ class RolloutProducer:
     async def _generate(self, client: httpx.AsyncClient, ticket: _Ticket) -> None:
         step, g = divmod(ticket.index, self.batch)
         requests = group_requests(ticket.ids, self.sp, self.cfg, step, g, seeded=True)
-        results = await asyncio.gather(*(self._one(client, r) for r in requests))
+        # one HTTP request per group: many small requests make the client's connection pool
+        # (and the GIL it holds) compete with the trainer in this process
+        start_version = self.version()
+        first = await self._post(client, requests)
+        results = await asyncio.gather(
+            *(self._one(client, r, start_version, f) for r, f in zip(requests, first, strict=True))
+        )
         responses = [r for r, _ in results]
         group = build_group(
             self.task,
@@ -270,21 +276,33 @@ class RolloutProducer:
             ticket.done_at = time.monotonic()
             self._cond.notify_all()
 
+    async def _post(
+        self, client: httpx.AsyncClient, requests: list[GenerateRequest]
+    ) -> list[GenerateResponse]:
+        try:
+            r = await client.post("/generate", json=batch_payload(requests))
+        except httpx.HTTPError as e:
+            raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
+        return self.engine.parse_responses(r)
+
     async def _one(
-        self, client: httpx.AsyncClient, req: GenerateRequest
+        self,
+        client: httpx.AsyncClient,
+        req: GenerateRequest,
+        start_version: int,
+        first: GenerateResponse,
     ) -> tuple[GenerateResponse, list[int]]:
-        """One sample, continued from its own tokens after each pause-abort."""
+        """One sample from its first call's response, continued from its own tokens after each
+        pause-abort."""
         out_ids: list[int] = []
         logprobs: list[tuple] = []
         versions: list[int] = []
-        current = req
+        current, resp = req, first
         for _ in range(MAX_CONTINUATIONS):
-            start_version = self.version()
-            try:
-                r = await client.post("/generate", json=generate_payload(current))
-            except httpx.HTTPError as e:
-                raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
-            resp = self.engine.parse_response(r)
+            if resp is None:
+                start_version = self.version()
+                resp = (await self._post(client, [current]))[0]
+            last = resp
             # the versions this call may have used, in order without repeats (a call that
             # spanned a push under retract / in_place records both)
             for v in (start_version, int(resp.meta_info.weight_version)):
@@ -298,6 +316,7 @@ class RolloutProducer:
             if not interrupted or left <= 0:
                 break
             self.counters["continued_requests"] += 1
+            resp = None
             current = req.model_copy(
                 update={
                     "input_ids": req.input_ids + out_ids,
@@ -309,7 +328,7 @@ class RolloutProducer:
             )
         if len(out_ids) >= req.sampling_params.max_new_tokens and reason.type == "abort":
             reason = FinishReason(type="length", length=len(out_ids))
-        meta = resp.meta_info.model_copy(
+        meta = last.meta_info.model_copy(
             update={
                 "finish_reason": reason,
                 "completion_tokens": len(out_ids),

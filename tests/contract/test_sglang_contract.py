@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.rollout.http_engine import generate_payload
+from miles_core.rollout.http_engine import batch_payload
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.server import (
     AbortBody,
@@ -36,7 +36,7 @@ def test_the_contract_file_is_for_a_known_sglang():
     assert len(STRUCTS["GenerateReqInput"]) > 50 and "input_ids" in STRUCTS["GenerateReqInput"]
 
 
-def test_generate_payload_uses_sglang_field_names():
+def test_the_generate_payload_uses_sglang_field_names():
     req = GenerateRequest(
         input_ids=[1, 2, 3],
         rid="r1",
@@ -49,9 +49,11 @@ def test_generate_payload_uses_sglang_field_names():
             sampling_seed=1,
         ),
     )
-    payload = generate_payload(req)
+    payload = batch_payload([req, req.model_copy(update={"rid": "r2"})])
     assert set(payload) <= set(STRUCTS["GenerateReqInput"])
-    assert set(payload["sampling_params"]) <= set(API["sampling_params"])
+    assert payload["rid"] == ["r1", "r2"] and payload["input_ids"] == [[1, 2, 3]] * 2
+    for params in payload["sampling_params"]:
+        assert set(params) <= set(API["sampling_params"])
 
 
 @pytest.mark.parametrize(
