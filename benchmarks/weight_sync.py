@@ -85,24 +85,39 @@ def bench(preset: str, reps: int) -> dict[str, float]:
                 getattr(transport, "close", lambda: None)()
             server.close()
     results["bytes"] = float(nbytes)
-    results["delta_bytes_fraction"] = delta_fraction(model)
+    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    results["delta_bytes_fraction"] = delta_fraction(model, torch.bfloat16)
+    model.load_state_dict(state)  # the same AdamW step again, for fp32 pushes
+    results["delta_bytes_fraction_fp32"] = delta_fraction(model, torch.float32)
+    model.load_state_dict(state)
+    results["delta_bytes_fraction_step10"] = delta_fraction(model, torch.bfloat16, warm=9)
     return results
 
 
-def delta_fraction(model: torch.nn.Module, lr: float = 1e-5) -> float:
-    """Bytes of a disk delta after one AdamW step at `lr` / bytes of the full push before it."""
+def delta_fraction(
+    model: torch.nn.Module, dtype: torch.dtype, lr: float = 1e-5, warm: int = 0
+) -> float:
+    """Bytes of a disk delta after one AdamW step at `lr` / bytes of the full push before it,
+    for pushes in `dtype` (weight_sync.dtype). The step is Adam's first (its largest: every
+    element with a gradient moves by lr) unless `warm` steps on other batches come before it."""
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> None:
+        ids = torch.randint(0, model.config.vocab_size, (8, 32), generator=gen)
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    for _ in range(warm):
+        step()
     with tempfile.TemporaryDirectory() as tmp:
         transport = DiskTransport(root=tmp, keep=2, delta=True)
         transport.connect([])  # write only
-        named = lambda: {n: p.detach().clone() for n, p in model.named_parameters()}  # noqa: E731
+        named = lambda: {n: p.detach().to(dtype) for n, p in model.named_parameters()}  # noqa: E731
         transport.push(buckets(named()), version=1)
         full = _dir_bytes(Path(tmp) / "weight_v000001")
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        ids = torch.randint(
-            0, model.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0)
-        )
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
+        step()
         transport.push(buckets(named()), version=2)
         return _dir_bytes(Path(tmp) / "weight_v000002") / full
 
@@ -158,14 +173,25 @@ def main() -> None:
     for p, r in results.items():
         print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r['memcpy']:>20.3f}" for c in TRANSPORTS))
     print(
-        "disk delta bytes / full push after one AdamW step at lr 1e-5 (fp32 weights): "
+        "disk delta bytes / full push after one AdamW step at lr 1e-5, bf16 pushes "
+        "(weight_sync.dtype=bfloat16): "
         + ", ".join(f"{p} {r['delta_bytes_fraction']:.3f}" for p, r in results.items())
+        + "; fp32 pushes: "
+        + ", ".join(f"{p} {r['delta_bytes_fraction_fp32']:.3f}" for p, r in results.items())
+        + "; bf16 at the 10th step: "
+        + ", ".join(f"{p} {r['delta_bytes_fraction_step10']:.3f}" for p, r in results.items())
     )
     print(
         json.dumps(
             {
                 "delta_bytes_fraction": {
                     p: round(r["delta_bytes_fraction"], 3) for p, r in results.items()
+                },
+                "delta_bytes_fraction_fp32": {
+                    p: round(r["delta_bytes_fraction_fp32"], 3) for p, r in results.items()
+                },
+                "delta_bytes_fraction_step10": {
+                    p: round(r["delta_bytes_fraction_step10"], 3) for p, r in results.items()
                 },
                 "fraction_of_memcpy": {
                     p: {c: round(r[c] / r["memcpy"], 3) for c in TRANSPORTS}

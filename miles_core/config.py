@@ -205,10 +205,18 @@ class WeightSyncConfig(_Strict):
     )
     keep_versions: int = Field(2, ge=1, description="disk transport: pushed versions kept")
     disk_delta: bool = Field(
-        False, description="disk transport: after the first push, write only changed tensors (XOR)"
+        False,
+        description="disk transport: after the first push, write only changed tensors, encoded "
+        "against the previous push (small with weight_sync.dtype: bfloat16)",
     )
     check_equal: bool = Field(
         False, description="verify engine weights bitwise after every push (slow)"
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of pushed weights: float32 is exact; bfloat16 halves the bytes and "
+        "keeps disk deltas small, and engines then hold bf16-rounded weights (a train/rollout "
+        "mismatch that train.off_policy corrects and train_rollout_* metrics show)",
     )
 
     @field_validator("transport")

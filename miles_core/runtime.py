@@ -181,13 +181,25 @@ class RLRuntime:
         return stats.as_metrics() | {"train/policy_version": float(self.policy_version)}
 
     def _push(self, version: int, pause_mode: str):
+        dtype = self._push_dtype()
         if getattr(self.transport, "pushes_from_trainer", False):  # p2p: every rank sends
-            return self.transport.push_from(self.trainer, version, pause_mode=pause_mode)
+            return self.transport.push_from(self.trainer, version, pause_mode, dtype)
         bucket = self.config.weight_sync.bucket_mb << 20
-        return self.transport.push(self.trainer.named_weights(bucket), version, pause_mode)
+        return self.transport.push(self.trainer.named_weights(bucket, dtype), version, pause_mode)
+
+    def _push_dtype(self) -> torch.dtype | None:
+        name = self.config.weight_sync.dtype
+        return None if name == "float32" else getattr(torch, name)
 
     def check_weights_equal(self) -> None:
-        expected = [x for b in self.trainer.named_weights(64 << 20) for x in b]
+        """The engines hold exactly what was pushed: the trainer's weights, in the push dtype,
+        loaded into the engine's own (fp32) parameters."""
+        dtype = self._push_dtype()
+        expected = [
+            (n, t.to(dtype).to(t.dtype) if dtype is not None else t)
+            for b in self.trainer.named_weights(64 << 20)
+            for n, t in b
+        ]
         if isinstance(self.engine, HttpEngine):  # compare checksums over HTTP
             if self.engine.weights_checksum() != weights_checksum(expected):
                 raise RuntimeError(

@@ -114,9 +114,21 @@ def test_miles_train_on_two_ranks_under_torchrun(tmp_path):
 
 
 @pytest.mark.slow
-def test_p2p_push_from_two_trainer_ranks_to_an_engine_server(tmp_path):
-    """Each of two trainer ranks sends its own FSDP shard to the engine server (no gather);
-    weight_sync.check_equal compares the engine's checksum with the trainer's after every push."""
-    extra = ("rollout.engine=server", "rollout.engine_threads=1", "weight_sync.transport=p2p")
-    two = _cli_run(tmp_path, 2, extra, tag="-p2p")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("weight_sync.transport=p2p",),
+        ("weight_sync.transport=p2p", "weight_sync.dtype=bfloat16"),
+        ("weight_sync.transport=broadcast", "rollout.mode=fully_async"),
+        ("weight_sync.transport=shared_memory", "rollout.mode=one_step_off"),
+        ("weight_sync.transport=disk", "weight_sync.disk_delta=true", "weight_sync.dtype=bfloat16"),
+    ],
+    ids=["p2p", "p2p-bf16", "broadcast-async", "shm-one-step-off", "disk-delta-bf16"],
+)
+def test_two_trainer_ranks_push_to_an_engine_server(tmp_path, extra):
+    """Two trainer ranks and an engine server, with each transport: p2p sends every rank's own
+    FSDP shard (no gather), the others push what rank 0 gathered; weight_sync.check_equal compares
+    the engine's checksum with the trainer's (in the push dtype) after every push."""
+    base = ("rollout.engine=server", "rollout.engine_threads=1")
+    two = _cli_run(tmp_path, 2, base + extra, tag="-push")
     assert len(two["train/loss"]) == 3

@@ -59,6 +59,41 @@ def test_push_is_bitwise_and_sets_the_version(server, tiny_dir, tmp_path, name):
     getattr(transport, "close", lambda: None)()
 
 
+@pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
+def test_bf16_pushes_into_an_fp32_engine_are_exact_at_half_the_bytes(
+    server, tiny_dir, tmp_path, name
+):
+    disk = name == "disk"
+    transport = (
+        DiskTransport(root=str(tmp_path / "w"), keep=3, delta=True)
+        if disk
+        else make_transport(name)
+    )
+    transport.connect([server])
+    weights = _new_weights(tiny_dir, 4)
+    full = transport.push(_buckets(weights), version=21).bytes
+    for version in (22, 23):  # the second bf16 push changes a few tensors only
+        if version == 23:
+            for n in sorted(weights)[:3]:
+                weights[n] = weights[n] + 0.05
+        half = {n: t.to(torch.bfloat16) for n, t in weights.items()}
+        stats = transport.push(_buckets(half), version=version)
+        assert server.weights_checksum() == weights_checksum(
+            (n, t.float()) for n, t in half.items()
+        )
+        assert server.weight_version == version
+        if not disk:
+            assert stats.bytes == full // 2
+    if disk:  # fp32 -> bf16 is a full push; the next bf16 push is a delta of 3 tensors
+        kinds = [
+            json.loads((tmp_path / "w" / f"weight_v0000{v}" / "manifest.json").read_text())
+            for v in (22, 23)
+        ]
+        assert kinds[0]["kind"] == "full" and kinds[1]["kind"] == "delta"
+        assert len(kinds[1]["encoded"]) == 3
+    getattr(transport, "close", lambda: None)()
+
+
 def test_a_corrupt_or_foreign_disk_push_is_refused_and_changes_nothing(server, tiny_dir, tmp_path):
     transport = DiskTransport(root=str(tmp_path / "w"))
     transport.connect([server])

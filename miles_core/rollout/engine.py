@@ -42,8 +42,9 @@ def load_named_tensors(
 ) -> int:
     """Copies tensors into parameters by HF name, all or nothing: every name and shape is checked
     before the first copy. With `adopt`, parameters take the tensors' storage instead of copying
-    (zero-copy; the caller guarantees nobody writes that storage while it is in use). Returns the
-    bytes loaded."""
+    (zero-copy; the caller guarantees nobody writes that storage while it is in use), or a
+    converted copy of their own if the dtypes differ (bf16 pushes into fp32 parameters, exact).
+    Returns the bytes loaded."""
     pairs = list(named_tensors)
     for name, tensor in pairs:
         param = params.get(name)
@@ -53,12 +54,10 @@ def load_named_tensors(
             raise ValueError(
                 f"{name}: engine shape {tuple(param.shape)} != pushed {tuple(tensor.shape)}"
             )
-        if adopt and param.dtype != tensor.dtype:
-            raise ValueError(f"{name}: engine dtype {param.dtype} != pushed {tensor.dtype}")
     with torch.no_grad():
         for name, tensor in pairs:
-            if adopt:
-                params[name].data = tensor
+            if adopt:  # another dtype: owned memory, so no parameter still views an old push
+                params[name].data = tensor.to(params[name].dtype)
             else:
                 params[name].copy_(tensor)
     return sum(t.numel() * t.element_size() for _, t in pairs)

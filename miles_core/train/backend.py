@@ -19,8 +19,11 @@ class TrainerBackend(Protocol):
         """One optimizer step over the global batch; `loss` is 'policy' (RL) or 'sft'."""
         ...
 
-    def named_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) tensors with HF names, in buckets of about `bucket_bytes`."""
+    def named_weights(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) tensors with HF names, in buckets of about `bucket_bytes`, cast to
+        `dtype` if given (a push in the engines' dtype)."""
         ...
 
     def save(self, directory: str) -> None: ...

@@ -99,15 +99,16 @@ class FSDPBackend:
         return self._train_step(batch, loss)
 
     def named_weights(
-        self, bucket_bytes: int = 64 << 20
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        spmd.announce("named_weights", (bucket_bytes,))
-        return self._named_weights(bucket_bytes)
+        spmd.announce("named_weights", (bucket_bytes, dtype))
+        return self._named_weights(bucket_bytes, dtype)
 
-    def param_specs(self) -> list[tuple[str, list[int], str]]:
-        """(HF name, full shape, dtype) of every parameter, in the order `send_shards` sends."""
+    def param_specs(self, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], str]]:
+        """(HF name, full shape, dtype sent) of every parameter, in the order `send_shards`
+        sends them."""
         return [
-            (n, list(p.shape), str(p.dtype).removeprefix("torch."))
+            (n, list(p.shape), str(dtype or p.dtype).removeprefix("torch."))
             for n, p in self.model.named_parameters()
         ]
 
@@ -116,11 +117,12 @@ class FSDPBackend:
         spmd.announce("join_group", (group,))
         self._join_group(group)
 
-    def send_shards(self, engine_ranks: list[int]) -> int:
-        """p2p push: every rank sends its own dim-0 shard of each parameter to each engine rank
-        of the joined group (no gather). Returns the bytes this rank sent."""
-        spmd.announce("send_shards", (engine_ranks,))
-        return self._send_shards(engine_ranks)
+    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+        """p2p push: every rank sends its own dim-0 shard of each parameter (cast to `dtype` if
+        given) to each engine rank of the joined group (no gather). Returns the bytes this rank
+        sent."""
+        spmd.announce("send_shards", (engine_ranks, dtype))
+        return self._send_shards(engine_ranks, dtype)
 
     def save(self, directory: str) -> None:
         spmd.announce("save", (directory,))
@@ -274,13 +276,13 @@ class FSDPBackend:
 
         self._transfer_group = open_group(group["host"], group["port"], self.rank, group["world"])
 
-    def _send_shards(self, engine_ranks: list[int]) -> int:
+    def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
         pg = self._transfer_group[1]
         sent = 0
         with torch.no_grad():
             for tag, (_, param) in enumerate(self.model.named_parameters()):
                 local = param.to_local() if isinstance(param, DTensor) else param
-                local = local.detach().contiguous()
+                local = local.detach().to(dtype or local.dtype).contiguous()
                 if local.numel() == 0:
                     continue
                 for dst in engine_ranks:
@@ -288,7 +290,9 @@ class FSDPBackend:
                     sent += local.numel() * local.element_size()
         return sent
 
-    def _named_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _named_weights(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Buckets of full tensors (rank 0). Every rank runs one all-gather per parameter, so if
         rank 0's consumer stops early (an error mid-push), the rest are still run in `finally`:
         the followers never wait in a collective that rank 0 skipped."""
@@ -303,6 +307,8 @@ class FSDPBackend:
                     done += 1
                     if self.rank != 0:
                         continue
+                    if dtype is not None:
+                        full = full.to(dtype)
                     bucket.append((name, full))
                     size += full.numel() * full.element_size()
                     if size >= bucket_bytes:

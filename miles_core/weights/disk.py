@@ -3,8 +3,8 @@ s3://… for engines on other hosts), which the engines load with `/update_weigh
 
 Layout: `<root>/weight_v{version:06d}/model.safetensors` + `manifest.json` ({"version", "kind":
 full | delta, "tensors": {name: sha256 of the final raw bytes}}). With `delta`, every push after
-the first holds only the tensors that changed, XOR-encoded against the previous push
-(weights/delta.py; the manifest names `base_version` and each encoded tensor's dtype and shape).
+the first holds only the tensors that changed, encoded against the previous push (weights/delta.py;
+the manifest names `base_version` and each encoded tensor's encoding, dtype and shape).
 The engine verifies every tensor against the manifest before loading, so a corrupt, mismatched
 or out-of-order file is refused and the engine keeps its weights. The only pause is the engine's
 own load (between two scheduler steps); the write overlaps generation. Older versions are
@@ -88,8 +88,9 @@ def load_weight_dir(
 def _apply_delta(path, manifest, packed, current, current_version) -> dict[str, torch.Tensor]:
     if current is None:
         raise ValueError(f"{path} is a delta; it needs the engine's current weights")
-    if manifest.get("encoding") != delta.ENCODING:
-        raise ValueError(f"{path}: unknown delta encoding {manifest.get('encoding')!r}")
+    unknown = {s.get("encoding") for s in manifest["encoded"].values()} - set(delta.ENCODINGS)
+    if unknown:
+        raise ValueError(f"{path}: unknown delta encoding {sorted(map(str, unknown))}")
     if current_version != manifest["base_version"]:
         raise ValueError(
             f"{path} is a delta from version {manifest['base_version']}, but this engine is at "
@@ -100,8 +101,12 @@ def _apply_delta(path, manifest, packed, current, current_version) -> dict[str, 
         old = current.get(name)
         if old is None or list(old.shape) != spec["shape"] or name not in packed:
             raise ValueError(f"{path}: delta tensor {name} does not fit this model")
+        # pushes may be in a narrower dtype than the engine keeps (bf16 into fp32): the base is
+        # the engine's tensor in the pushed dtype, exact when the engine loaded that push; the
+        # sha256 below catches any other base
+        old = old.to(getattr(torch, spec["dtype"]))
         try:
-            out[name] = delta.decode(packed[name], old)
+            out[name] = delta.decode(packed[name], old, spec["encoding"])
         except (ValueError, zlib.error) as e:
             raise ValueError(f"{path}: checksum mismatch for {name}; the delta is corrupt") from e
     return out
@@ -128,6 +133,17 @@ class DiskTransport(RecordsPushes):
     def connect(self, engines: list) -> None:
         self.engines = require_remote(engines, "disk")
 
+    def _fits_base(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """A delta needs the same names, shapes and dtypes as the last push (else: full)."""
+        base = self._base
+        return (
+            base is not None
+            and base.keys() == tensors.keys()
+            and all(
+                base[n].dtype == t.dtype and base[n].shape == t.shape for n, t in tensors.items()
+            )
+        )
+
     def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
         t0 = time.perf_counter()
         tensors = {name: t.detach().contiguous() for bucket in buckets for name, t in bucket}
@@ -140,19 +156,23 @@ class DiskTransport(RecordsPushes):
             "tensors": {n: tensor_sha256(t) for n, t in tensors.items()},
         }
         payload = tensors
-        if self.delta and self._base is not None:
+        if self.delta and self._fits_base(tensors):
             changed = {  # compared as bytes: torch.equal treats -0.0 == 0.0
                 n: t
                 for n, t in tensors.items()
                 if not torch.equal(t.view(torch.uint8), self._base[n].view(torch.uint8))
             }
-            payload = {n: delta.encode(t, self._base[n]) for n, t in changed.items()}
+            encoded = {n: delta.encode(t, self._base[n]) for n, t in changed.items()}
+            payload = {n: blob for n, (_, blob) in encoded.items()}
             manifest.update(
                 kind="delta",
                 base_version=self._base_version,
-                encoding=delta.ENCODING,
                 encoded={
-                    n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                    n: {
+                        "encoding": encoded[n][0],
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape),
+                    }
                     for n, t in changed.items()
                 },
                 tensors={n: manifest["tensors"][n] for n in changed},

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from miles_core.weights.group_transport import GroupTransport
 from miles_core.weights.remote import paused, require_remote
 from miles_core.weights.transport import PushStats, register_transport
@@ -32,13 +34,15 @@ class P2PTransport(GroupTransport):
     def push(self, buckets, version: int, pause_mode: str = "abort") -> PushStats:
         raise TypeError("the p2p transport sends from every trainer rank: use push_from(trainer)")
 
-    def push_from(self, trainer, version: int, pause_mode: str = "abort") -> PushStats:
+    def push_from(
+        self, trainer, version: int, pause_mode: str = "abort", dtype: torch.dtype | None = None
+    ) -> PushStats:
         t0 = time.perf_counter()
         world = trainer.world
         if not self._joined:  # all trainer ranks join (SPMD), engines after them
             self._form_group(world, trainer.join_group)
             self._joined = True
-        specs = trainer.param_specs()
+        specs = trainer.param_specs(dtype)
         body = {
             "names": [n for n, _, _ in specs],
             "shapes": [s for _, s, _ in specs],
@@ -49,7 +53,7 @@ class P2PTransport(GroupTransport):
         }
         with paused(self.engines, pause_mode):
             calls = self._post_all("/update_weights_from_distributed", body)
-            sent = trainer.send_shards([world + i for i in range(len(self.engines))])
+            sent = trainer.send_shards([world + i for i in range(len(self.engines))], dtype)
             self._wait(calls, "failed to load")
         # rank 0's own bytes stand for the push: the other ranks send theirs in parallel
         return self._record(sent * world, t0, version)
