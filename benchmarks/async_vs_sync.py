@@ -3,8 +3,7 @@
 Same model, task, data order and seeds for every variant; the engine is a server subprocess and
 weights travel by shared memory in all of them. Sync runs at each thread setting (engine and
 trainer with 1 or 2 threads each, one phase at a time) and the fastest is the baseline; the
-async variants run the trainer and the engine at one thread each, so each owns one of the two
-cores. The first `--warmup` steps are not timed. Prints a table, then one JSON object.
+async variants run the trainer and the engine at one thread each, pinned to one core each. The first `--warmup` steps are not timed. Prints a table, then one JSON object.
 
     python benchmarks/async_vs_sync.py [--preset tiny] [--steps 24] [--warmup 4]
 """
@@ -13,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -47,6 +47,8 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
         ],
     )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, tmp), None)
+    if mode != "sync":
+        pin_one_core_each(rt)
     rewards, staleness, t0 = [], [], 0.0
     try:
         for step in range(steps):
@@ -60,6 +62,7 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
         seconds = time.perf_counter() - t0
     finally:
         rt.close()
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     timed = steps - warmup
     return {
         "steps_per_s": timed / seconds,
@@ -68,6 +71,15 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
         "mean_staleness": statistics.fmean(staleness[warmup:]),
         "threads": threads,
     }
+
+
+def pin_one_core_each(rt: RLRuntime) -> None:
+    """The async variants' trainer (this thread) on core 0, every engine-server thread on core 1."""
+    if len(os.sched_getaffinity(0)) < 2 or rt.engine_process is None:
+        return
+    os.sched_setaffinity(0, {0})
+    for tid in os.listdir(f"/proc/{rt.engine_process.pid}/task"):
+        os.sched_setaffinity(int(tid), {1})
 
 
 def main() -> None:
