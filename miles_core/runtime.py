@@ -131,7 +131,10 @@ class RLRuntime:
         self.engine_process = EngineProcess(
             model_dir, args=args, log_path=self.workdir / "engine.log"
         ).start()
-        return HttpEngine(self.engine_process.url, concurrency=batch)
+        # our engine server takes SGLang's batch form: one call per group
+        return HttpEngine(
+            self.engine_process.url, concurrency=batch, batch_size=r.n_samples_per_prompt
+        )
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:

@@ -1,8 +1,8 @@
 """Engines behind HTTP: start an engine server as a subprocess, and drive any server that speaks
 SGLang's native API (ours or a real `sglang.launch_server`) with the same client.
 
-`HttpEngine.generate` sends requests concurrently, a few per call in SGLang's batch form (httpx,
-pooled, bounded by `concurrency`), while a watchdog polls `/health`; a dead or unreachable engine
+`HttpEngine.generate` sends requests concurrently (httpx, pooled, bounded by `concurrency`; with
+`batch_size` > 1 several per call in SGLang's batch form) while a watchdog polls `/health`; a dead or unreachable engine
 raises `EngineUnavailable` naming the URL within a few seconds instead of leaving the rollout
 waiting.
 """
@@ -21,8 +21,19 @@ from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
 
+def generate_payload(req: GenerateRequest) -> dict:
+    """The `/generate` body in SGLang's field names (checked by tests/contract)."""
+    return {
+        "input_ids": req.input_ids,
+        "sampling_params": req.sampling_params.model_dump(exclude_none=True),
+        "return_logprob": True,
+        "rid": req.rid,
+    }
+
+
 def batch_payload(requests: list[GenerateRequest]) -> dict:
-    """One `/generate` body for several requests (SGLang's batch form: a list per field)."""
+    """One `/generate` body for several requests (SGLang's batch form: a list per field; engine
+    servers take it, sglang-router does not)."""
     body = {
         "input_ids": [r.input_ids for r in requests],
         "sampling_params": [r.sampling_params.model_dump(exclude_none=True) for r in requests],
@@ -87,14 +98,16 @@ class HttpEngine:
         self,
         url: str,
         concurrency: int = 64,
-        batch_size: int = 8,
+        batch_size: int = 1,
         request_timeout: float = 600.0,
         health_interval: float = 1.0,
         health_failures: int = 3,
     ):
         self.url = url.rstrip("/")
         self.concurrency = concurrency
-        self.batch_size = batch_size  # requests per HTTP call: few calls keep the client cheap
+        # requests per HTTP call: fewer calls keep the client cheap; 1 for routers, which take
+        # only single requests
+        self.batch_size = batch_size
         self.request_timeout = request_timeout
         self.health_interval = health_interval
         self.health_failures = health_failures
@@ -120,10 +133,9 @@ class HttpEngine:
                 async with sem:
                     key = chunk[0].routing_key
                     headers = {ROUTING_KEY_HEADER: key} if key else None
+                    body = batch_payload(chunk) if len(chunk) > 1 else generate_payload(chunk[0])
                     try:
-                        r = await client.post(
-                            "/generate", json=batch_payload(chunk), headers=headers
-                        )
+                        r = await client.post("/generate", json=body, headers=headers)
                     except httpx.HTTPError as e:
                         raise EngineUnavailable(
                             f"engine at {self.url} failed during /generate: {e!r}"

@@ -34,7 +34,13 @@ import httpx
 from miles_core.config import RolloutConfig
 from miles_core.data import PromptSource
 from miles_core.data.tasks import Task
-from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine, batch_payload
+from miles_core.rollout.http_engine import (
+    EngineUnavailable,
+    HttpEngine,
+    batch_payload,
+    batches,
+    generate_payload,
+)
 from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse
 from miles_core.rollout.rollout_fn import (
     RolloutResult,
@@ -252,10 +258,13 @@ class RolloutProducer:
     async def _generate(self, client: httpx.AsyncClient, ticket: _Ticket) -> None:
         step, g = divmod(ticket.index, self.batch)
         requests = group_requests(ticket.ids, self.sp, self.cfg, step, g, seeded=True)
-        # one HTTP request per group: many small requests make the client's connection pool
-        # (and the GIL it holds) compete with the trainer in this process
+        # few HTTP calls per group (the engine's batch_size; a whole group for our engine server):
+        # one call per sample made the client's connection pool hold the GIL against the trainer
         start_version = self.version()
-        first = await self._post(client, requests)
+        chunks = batches(requests, self.engine.batch_size)
+        first = [
+            r for c in await asyncio.gather(*(self._post(client, c) for c in chunks)) for r in c
+        ]
         results = await asyncio.gather(
             *(self._one(client, r, start_version, f) for r, f in zip(requests, first, strict=True))
         )
@@ -279,8 +288,9 @@ class RolloutProducer:
     async def _post(
         self, client: httpx.AsyncClient, requests: list[GenerateRequest]
     ) -> list[GenerateResponse]:
+        body = batch_payload(requests) if len(requests) > 1 else generate_payload(requests[0])
         try:
-            r = await client.post("/generate", json=batch_payload(requests))
+            r = await client.post("/generate", json=body)
         except httpx.HTTPError as e:
             raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
         return self.engine.parse_responses(r)

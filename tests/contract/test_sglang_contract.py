@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.rollout.http_engine import batch_payload
+from miles_core.rollout.http_engine import batch_payload, generate_payload
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.server import (
     AbortBody,
@@ -49,6 +49,9 @@ def test_the_generate_payload_uses_sglang_field_names():
             sampling_seed=1,
         ),
     )
+    single = generate_payload(req)
+    assert set(single) <= set(STRUCTS["GenerateReqInput"])
+    assert set(single["sampling_params"]) <= set(API["sampling_params"])
     payload = batch_payload([req, req.model_copy(update={"rid": "r2"})])
     assert set(payload) <= set(STRUCTS["GenerateReqInput"])
     assert payload["rid"] == ["r1", "r2"] and payload["input_ids"] == [[1, 2, 3]] * 2
