@@ -4,6 +4,7 @@
     miles train --config examples/say_a.yaml --resume
     miles sft --config examples/reverse_sft_rl.yaml
     miles engine serve --model checkpoints/say-a/step_000039 --port 30000
+    miles tito verify --family qwen3
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
 flow, ranks 1..N-1 replay the trainer's calls.
@@ -51,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="rollout engine commands")
     engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
     engine.add_argument("rest", nargs=argparse.REMAINDER, help="--model DIR --port P ...")
+    tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
+    tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
+    tito.add_argument("--family", required=True, help="tiny, qwen3 or mistral")
+    tito.add_argument("--conversations", type=int, default=20, help="per conversation kind")
+    tito.add_argument("--turns", type=int, default=8, help="assistant turns per conversation")
+    tito.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -80,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
 
         server.main(args.rest)
         return 0
+    if args.command == "tito":
+        from flows.tito_verify import run_verify
+
+        return run_verify(args.family, args.conversations, args.turns, args.seed)
     try:
         config = load_config(args.config, args.overrides)
     except ValidationError as e:

@@ -1,0 +1,64 @@
+"""A TITO family: how one model family turns chat messages into token ids, so that a session can
+hold the exact ids the engine saw and produced, and add only what each new turn appends.
+
+A session's ids are built as
+
+    prompt(first messages, tools)              the opening render, ending in the generation prompt
+    + completion ids                           exactly what the engine generated (stop token included)
+    + append(messages added since, tools)      tokens for the new messages only, then the next
+                                               generation prompt
+    + completion ids + append(...) + ...
+
+`append` never re-tokenizes anything already held. Where a family's canonical template renders
+history differently from how it was generated (e.g. Qwen3 drops the reasoning of earlier turns),
+the session's ids and a full re-render differ; each family lists such places in `limits`, and
+`miles tito verify` reports them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+Message = dict[str, Any]  # OpenAI chat message: role, content, reasoning_content, tool_calls, ...
+
+
+class NotAppendOnly(ValueError):
+    """A render of more messages does not extend the render of fewer: the ids cannot be merged."""
+
+
+class TitoFamily(ABC):
+    name: str
+    limits: tuple[str, ...] = ()  # places where the canonical template is not append-only
+    # conversation kinds of `miles tito verify` whose full renders must equal the session's ids
+    expected_append_only: tuple[str, ...] = ("plain", "tools", "reasoning")
+    renders_reasoning = True  # reasoning_content survives completion → parse
+    ascii_only = False  # the vocabulary covers only printable ASCII
+    content_with_tool_calls = True  # an assistant message may hold text and tool calls
+
+    @property
+    @abstractmethod
+    def stop_ids(self) -> list[int]:
+        """Token ids that end an assistant turn (the engine's stop tokens)."""
+
+    @abstractmethod
+    def prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """The canonical render of a conversation, ending in the assistant generation prompt."""
+
+    @abstractmethod
+    def append(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Ids to add after a held assistant completion (which ends in a stop token) for the new
+        non-assistant `messages`, ending in the generation prompt."""
+
+    @abstractmethod
+    def completion(self, message: Message, tools: list[dict] | None = None) -> list[int]:
+        """The ids a model emits for an assistant `message`, stop token included (what the
+        engine would have generated for it)."""
+
+    @abstractmethod
+    def parse(self, ids: list[int]) -> Message:
+        """An assistant message (content, reasoning_content, tool_calls) from completion ids."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens included (for reports)."""
