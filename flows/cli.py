@@ -4,6 +4,7 @@
     miles train --config examples/say_a.yaml --resume
     miles sft --config examples/reverse_sft_rl.yaml
     miles engine serve --model checkpoints/say-a/step_000039 --port 30000
+    miles sessions serve --engine-url http://127.0.0.1:30000 --family tiny --port 30100
     miles tito verify --family qwen3
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
@@ -52,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="rollout engine commands")
     engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
     engine.add_argument("rest", nargs=argparse.REMAINDER, help="--model DIR --port P ...")
+    sessions = sub.add_parser("sessions", help="agent session server commands")
+    sessions.add_argument("action", choices=["serve"], help="serve: the OpenAI-compatible server")
+    sessions.add_argument("rest", nargs=argparse.REMAINDER, help="--engine-url URL --family F ...")
     tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
     tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
     tito.add_argument("--family", required=True, help="tiny, qwen3 or mistral")
@@ -86,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         from miles_core.rollout import server
 
         server.main(args.rest)
+        return 0
+    if args.command == "sessions":
+        from miles_core.sessions import server as session_server
+
+        session_server.main(args.rest)
         return 0
     if args.command == "tito":
         from flows.tito_verify import run_verify

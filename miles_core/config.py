@@ -157,7 +157,12 @@ class TrainConfig(OptimConfig):
     eps_clip_high: float | None = Field(
         None, gt=0, description="upper clip (DAPO clip-higher); default eps_clip"
     )
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "rollout_mean_token_mean"] = Field(
+        "token_mean",
+        description="token_mean: over all tokens; seq_mean_token_mean: per sample, then over "
+        "samples; rollout_mean_token_mean: per rollout (samples sharing a rollout id, e.g. one "
+        "agent session's leaves), then over rollouts",
+    )
     kl_coef: float = Field(
         0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model"
     )

@@ -155,3 +155,30 @@ def test_k3_kl_is_nonnegative_and_zero_at_equality():
     b = torch.randn(100)
     assert torch.all(k3_kl(a, b) >= 0)
     assert torch.equal(k3_kl(a, a), torch.zeros(100))
+
+
+def test_rollout_mean_weighs_each_agent_session_once_however_many_leaves_it_has(tiny_dir, tiny):
+    """Rollout A is one sample with advantage +1; rollout B is three sibling leaves with
+    advantage −1 (a harness that spawned sub-agents). At step 0 (ratio 1) the per-token policy
+    loss is −advantage, so per-rollout normalisation gives (−1 + 1) / 2 = 0, while per-sample
+    normalisation lets B's three leaves outweigh A: (−1 + 3) / 4 = 0.5."""
+    _, tok = tiny
+    prompt = encode_prompt(tok, "go")
+    lengths = [5, 3, 4, 6]
+    batch = TrainBatch(
+        tokens=[prompt + [10 + i] * n for i, n in enumerate(lengths)],
+        response_lengths=lengths,
+        loss_masks=[[1] * n for n in lengths],
+        advantages=[1.0, -1.0, -1.0, -1.0],
+        sample_ids=["A", "B", "B", "B"],
+    )
+    results = {}
+    for agg in ("rollout_mean_token_mean", "seq_mean_token_mean"):
+        trainer = _trainer(tiny_dir, loss_agg=agg, micro_batch_size=2)  # siblings split
+        batch.old_log_probs = trainer.compute_log_probs(batch)
+        results[agg] = trainer.train_step(batch)["pg_loss"]
+    assert results["rollout_mean_token_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert results["seq_mean_token_mean"] == pytest.approx(0.5, abs=1e-6)
+    rows = torch.tensor([[2.0, 2.0], [1.0, 0.0]])
+    with pytest.raises(ValueError, match="rollout token total"):
+        aggregate(rows, torch.ones_like(rows), "rollout_mean_token_mean", 2.0)

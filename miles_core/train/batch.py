@@ -18,7 +18,9 @@ class TrainBatch:
     rollout_log_probs: list[list[float]] | None = None
     old_log_probs: list[list[float]] | None = None
     temperature: float = 1.0
-    sample_ids: list[str] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)  # rollout ids: siblings share one
+    # per row: the loss-mask total of its whole rollout (loss_agg rollout_mean_token_mean)
+    rollout_tokens: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -36,7 +38,16 @@ class TrainBatch:
             rollout_log_probs=cut(self.rollout_log_probs),
             old_log_probs=cut(self.old_log_probs),
             sample_ids=self.sample_ids[start:end],
+            rollout_tokens=cut(self.rollout_tokens),
         )
+
+    def with_rollout_tokens(self) -> tuple[TrainBatch, int]:
+        """This batch with each row's rollout loss-mask total, and the number of rollouts."""
+        totals: dict[str, float] = {}
+        for rid, mask in zip(self.sample_ids, self.loss_masks, strict=True):
+            totals[rid] = totals.get(rid, 0.0) + float(sum(mask))
+        rows = [totals[rid] for rid in self.sample_ids]
+        return replace(self, rollout_tokens=rows), len(totals)
 
     @classmethod
     def from_samples(

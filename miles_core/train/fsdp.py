@@ -178,6 +178,9 @@ class FSDPBackend:
         agg = self.loss_cfg.get("loss_agg", "token_mean") if loss == "policy" else "token_mean"
         global_tokens = float(sum(sum(m) for m in batch.loss_masks))
         denom = max(global_tokens, 1.0) if agg == "token_mean" else float(len(batch))
+        if agg == "rollout_mean_token_mean":  # totals over the global batch, then shard
+            batch, rollouts = batch.with_rollout_tokens()
+            local, denom = self._local(batch), float(rollouts)
         sums: dict[str, float] = {}
         for mb in self._micro_batches(local):
             padded = PaddedBatch.build(mb, self.pad_id)
@@ -213,6 +216,7 @@ class FSDPBackend:
         if mb.old_log_probs is None or mb.advantages is None:
             raise ValueError("policy loss needs old_log_probs (compute_log_probs) and advantages")
         mask = padded.mask
+        rows = None if mb.rollout_tokens is None else torch.tensor(mb.rollout_tokens)
         old = padded.per_token(mb.old_log_probs)
         adv = torch.tensor(mb.advantages, dtype=torch.float32).unsqueeze(1).expand_as(mask)
         cfg = self.loss_cfg
@@ -229,12 +233,12 @@ class FSDPBackend:
             rollout = padded.per_token(mb.rollout_log_probs)
             correction = correction_weights(old, rollout, mask, **off)
             pg = pg * correction.weights  # the numerator only: `denom` keeps every token
-        pg_loss = aggregate(pg, mask, agg, denom)
+        pg_loss = aggregate(pg, mask, agg, denom, rows)
         total = pg_loss
         logits_for_entropy = resp_logits if cfg.get("entropy_coef") else resp_logits.detach()
         entropy = entropy_from_logits(logits_for_entropy, mb.temperature)
         if cfg.get("entropy_coef"):
-            total = total - cfg["entropy_coef"] * aggregate(entropy, mask, agg, denom)
+            total = total - cfg["entropy_coef"] * aggregate(entropy, mask, agg, denom, rows)
         stats = {
             "pg_loss": float(pg_loss.detach()),
             "_pg_clipfrac": float((clipped * mask).sum()),
@@ -245,7 +249,7 @@ class FSDPBackend:
             with torch.no_grad():
                 ref_lp, _ = self._forward(self.ref_model, padded, mb.temperature)
             kl = k3_kl(lp, ref_lp)
-            kl_loss = aggregate(kl, mask, agg, denom)
+            kl_loss = aggregate(kl, mask, agg, denom, rows)
             total = total + cfg["kl_coef"] * kl_loss
             stats["kl_loss"] = float(kl_loss.detach())
         if mb.rollout_log_probs is not None:

@@ -2,7 +2,9 @@
 
 All functions take per-token tensors of shape [B, T] and a 0/1 `mask`; aggregation is left to
 `aggregate`, so the same masked sum can be normalised by the global token count (token_mean) or
-per sequence (seq_mean_token_mean).
+per sequence (seq_mean_token_mean), or per rollout (rollout_mean_token_mean: siblings of one
+agent session — sub-agents, compaction segments, tree leaves — share a rollout id and together
+count as one sequence, so a harness that spawns many does not outweigh one that spawns few).
 """
 
 from __future__ import annotations
@@ -46,12 +48,25 @@ def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return d.exp() - d - 1.0
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, denom: float) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    denom: float,
+    rollout_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Masked sum / denom. token_mean: denom = tokens in the global batch;
-    seq_mean_token_mean: each row is first averaged over its own tokens, denom = sequences."""
+    seq_mean_token_mean: each row is first averaged over its own tokens, denom = sequences;
+    rollout_mean_token_mean: each row's sum is divided by its rollout's token total
+    (`rollout_tokens`, per row), denom = rollouts."""
     if mode == "token_mean":
         return (values * mask).sum() / denom
     if mode == "seq_mean_token_mean":
         per_seq = (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / denom
+    if mode == "rollout_mean_token_mean":
+        if rollout_tokens is None:
+            raise ValueError("rollout_mean_token_mean needs each row's rollout token total")
+        per_row = (values * mask).sum(-1) / rollout_tokens.clamp(min=1)
+        return per_row.sum() / denom
     raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -1,0 +1,42 @@
+"""Token-faithful agent sessions: an OpenAI-compatible session server in front of an engine
+(server.py), the trajectory tree it records (trajectory.py), and its subprocess handle."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from miles_core.rollout.process import ManagedProcess
+
+
+class SessionServerProcess(ManagedProcess):
+    """`miles_core.sessions.server` as a subprocess on 127.0.0.1, stopped by PID."""
+
+    what = "session server"
+
+    def __init__(
+        self,
+        engine_url: str,
+        family: str = "tiny",
+        port: int | None = None,
+        log_path: str | Path | None = None,
+        args: tuple[str, ...] = (),
+    ):
+        super().__init__(port, log_path)
+        self.engine_url = engine_url
+        self.family = family
+        self.args = list(args)
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "miles_core.sessions.server",
+            "--engine-url",
+            self.engine_url,
+            "--family",
+            self.family,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]

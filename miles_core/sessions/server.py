@@ -1,0 +1,270 @@
+"""The session server: OpenAI-compatible chat completions per session, token-faithful.
+
+    POST   /sessions                              {rollout_id?, metadata?} → {session_id, base_url}
+    GET    /sessions/{id}                         turns, leaves, branches, mismatched tokens
+    DELETE /sessions/{id}
+    POST   /sessions/{id}/v1/chat/completions     OpenAI chat completion (tools, reasoning)
+    GET    /sessions/{id}/v1/models
+    POST   /sessions/{id}/samples                 {reward?} → one Sample per leaf (JSON)
+    GET    /health, /metrics
+
+The server owns tokenization (a TITO family, miles_core/tito): each request's messages attach to
+the session's trajectory tree (trajectory.py), only the newly appended messages are tokenized,
+and the ids go to the engine's `/generate`; the engine's output ids, log-probs and weight version
+are recorded as they are. An agent only needs `base_url = <server>/sessions/<id>/v1`.
+
+Bad input never stops the server: unknown session 404; malformed messages, tool-call arguments
+that are not JSON or a conversation longer than the engine's context 400 with the reason; a
+generation the engine aborted 503 (nothing recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from miles_core.rollout.http_engine import generate_payload
+from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from miles_core.sessions.openai_api import ChatRequest, completion_response
+from miles_core.sessions.trajectory import Trajectory
+from miles_core.tito import NotAppendOnly, TitoFamily, get_family
+
+
+class CreateBody(BaseModel):
+    rollout_id: str | None = None
+    metadata: dict[str, Any] = {}
+
+
+class SamplesBody(BaseModel):
+    reward: float | None = None
+
+
+@dataclass
+class Session:
+    id: str
+    trajectory: Trajectory
+    metadata: dict[str, Any]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+def create_app(
+    engine_url: str,
+    family: TitoFamily,
+    model_name: str = "miles",
+    default_max_tokens: int = 256,
+    engine_timeout_s: float = 600.0,
+) -> FastAPI:
+    app = FastAPI(title="miles session server")
+    sessions: dict[str, Session] = {}
+    counters: Counter = Counter()
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    client = httpx.AsyncClient(base_url=engine_url, timeout=engine_timeout_s, limits=limits)
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await client.aclose()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        counters["errors_4xx"] += 1
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"] if x != "body")
+        return _error(400, f"{where}: {first['msg']}")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return {
+            "sessions": len(sessions),
+            **counters,
+            "branches": sum(s.trajectory.branches for s in sessions.values()),
+            "mismatched_tokens": sum(s.trajectory.mismatched_tokens for s in sessions.values()),
+        }
+
+    @app.post("/sessions", status_code=201)
+    async def create(body: CreateBody | None = None):
+        body = body or CreateBody()
+        sid = uuid.uuid4().hex[:16]
+        sessions[sid] = Session(sid, Trajectory(family, body.rollout_id or sid), body.metadata)
+        counters["sessions_created"] += 1
+        return {"session_id": sid, "base_url": f"/sessions/{sid}/v1"}
+
+    def _session(sid: str) -> Session | JSONResponse:
+        s = sessions.get(sid)
+        if s is None:
+            counters["errors_4xx"] += 1
+            return _error(404, f"unknown session {sid!r}", "not_found_error")
+        return s
+
+    @app.get("/sessions/{sid}")
+    async def describe(sid: str):
+        s = _session(sid)
+        if isinstance(s, JSONResponse):
+            return s
+        t = s.trajectory
+        return {
+            "session_id": sid,
+            "rollout_id": t.rollout_id,
+            "metadata": s.metadata,
+            "turns": len(t.nodes),
+            "leaves": len(t.leaves()),
+            "branches": t.branches,
+            "mismatched_tokens": t.mismatched_tokens,
+        }
+
+    @app.delete("/sessions/{sid}")
+    async def delete(sid: str):
+        if sessions.pop(sid, None) is None:
+            counters["errors_4xx"] += 1
+            return _error(404, f"unknown session {sid!r}", "not_found_error")
+        return {"deleted": True}
+
+    @app.get("/sessions/{sid}/v1/models")
+    async def models(sid: str):
+        s = _session(sid)
+        if isinstance(s, JSONResponse):
+            return s
+        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def chat(sid: str, request: Request):
+        s = _session(sid)
+        if isinstance(s, JSONResponse):
+            return s
+        try:
+            body = ChatRequest.model_validate(await request.json())
+            messages = body.plain_messages()
+        except json.JSONDecodeError:
+            counters["errors_4xx"] += 1
+            return _error(400, "the body is not JSON")
+        except ValidationError as e:
+            counters["errors_4xx"] += 1
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            return _error(400, f"{where}: {first['msg']}".removeprefix(": "))
+        except ValueError as e:
+            counters["errors_4xx"] += 1
+            return _error(400, str(e))
+        async with s.lock:  # one turn at a time per session: the tree stays consistent
+            return await _turn(s, body, messages)
+
+    async def _turn(s: Session, body: ChatRequest, messages) -> Any:
+        t = s.trajectory
+        tools = body.tools or None
+        try:
+            turn = await asyncio.to_thread(t.attach, messages, tools)
+            if turn.parent is not None:
+                await asyncio.to_thread(t.count_mismatches, turn, messages)
+        except (NotAppendOnly, ValueError, KeyError) as e:
+            counters["errors_4xx"] += 1
+            return _error(400, f"cannot render these messages: {e}")
+        sampling = SamplingParams(
+            max_new_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=body.top_p or 1.0,
+            stop_token_ids=family.stop_ids,
+            sampling_seed=body.seed,
+        )
+        req = GenerateRequest(
+            input_ids=turn.ids, sampling_params=sampling, rid=f"{s.id}-{len(t.nodes)}"
+        )
+        try:
+            r = await client.post("/generate", json=generate_payload(req))
+        except httpx.HTTPError as e:
+            counters["errors_5xx"] += 1
+            return _error(502, f"engine at {engine_url} failed: {e!r}", "engine_error")
+        if 400 <= r.status_code < 500:
+            counters["errors_4xx"] += 1
+            return _error(400, f"the engine refused the turn: {_message(r)}")
+        if r.status_code != 200:
+            counters["errors_5xx"] += 1
+            return _error(502, f"engine answered HTTP {r.status_code}: {_message(r)}")
+        out = GenerateResponse.model_validate(r.json())
+        reason = out.meta_info.finish_reason.type
+        if reason == "abort":
+            counters["aborted_turns"] += 1
+            return _error(503, "the engine aborted this generation (weight update); retry")
+        try:
+            reply = family.parse(out.output_ids)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            counters["unparsed_tool_calls"] += 1
+            reply = {"role": "assistant", "content": family.decode(out.output_ids)}
+        version = int(out.meta_info.weight_version)
+        node = t.record(
+            turn, messages, tools, reply, out.output_ids, out.output_log_probs, version, reason
+        )
+        counters["turns"] += 1
+        return completion_response(
+            s.id,
+            node.id,
+            body.model or model_name,
+            reply,
+            reason,
+            len(turn.ids),
+            len(out.output_ids),
+            version,
+            out.output_ids,
+        )
+
+    @app.post("/sessions/{sid}/samples")
+    async def samples(sid: str, body: SamplesBody | None = None):
+        s = _session(sid)
+        if isinstance(s, JSONResponse):
+            return s
+        reward = body.reward if body else None
+        async with s.lock:
+            out = s.trajectory.samples(reward)
+        return {"rollout_id": s.trajectory.rollout_id, "samples": [_sample_json(x) for x in out]}
+
+    return app
+
+
+def _sample_json(sample) -> dict:
+    data = asdict(sample)
+    data["status"] = str(sample.status)
+    return data
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        data = r.json()
+        return str(data.get("error", {}).get("message") or data.get("message") or data)
+    except ValueError:
+        return r.text[:200]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    ap = argparse.ArgumentParser(prog="miles sessions serve")
+    ap.add_argument("--engine-url", required=True, help="the engine (or router) /generate base")
+    ap.add_argument("--family", default="tiny", help="TITO family: tiny, qwen3, mistral")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30100)
+    ap.add_argument("--model-name", default="miles")
+    ap.add_argument("--max-tokens", type=int, default=256, help="default max completion tokens")
+    args = ap.parse_args(argv)
+    app = create_app(args.engine_url, get_family(args.family), args.model_name, args.max_tokens)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
