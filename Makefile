@@ -14,9 +14,18 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv demo test lint format bench clean
+.PHONY: venv system demo test lint format bench clean
 
 venv: $(STAMP)
+
+# Debian packages the project needs: bubblewrap (the episode sandbox, miles_core/envs/sandbox.py)
+system:
+	@command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO="sudo -n"; fi; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+	  echo "warning: could not install bubblewrap (apt-get install bubblewrap); sandboxed episodes will fail"; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,11 +33,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-demo: venv
+demo: venv system
 	$(BIN)/miles train --config examples/say_a.yaml
 	$(BIN)/miles train --config examples/reverse_sft_rl.yaml
 
-test: venv
+test: venv system
 	$(BIN)/python -m pytest -q
 
 lint: venv

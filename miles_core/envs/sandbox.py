@@ -1,0 +1,197 @@
+"""A sandbox per episode: bubblewrap (Debian's `bubblewrap`) around every command, with
+
+- its own workspace, the only writable place, seen as /workspace;
+- a read-only view of the system (/usr, /etc and the merged-/usr symlinks), nothing else of the
+  host: no /root, /home, /work, host /tmp; a private /tmp and /proc;
+- no network, no IPC, its own PID namespace (all of it dies with the command);
+- rlimits on CPU time, address space, processes, file size and open files, and a wall-clock
+  limit enforced from outside. As root, every sandbox runs as its own unprivileged uid, so the
+  process limit is per sandbox and fork bombs in one episode cannot starve another.
+
+Whatever a command does, `run` returns a `RunResult` (exit code, the first `output_kb` of its
+output, what killed it); it never raises for the command's behaviour.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import resource
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_UIDS = itertools.count()
+_UID_BASE = 200_000
+
+
+class SandboxUnavailable(RuntimeError):
+    """bubblewrap is missing or cannot create namespaces here."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    cpu_s: int = 10
+    wall_s: float = 20.0
+    memory_mb: int = 512
+    processes: int = 64
+    file_mb: int = 16
+    output_kb: int = 16
+    open_files: int = 256
+
+
+@dataclass
+class RunResult:
+    exit_code: int | None
+    output: str
+    truncated: bool
+    killed_by: str | None  # "wall time", "cpu time", "file size", or a signal name
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.killed_by is None
+
+
+_SIGNALS = {signal.SIGXCPU: "cpu time", signal.SIGXFSZ: "file size", signal.SIGKILL: "SIGKILL"}
+
+
+def bwrap_path() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable(
+            "bubblewrap (bwrap) is not installed: `apt-get install bubblewrap` (make does this)"
+        )
+    return path
+
+
+class Sandbox:
+    def __init__(self, limits: SandboxLimits | None = None, parent: str | Path | None = None):
+        self.limits = limits or SandboxLimits()
+        self.bwrap = bwrap_path()
+        self.root = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent))
+        self.root.chmod(0o711)  # the sandbox uid may pass through to its workspace, not list
+        blocked = [d for d in self.root.parents if not d.stat().st_mode & stat.S_IXOTH]
+        if os.geteuid() == 0 and blocked:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise SandboxUnavailable(
+                f"{blocked[0]} is not passable by the sandbox's own uid (needs o+x); "
+                "put sandboxes elsewhere (default: the system temp dir)"
+            )
+        self.workspace = self.root / "workspace"
+        self.workspace.mkdir()
+        self.uid = _UID_BASE + (os.getpid() % 1000) * 1000 + next(_UIDS) % 1000
+        if os.geteuid() == 0:
+            os.chown(self.workspace, self.uid, self.uid)
+        self.commands = 0
+
+    # ------------------------------------------------------------------ host side
+    def path(self, relative: str) -> Path:
+        """A path inside the workspace (refuses anything that would leave it)."""
+        p = (self.workspace / relative).resolve()
+        if p != self.workspace.resolve() and self.workspace.resolve() not in p.parents:
+            raise ValueError(f"{relative!r} is outside the workspace")
+        return p
+
+    def write(self, relative: str, text: str) -> None:
+        p = self.path(relative)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        if os.geteuid() == 0:
+            for q in [p, *p.parents]:
+                if q == self.workspace:
+                    break
+                os.chown(q, self.uid, self.uid)
+
+    def read(self, relative: str, limit: int = 1 << 20) -> str | None:
+        p = self.path(relative)
+        if not p.is_file():
+            return None
+        with open(p, "rb") as f:
+            return f.read(limit).decode(errors="replace")
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ commands
+    def _argv(self, command: str) -> list[str]:
+        argv = [self.bwrap, "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        for name in ("bin", "sbin", "lib", "lib64", "lib32"):
+            target = Path("/") / name
+            if target.is_symlink():
+                argv += ["--symlink", os.readlink(target), f"/{name}"]
+            elif target.is_dir():
+                argv += ["--ro-bind", str(target), f"/{name}"]
+        argv += [
+            "--bind", str(self.workspace), "/workspace",
+            "--tmpfs", "/tmp",
+            "--dev", "/dev",
+            "--proc", "/proc",
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--chdir", "/workspace",
+            "--setenv", "HOME", "/workspace",
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+            "/bin/sh", "-c", command,
+        ]  # fmt: skip
+        return argv
+
+    def _limits(self) -> None:  # runs in the child, before exec
+        lim = self.limits
+        mb = 1 << 20
+        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb * mb, lim.file_mb * mb))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if os.geteuid() == 0:  # an unprivileged uid of its own: the process limit applies
+            resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes, lim.processes))
+            os.setgroups([])
+            os.setgid(self.uid)
+            os.setuid(self.uid)
+
+    def run(self, command: str) -> RunResult:
+        """Runs `command` with /bin/sh in the sandbox; never raises for what the command does."""
+        self.commands += 1
+        out_path = self.root / f"out-{self.commands}.txt"
+        t0 = time.monotonic()
+        with open(out_path, "wb") as out:
+            proc = subprocess.Popen(  # noqa: S603
+                self._argv(command),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=self._limits,  # noqa: PLW1509  (rlimits + uid for the child only)
+                start_new_session=True,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            )
+            killed_by = None
+            try:
+                code = proc.wait(timeout=self.limits.wall_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                code, killed_by = None, "wall time"
+        if code is not None and code < 0:
+            killed_by = _SIGNALS.get(-code, signal.Signals(-code).name)
+            code = None
+        elif code is not None and code > 128 and (code - 128) in _SIGNALS:
+            killed_by, code = _SIGNALS[code - 128], None  # bwrap reports a child's signal
+        size = out_path.stat().st_size
+        keep = self.limits.output_kb * 1024
+        with open(out_path, "rb") as f:
+            text = f.read(keep).decode(errors="replace")
+        out_path.unlink()
+        return RunResult(code, text, size > keep, killed_by, time.monotonic() - t0)

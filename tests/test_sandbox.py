@@ -1,0 +1,86 @@
+"""The episode sandbox (bubblewrap): every escape attempt is blocked and reported, the host is
+untouched, and the sandbox keeps working afterwards."""
+
+from pathlib import Path
+
+import pytest
+
+from miles_core.envs.sandbox import Sandbox, SandboxLimits
+
+LIMITS = SandboxLimits(cpu_s=2, wall_s=4, memory_mb=256, processes=32, file_mb=1, output_kb=4)
+
+
+@pytest.fixture
+def sandbox():
+    with Sandbox(LIMITS) as sb:  # in the system temp dir: passable by the sandbox's uid
+        yield sb
+
+
+def test_commands_work_inside_the_workspace(sandbox):
+    r = sandbox.run("echo hi > a.txt && cat a.txt && python3 -c 'print(6*7)' && pwd")
+    assert r.ok and r.output == "hi\n42\n/workspace\n"
+    assert sandbox.read("a.txt") == "hi\n"
+    sandbox.write("sub/b.txt", "from the host")
+    assert sandbox.run("cat sub/b.txt").output == "from the host"
+
+
+def test_no_network(sandbox):
+    r = sandbox.run(
+        "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 22), timeout=2)\""
+    )
+    assert not r.ok and ("Network is unreachable" in r.output or "refused" in r.output)
+    assert sandbox.run("cat /proc/net/dev").output.count(":") == 1  # only lo, and it is down
+
+
+def test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable(sandbox, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    r = sandbox.run(f"cat {secret}; cat /etc/shadow; ls /root /home /work")
+    assert "host secret" not in r.output and "No such file" in r.output
+    assert "Permission denied" in r.output  # /etc/shadow: visible, read-only, not readable
+    r = sandbox.run("echo x > /usr/evil; echo x > /etc/evil; echo x > ../evil; echo ok > /tmp/t")
+    assert "Read-only file system" in r.output
+    assert not Path("/usr/evil").exists() and not Path("/etc/evil").exists()
+    assert not (sandbox.root / "evil").exists()
+    with pytest.raises(ValueError, match="outside the workspace"):
+        sandbox.write("../escape.txt", "x")
+
+
+def test_a_workspace_parent_the_sandbox_cannot_pass_is_refused(tmp_path):
+    import os
+
+    from miles_core.envs.sandbox import SandboxUnavailable
+
+    if os.geteuid() != 0:
+        pytest.skip("only root gives each sandbox its own uid")
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(SandboxUnavailable, match="not passable"):
+        Sandbox(LIMITS, parent=closed)
+
+
+def test_a_fork_bomb_is_capped_and_cleaned_up(sandbox):
+    r = sandbox.run("bomb() { bomb | bomb & }; bomb; sleep 1; echo done")
+    assert "Cannot fork" in r.output or r.killed_by is not None
+    assert r.seconds < LIMITS.wall_s + 2
+    assert sandbox.run("echo alive").output == "alive\n"  # nothing left behind hogs it
+
+
+def test_memory_blow_up_fails_inside_the_sandbox(sandbox):
+    r = sandbox.run("python3 -c 'x = bytearray(2 * 1024**3); print(len(x))'")
+    assert not r.ok and "MemoryError" in r.output
+
+
+def test_an_endless_loop_is_stopped_by_cpu_time_and_a_sleeper_by_wall_time(sandbox):
+    r = sandbox.run("while true; do :; done")
+    assert r.killed_by == "cpu time" and r.seconds < LIMITS.cpu_s + 2
+    r = sandbox.run("sleep 100")
+    assert r.killed_by == "wall time" and r.seconds < LIMITS.wall_s + 2
+
+
+def test_huge_output_and_huge_files_are_cut(sandbox):
+    r = sandbox.run("yes aaaaaaaaaa")
+    assert r.killed_by == "file size" and r.truncated and len(r.output) <= 4 * 1024
+    r = sandbox.run("head -c 5000000 /dev/zero > big.bin")
+    assert not r.ok
+    assert (sandbox.workspace / "big.bin").stat().st_size <= 1 << 20
