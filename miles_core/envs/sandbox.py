@@ -144,6 +144,8 @@ class Sandbox:
             "--chdir", "/workspace",
             "--setenv", "HOME", "/workspace",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+            # no .pyc: an edit within the same second and size would run stale bytecode
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
             "/bin/sh", "-c", command,
         ]  # fmt: skip
         return argv

@@ -1,0 +1,103 @@
+"""The three nested plug-in layers of agentic rollout, each replaceable by import path
+("package.module:name"), outermost first:
+
+- rollout function: `async __call__(RolloutInput) -> RolloutOutput` — owns the data, grouping,
+  rewards and everything else for one step (class, built with `RolloutSetup`);
+- generate function: `async generate(GenerateInput) -> GenerateOutput` — one trajectory,
+  including how its tokens are recorded (the default opens a session on the session server);
+- agent function: `async run_agent(base_url, prompt, request_kwargs, metadata) -> dict | None`
+  — only the agent–environment loop; it speaks OpenAI chat to `base_url` and may return
+  {"reward": …, "metrics": {…}} when the environment grades the episode itself.
+
+Reward hooks, when the environment does not set the reward: per sample
+`async reward(sample) -> float`, or per group `async reward(samples) -> list[float]`, both
+under a timeout; a hook that raises or times out marks the sample FAILED with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_core.tito import Message
+from miles_core.types import Sample, SampleGroup
+
+AgentFn = Callable[[str, list[Message], dict[str, Any], dict[str, Any]], Awaitable[dict | None]]
+
+
+@dataclass
+class AgentResult:
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, value: dict | None) -> AgentResult:
+        if value is None:
+            return cls()
+        if not isinstance(value, dict):
+            raise TypeError(f"run_agent must return a dict or None, not {type(value).__name__}")
+        reward = value.get("reward")
+        return cls(None if reward is None else float(reward), dict(value.get("metrics") or {}))
+
+
+@dataclass
+class GenerateInput:
+    prompt: list[Message]  # the task's opening messages
+    metadata: dict[str, Any]  # the task (environment state the agent needs)
+    request_kwargs: dict[str, Any]  # sampling: max_tokens, temperature, seed, ...
+    rollout_id: str
+    session_url: str  # the session server
+
+
+@dataclass
+class GenerateOutput:
+    samples: list[Sample]  # one per trajectory leaf, sharing the rollout id
+    reward: float | None = None  # set by the environment, if it grades the episode
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why the trajectory failed, if it did
+
+
+@dataclass
+class RolloutSetup:
+    config: Any  # RunConfig
+    session_url: str
+    generate: Callable[[GenerateInput], Awaitable[GenerateOutput]]
+
+
+@dataclass
+class RolloutInput:
+    step: int
+    weight_version: int
+
+
+@dataclass
+class RolloutOutput:
+    groups: list[SampleGroup]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class PluginError(ValueError):
+    """An import path that does not name a usable plug-in."""
+
+
+def load_plugin(path: str, what: str, want_async: bool = True) -> Any:
+    """The object at "package.module:name", checked to be (an async) callable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise PluginError(f"{what} {path!r}: expected 'package.module:name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PluginError(f"{what} {path!r}: cannot import {module_name!r} ({e})") from e
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise PluginError(f"{what} {path!r}: {module_name!r} has no {attr!r}")
+    target = obj.__call__ if inspect.isclass(obj) else obj
+    if not callable(obj) or (
+        want_async and not inspect.isclass(obj) and not inspect.iscoroutinefunction(target)
+    ):
+        raise PluginError(f"{what} {path!r} must be an async function")
+    return obj

@@ -1,0 +1,64 @@
+"""The default generate function: one agent episode recorded by the session server.
+
+It opens a session, hands the agent `base_url = <server>/sessions/<id>/v1`, waits for it (under
+a timeout), then collects the session's samples (one per trajectory leaf) with the reward the
+environment set. An agent that raises or times out still yields its recorded turns, marked
+FAILED with the reason; the session is always closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import httpx
+
+from miles_core.agents.layers import AgentFn, AgentResult, GenerateInput, GenerateOutput
+from miles_core.types import Sample, Status
+
+
+def sample_from_json(data: dict) -> Sample:
+    return Sample(**{**data, "status": Status(data["status"])})
+
+
+async def session_generate(
+    inp: GenerateInput, agent: AgentFn, timeout_s: float = 300.0
+) -> GenerateOutput:
+    async with httpx.AsyncClient(base_url=inp.session_url, timeout=60.0) as http:
+        r = await http.post(
+            "/sessions", json={"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
+        )
+        r.raise_for_status()
+        sid = r.json()["session_id"]
+        result, error = AgentResult(), None
+        try:
+            value = await asyncio.wait_for(
+                agent(
+                    f"{inp.session_url}/sessions/{sid}/v1",
+                    list(inp.prompt),
+                    dict(inp.request_kwargs),
+                    dict(inp.metadata),
+                ),
+                timeout_s,
+            )
+            result = AgentResult.of(value)
+        except TimeoutError:
+            error = f"agent timed out after {timeout_s:g} s"
+        except Exception as e:  # noqa: BLE001  (any agent failure is the episode's, not ours)
+            error = f"agent failed: {e!r}"
+        try:
+            data = await http.post(f"/sessions/{sid}/samples", json={"reward": result.reward})
+            data.raise_for_status()
+            samples = [sample_from_json(s) for s in data.json()["samples"]]
+        finally:
+            await http.delete(f"/sessions/{sid}")
+    if error is not None:
+        for s in samples:
+            s.status = Status.FAILED
+            s.metadata["error"] = error
+    return GenerateOutput(samples, result.reward, result.metrics, error)
+
+
+def make_session_generate(agent: AgentFn, timeout_s: float = 300.0):
+    """A generate function (GenerateInput → GenerateOutput) running `agent` in sessions."""
+    return functools.partial(session_generate, agent=agent, timeout_s=timeout_s)

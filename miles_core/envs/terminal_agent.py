@@ -1,0 +1,91 @@
+"""The terminal agent function: the agent–environment loop for `terminal.py` tasks.
+
+    async run_agent(base_url, prompt, request_kwargs, metadata) -> {"reward", "metrics"}
+
+`metadata["task"]` is a TerminalTask as a dict. The agent sets the task up in a fresh sandbox,
+then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the next step:
+every `run` tool call is executed in the sandbox and its output returned as the tool result; a
+reply without tool calls ends the episode. The checker's score of the final workspace is the
+reward (set by the environment). Tools are not sent with the request (a long tool schema does
+not fit a tiny model's context); the model learns the call format from demonstrations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from miles_core.envs.sandbox import RunResult, Sandbox, SandboxLimits
+from miles_core.envs.terminal import TerminalTask
+
+OBSERVATION_CHARS = 200
+
+
+def observation(result: RunResult) -> str:
+    text = result.output[:OBSERVATION_CHARS]
+    if result.killed_by:
+        return f"{text}[killed: {result.killed_by}]"
+    if result.exit_code:
+        return f"{text}[exit {result.exit_code}]"
+    return text or "[ok]"
+
+
+def command_of(call) -> str | None:
+    """The shell command of a `run` tool call, or None if the call is not one."""
+    if call.function.name != "run":
+        return None
+    try:
+        args = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return None
+    cmd = args.get("cmd") if isinstance(args, dict) else None
+    return cmd if isinstance(cmd, str) and cmd.strip() else None
+
+
+async def run_agent(
+    base_url: str, prompt: list[dict], request_kwargs: dict[str, Any], metadata: dict[str, Any]
+) -> dict:
+    from openai import AsyncOpenAI
+
+    task = TerminalTask.from_dict(metadata["task"])
+    max_turns = int(metadata.get("max_turns", 4))
+    limits = SandboxLimits(**metadata.get("limits", {}))
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = list(prompt)
+    turns = commands = bad_calls = 0
+    try:
+        with Sandbox(limits) as sandbox:
+            await asyncio.to_thread(task.setup, sandbox)
+            for _ in range(max_turns):
+                r = await client.chat.completions.create(
+                    model="policy", messages=messages, **request_kwargs
+                )
+                turns += 1
+                choice = r.choices[0]
+                calls = choice.message.tool_calls or []
+                reply: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": choice.message.content or "",
+                }
+                if calls:
+                    reply["tool_calls"] = [
+                        c.model_dump(include={"id", "type", "function"}) for c in calls
+                    ]
+                messages.append(reply)
+                if not calls or choice.finish_reason == "length":
+                    break
+                for call in calls:
+                    cmd = command_of(call)
+                    if cmd is None:
+                        bad_calls += 1
+                        text = '[error: call run with a JSON object {"cmd": "..."}]'
+                    else:
+                        commands += 1
+                        text = observation(await asyncio.to_thread(sandbox.run, cmd))
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
+            reward = await asyncio.to_thread(task.check, sandbox)
+    finally:
+        await client.close()
+    metrics = {"turns": float(turns), "commands": float(commands), "bad_calls": float(bad_calls)}
+    return {"reward": reward, "metrics": metrics}

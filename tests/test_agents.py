@@ -1,0 +1,180 @@
+"""Agent layers: the terminal agent against a scripted OpenAI-compatible policy (real HTTP on
+127.0.0.1) solves every task kind in its sandbox; through the session server and a real engine
+the episode's turns come back as samples with the environment's reward; failing and hanging
+agents yield FAILED samples; plug-ins load by import path or are refused clearly."""
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from miles_core.agents.layers import GenerateInput, PluginError, load_plugin
+from miles_core.agents.session_generate import session_generate
+from miles_core.envs.terminal import KINDS, make_task, make_tasks
+from miles_core.envs.terminal_agent import run_agent
+from miles_core.models import build_model, save_hf_dir
+from miles_core.rollout.http_engine import EngineProcess
+from miles_core.rollout.process import free_port
+from miles_core.sessions import SessionServerProcess
+from miles_core.types import Status
+
+
+def _scripted_policy(solutions: dict[str, list[str]], bad_args: bool = False) -> FastAPI:
+    """Answers like a model that knows each task's solution: one `run` call per command, then
+    a final message."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        messages = body["messages"]
+        instruction = messages[0]["content"]
+        done = sum(1 for m in messages if m["role"] == "tool")
+        steps = solutions[instruction]
+        if done < len(steps):
+            args = "not json" if bad_args else json.dumps({"cmd": steps[done]})
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{done}",
+                        "type": "function",
+                        "function": {"name": "run", "arguments": args},
+                    }
+                ],
+            }
+            reason = "tool_calls"
+        else:
+            message, reason = {"role": "assistant", "content": "done"}, "stop"
+        return {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "scripted",
+            "choices": [{"index": 0, "message": message, "finish_reason": reason}],
+        }
+
+    return app
+
+
+class _Server:
+    """uvicorn on 127.0.0.1 in a thread, stopped in teardown."""
+
+    def __init__(self, app: FastAPI):
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "scripted policy server did not start"
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_the_terminal_agent_solves_every_kind_with_a_policy_that_knows_the_solutions():
+    tasks = make_tasks(6, seed=3)
+    assert {t.kind for t in tasks} == set(KINDS)
+    for task in tasks:
+        app = _scripted_policy({task.instruction: task.solution})
+        with _Server(app) as base_url:
+            prompt = [{"role": "user", "content": task.instruction}]
+            out = asyncio.run(run_agent(base_url, prompt, {}, {"task": task.to_dict()}))
+        assert out["reward"] == 1.0, task
+        assert out["metrics"] == {"turns": 2.0, "commands": 1.0, "bad_calls": 0.0}
+
+
+def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
+    task = make_task("create", random.Random(0))
+    with _Server(_scripted_policy({task.instruction: task.solution}, bad_args=True)) as url:
+        prompt = [{"role": "user", "content": task.instruction}]
+        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict(), "max_turns": 2}))
+    assert out["reward"] == 0.0  # the call was answered with an error, nothing ran
+    assert out["metrics"] == {"turns": 2.0, "commands": 0.0, "bad_calls": 1.0}
+    escape = ["rm -rf /usr; echo x > /etc/evil; cat /root/.bashrc > a.txt"]
+    with _Server(_scripted_policy({task.instruction: escape})) as url:
+        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
+    assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("agents")
+    model, tok = build_model("tiny", seed=0)
+    model.config.max_position_embeddings = 2048
+    model_dir = save_hf_dir(model, tok, logs / "model")
+    engine = EngineProcess(
+        model_dir, args=["--threads", "1", "--max-running", "16"], log_path=logs / "e.log"
+    )
+    engine.start()
+    server = SessionServerProcess(engine.url, "tiny", log_path=logs / "s.log")
+    try:
+        server.start()
+        yield server.url
+    finally:
+        server.stop()
+        engine.stop()
+
+
+def _input(url: str, task, rollout_id: str = "r0") -> GenerateInput:
+    return GenerateInput(
+        prompt=[{"role": "user", "content": task.instruction}],
+        metadata={"task": task.to_dict(), "max_turns": 3},
+        request_kwargs={"max_tokens": 24, "seed": 1},
+        rollout_id=rollout_id,
+        session_url=url,
+    )
+
+
+def test_an_episode_through_the_session_server_becomes_samples_with_the_env_reward(sessions):
+    task = make_tasks(3, seed=1)[2]
+    out = asyncio.run(session_generate(_input(sessions, task), run_agent))
+    assert out.error is None and out.reward == 0.0  # a random model does not solve it
+    assert out.samples and all(s.rollout_id == "r0" and s.reward == 0.0 for s in out.samples)
+    for s in out.samples:
+        s.validate()
+        assert sum(s.loss_mask) > 0 and s.status in (Status.COMPLETED, Status.TRUNCATED)
+    assert out.metrics["turns"] >= 1
+
+
+def test_an_agent_that_raises_or_hangs_yields_failed_samples(sessions):
+    task = make_tasks(1, seed=2)[0]
+
+    async def crashes(base_url, prompt, request_kwargs, metadata):
+        await run_agent(base_url, prompt, {**request_kwargs, "max_tokens": 4}, metadata)
+        raise RuntimeError("tool server went away")
+
+    async def hangs(base_url, prompt, request_kwargs, metadata):
+        await asyncio.sleep(60)
+
+    out = asyncio.run(session_generate(_input(sessions, task, "r1"), crashes))
+    assert "tool server went away" in out.error
+    assert out.samples and all(s.status == Status.FAILED for s in out.samples)
+    out = asyncio.run(session_generate(_input(sessions, task, "r2"), hangs, timeout_s=0.5))
+    assert "timed out" in out.error and out.samples == []
+
+
+def test_plugins_load_by_import_path_or_are_refused_clearly():
+    assert load_plugin("miles_core.envs.terminal_agent:run_agent", "agent") is run_agent
+    cases = [
+        ("no_colon", "expected 'package.module:name'"),
+        ("miles_core.nope:x", "cannot import"),
+        ("miles_core.envs.terminal_agent:missing", "has no 'missing'"),
+        ("miles_core.envs.terminal:make_task", "must be an async function"),
+    ]
+    for path, words in cases:
+        with pytest.raises(PluginError, match=words):
+            load_plugin(path, "agent function")
