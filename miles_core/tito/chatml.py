@@ -89,6 +89,17 @@ class ChatMLFamily(TitoFamily):
         self.tokenizer = tokenizer
         self.tokenizer.chat_template = chat_template(keep_history_reasoning)
         self._stop = [self.tokenizer.convert_tokens_to_ids(IM_END)]
+        self._fixed: dict[tuple[str, str], list[int]] = {}  # dummy renders, per tools
+
+    def _dummy(self, which: str, tools) -> list[int]:
+        """The renders that do not depend on the new messages (cached per tools)."""
+        key = (which, json.dumps(tools, sort_keys=True))
+        if key not in self._fixed:
+            if which == "base":
+                self._fixed[key] = self._render(_DUMMY, tools)
+            else:  # "head": the dummy user turn + generation prompt
+                self._fixed[key] = self._render(_DUMMY[:1], tools, generation_prompt=True)
+        return self._fixed[key]
 
     @property
     def stop_ids(self) -> list[int]:
@@ -115,19 +126,18 @@ class ChatMLFamily(TitoFamily):
     def append(self, messages, tools=None) -> list[int]:
         if any(m.get("role") == "assistant" for m in messages):
             raise ValueError("append takes the messages after an assistant turn, not another one")
-        base = self._render(_DUMMY, tools)
+        base = self._dummy("base", tools)
         full = self._render(_DUMMY + list(messages), tools, generation_prompt=True)
         if full[: len(base)] != base:
             raise NotAppendOnly(f"{self.name}: rendering new messages changes the history")
         return self._junction(base) + full[len(base) :]
 
     def completion(self, message, tools=None) -> list[int]:
-        user = _DUMMY[:1]
-        head = self._render(user, tools, generation_prompt=True)
-        full = self._render(user + [message], tools)
+        head = self._dummy("head", tools)
+        full = self._render(_DUMMY[:1] + [message], tools)
         if full[: len(head)] != head:
             raise NotAppendOnly(f"{self.name}: an assistant turn changes the history")
-        junction = self._junction(self._render(_DUMMY, tools))
+        junction = self._junction(self._dummy("base", tools))
         body = full[len(head) :]
         return body[: len(body) - len(junction)] if junction else body
 
