@@ -1,0 +1,63 @@
+"""Black-box agents: any program that takes an OpenAI base URL. `command_agent(argv)` is an
+agent function that runs the program with OPENAI_BASE_URL set to the session's URL and the task
+as JSON in MILES_TASK ({"prompt", "metadata"}); if its last stdout line is a JSON object with
+"reward" (and optional "metrics"-like numbers), that is the environment's reward. The program is
+killed if the episode is cancelled (timeout); a non-zero exit fails the episode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+
+def command_agent(argv: list[str], env: dict[str, str] | None = None):
+    async def run_agent(
+        base_url: str, prompt: list[dict], request_kwargs: dict, metadata: dict
+    ) -> dict | None:
+        task = {"prompt": prompt[-1]["content"] if prompt else "", "metadata": metadata}
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={
+                **os.environ,
+                **(env or {}),
+                "OPENAI_BASE_URL": base_url,
+                "OPENAI_API_KEY": "none",
+                "MILES_TASK": json.dumps(task),
+            },
+        )
+        try:
+            out, err = await proc.communicate()
+        except asyncio.CancelledError:
+            proc.kill()
+            await proc.wait()
+            raise
+        if proc.returncode != 0:
+            tail = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise RuntimeError(f"{argv[-1]} exited with code {proc.returncode}: {tail[0]}")
+        return _result(out.decode(errors="replace"))
+
+    return run_agent
+
+
+def _result(stdout: str) -> dict[str, Any] | None:
+    lines = [line for line in stdout.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        data = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    metrics = {k: float(v) for k, v in data.items() if k != "reward" and isinstance(v, int | float)}
+    return {"reward": data.get("reward"), "metrics": metrics}
+
+
+def python_agent(script: str, env: dict[str, str] | None = None):
+    """`command_agent` for a Python script run with this interpreter."""
+    return command_agent([sys.executable, script], env)
