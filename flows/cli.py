@@ -142,7 +142,7 @@ def _run(args, config: RunConfig, world: int) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for noisy in ("httpx", "httpcore", "mlflow.store.db.utils", "alembic"):
+    for noisy in ("httpx", "httpx2", "httpcore", "openai", "mlflow.store.db.utils", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not args.no_progress and sys.stderr.isatty():
         set_reporter(RichReporter())

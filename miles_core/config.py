@@ -250,6 +250,34 @@ class TrackingConfig(_Strict):
     )
 
 
+class AgentConfig(_Strict):
+    """Agentic rollout: every sample is an agent episode recorded by the session server."""
+
+    function: str | None = Field(
+        None,
+        description="agent function 'package.module:name' (async run_agent(base_url, prompt, "
+        "request_kwargs, metadata)); set → agentic rollout, e.g. "
+        "miles_core.envs.terminal_agent:run_agent",
+    )
+    generate_function: str | None = Field(
+        None, description="replace the session-backed generate function (import path)"
+    )
+    family: str = Field("tiny", description="TITO family of the session server")
+    max_turns: int = Field(3, gt=0, description="model calls per episode")
+    max_tokens: int = Field(64, gt=0, description="new tokens per model call")
+    timeout_s: float = Field(120.0, gt=0, description="an episode running longer fails")
+    concurrency: int = Field(32, gt=0, description="episodes in flight")
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        from miles_core.tito import FAMILIES
+
+        if v not in FAMILIES:
+            raise ValueError(f"unknown TITO family {v!r}; choose one of {sorted(FAMILIES)}")
+        return v
+
+
 class RunConfig(_Strict):
     name: str = Field(
         "miles-run",
@@ -265,10 +293,17 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     sft: SFTConfig | None = Field(None, description="supervised warm start before RL")
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
+        if self.agent.function is not None:
+            if r.engine != "server" or r.mode != "sync" or t.world_size != 1:
+                raise ValueError(
+                    "agent.function (agentic rollout) needs rollout.engine: server, rollout.mode: "
+                    "sync and train.world_size: 1 for now"
+                )
         if t.advantage_estimator == "grpo" and r.n_samples_per_prompt < 2:
             raise ValueError(
                 "rollout.n_samples_per_prompt must be at least 2 for GRPO (advantages are group-relative)"

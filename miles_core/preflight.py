@@ -82,8 +82,9 @@ def preflight(config: RunConfig, resume: bool = False) -> None:
             sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options
         )
         sft_where = sft.path or f"task {sft.task!r}"
+        scripted = hasattr(get_task(sft.task), "demonstration")  # builds its own samples
         missing = next((i for i, ex in enumerate(sft_rows, start=1) if ex.answer is None), None)
-        if missing:
+        if missing and not scripted:
             raise ValueError(
                 f"{sft_where}: row {missing} has no 'answer' (SFT needs reference answers)"
             )

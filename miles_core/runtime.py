@@ -6,6 +6,7 @@ Nothing here knows about Prefect; `tasks/` wraps these functions, `flows/` order
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.rollout.serving import ServingEngine
+from miles_core.sessions import SessionServerProcess
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
 from miles_core.tracking import Tracker
 from miles_core.train.advantages import grpo_advantages
@@ -107,9 +109,17 @@ class RLRuntime:
             if self.engine_process is not None:
                 self.engine_process.stop()
             raise
+        self.producer: RolloutProducer | None = None
+        self.session_process: SessionServerProcess | None = None
+        self.agent_rollout = None
+        if config.agent.function is not None:
+            try:
+                self.agent_rollout = self._start_agentic_rollout()
+            except BaseException:
+                self.close()
+                raise
         self.policy_version = 0
         self.engine_version = 0  # the version the engines serve (= policy_version after a push)
-        self.producer: RolloutProducer | None = None
         self.start_step = 0
         self.last_saved_step: int | None = None
         if tracker is not None:
@@ -136,9 +146,36 @@ class RLRuntime:
             self.engine_process.url, concurrency=batch, batch_size=r.n_samples_per_prompt
         )
 
+    def _start_agentic_rollout(self):
+        """The session server in front of the engine server, and the rollout function."""
+        from miles_core.agents.layers import RolloutSetup, load_plugin
+        from miles_core.agents.rollout import AgenticRollout
+        from miles_core.agents.session_generate import make_session_generate
+
+        agent = self.config.agent
+        assert self.engine_process is not None  # the config requires rollout.engine: server
+        self.session_process = SessionServerProcess(
+            self.engine_process.url,
+            agent.family,
+            log_path=self.workdir / "sessions.log",
+            args=("--max-tokens", str(agent.max_tokens)),
+        ).start()
+        if agent.generate_function:
+            generate = load_plugin(agent.generate_function, "agent.generate_function")
+        else:
+            run_agent = load_plugin(agent.function, "agent.function")
+            generate = make_session_generate(run_agent, agent.timeout_s)
+        setup = RolloutSetup(self.config, self.source, self.session_process.url, generate)
+        return AgenticRollout(setup)
+
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
         r = self.config.rollout
+        if self.agent_rollout is not None:
+            from miles_core.agents.layers import RolloutInput
+
+            out = asyncio.run(self.agent_rollout(RolloutInput(step, self.engine_version)))
+            return RolloutResult(out.groups, out.metrics)
         if r.mode == "sync":
             prompts = self.source.next_batch(r.prompts_per_step)
             return generate_groups(self.engine, self.tokenizer, self.task, prompts, r, step)
@@ -280,6 +317,8 @@ class RLRuntime:
             self.trainer.close()
             self.store.close()
         finally:
+            if self.session_process is not None:
+                self.session_process.stop()
             if isinstance(self.engine, ServingEngine | HttpEngine):
                 self.engine.close()
             if self.engine_process is not None:

@@ -24,3 +24,26 @@ def tiny(tiny_dir):
     from miles_core.models import load_hf_dir
 
     return load_hf_dir(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def session_stack(tmp_path_factory):
+    """An engine server (tiny model, 2048-token context: agent sessions are long) and a session
+    server in front of it, both subprocesses stopped by PID: yields (engine, sessions)."""
+    from miles_core.rollout.http_engine import EngineProcess
+    from miles_core.sessions import SessionServerProcess
+
+    logs = tmp_path_factory.mktemp("stack")
+    model, tok = build_model("tiny", seed=0)
+    model.config.max_position_embeddings = 2048
+    model_dir = save_hf_dir(model, tok, logs / "model")
+    args = ["--threads", "1", "--max-running", "16"]
+    engine = EngineProcess(model_dir, args=args, log_path=logs / "engine.log")
+    engine.start()
+    sessions = SessionServerProcess(engine.url, "tiny", log_path=logs / "sessions.log")
+    try:
+        sessions.start()
+        yield engine, sessions
+    finally:
+        sessions.stop()
+        engine.stop()

@@ -17,10 +17,7 @@ from miles_core.agents.layers import GenerateInput, PluginError, load_plugin
 from miles_core.agents.session_generate import session_generate
 from miles_core.envs.terminal import KINDS, make_task, make_tasks
 from miles_core.envs.terminal_agent import run_agent
-from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.http_engine import EngineProcess
 from miles_core.rollout.process import free_port
-from miles_core.sessions import SessionServerProcess
 from miles_core.types import Status
 
 
@@ -111,22 +108,8 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
 
 
 @pytest.fixture(scope="module")
-def sessions(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("agents")
-    model, tok = build_model("tiny", seed=0)
-    model.config.max_position_embeddings = 2048
-    model_dir = save_hf_dir(model, tok, logs / "model")
-    engine = EngineProcess(
-        model_dir, args=["--threads", "1", "--max-running", "16"], log_path=logs / "e.log"
-    )
-    engine.start()
-    server = SessionServerProcess(engine.url, "tiny", log_path=logs / "s.log")
-    try:
-        server.start()
-        yield server.url
-    finally:
-        server.stop()
-        engine.stop()
+def sessions(session_stack):
+    return session_stack[1].url
 
 
 def _input(url: str, task, rollout_id: str = "r0") -> GenerateInput:

@@ -13,9 +13,6 @@ from miles_core.agents.blackbox import python_agent
 from miles_core.agents.layers import GenerateInput
 from miles_core.agents.session_generate import session_generate
 from miles_core.config import RunConfig
-from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.http_engine import EngineProcess
-from miles_core.sessions import SessionServerProcess
 from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.types import Status
@@ -24,20 +21,9 @@ HARNESS = Path(__file__).parents[1] / "examples" / "blackbox_harness" / "agent.p
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("blackbox")
-    model, tok = build_model("tiny", seed=0)
-    model.config.max_position_embeddings = 1024
-    model_dir = save_hf_dir(model, tok, logs / "model")
-    engine = EngineProcess(model_dir, args=["--threads", "1"], log_path=logs / "e.log")
-    engine.start()
-    server = SessionServerProcess(engine.url, "tiny", log_path=logs / "s.log")
-    try:
-        server.start()
-        yield server.url, model_dir
-    finally:
-        server.stop()
-        engine.stop()
+def setup(session_stack):
+    engine, sessions = session_stack
+    return sessions.url, engine.model_dir
 
 
 def _episode(url: str, agent, rollout_id: str, timeout_s: float = 120.0):

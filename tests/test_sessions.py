@@ -7,9 +7,6 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.http_engine import EngineProcess
-from miles_core.sessions import SessionServerProcess
 from miles_core.tito import get_family
 
 TOOLS = [
@@ -25,21 +22,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("sessions")
-    model, tok = build_model("tiny", seed=0)
-    model.config.max_position_embeddings = 2048  # agent sessions are long
-    model_dir = save_hf_dir(model, tok, logs / "model")
-    args = ["--threads", "1", "--max-running", "16"]
-    engine = EngineProcess(model_dir, args=args, log_path=logs / "engine.log")
-    engine.start()
-    sessions = SessionServerProcess(engine.url, "tiny", log_path=logs / "sessions.log")
-    try:
-        sessions.start()
-        yield engine, sessions
-    finally:
-        sessions.stop()
-        engine.stop()
+def servers(session_stack):
+    return session_stack
 
 
 @pytest.fixture

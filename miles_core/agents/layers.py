@@ -63,6 +63,7 @@ class GenerateOutput:
 @dataclass
 class RolloutSetup:
     config: Any  # RunConfig
+    source: Any  # PromptSource: the run's prompts, in order (resumable)
     session_url: str
     generate: Callable[[GenerateInput], Awaitable[GenerateOutput]]
 

@@ -99,17 +99,26 @@ class Add:
 _REGISTRY: dict[str, Task] = {t.name: t for t in (SayA(), Reverse(), Add())}
 
 
+def _terminal() -> Task:
+    from miles_core.envs.terminal_task import TerminalTasks  # sandbox + TITO: import on use
+
+    return TerminalTasks()
+
+
 def register_task(task: Task) -> None:
     _REGISTRY[task.name] = task
 
 
 def task_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, "terminal"})
 
 
 def get_task(name: str) -> Task:
     """A built-in task by name, or any object by import path `package.module:object`."""
     if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name == "terminal":
+        _REGISTRY[name] = _terminal()
         return _REGISTRY[name]
     if ":" in name:
         module, _, attr = name.partition(":")

@@ -14,20 +14,28 @@ from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.batch import TrainBatch
 
 
-def sft_sample(tokenizer, example: Example) -> tuple[list[int], int]:
-    """(prompt + answer + eos ids, answer length incl. eos)."""
+def sft_sample(tokenizer, example: Example) -> tuple[list[int], list[int]]:
+    """(prompt + answer + eos ids, loss mask over the answer incl. eos)."""
     if example.answer is None:
         raise DatasetError(f"SFT example {example.prompt!r} has no 'answer'")
     prompt = encode_prompt(tokenizer, example.prompt)
     answer = tokenizer.encode(example.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-    return prompt + answer, len(answer)
+    return prompt + answer, [1] * len(answer)
 
 
 def sft_batches(
-    tokenizer, examples: list[Example], batch_size: int, seed: int
+    tokenizer, examples: list[Example], batch_size: int, seed: int, task=None
 ) -> Iterator[TrainBatch]:
-    """Endless shuffled batches (a new order every epoch)."""
-    encoded = [sft_sample(tokenizer, ex) for ex in examples]
+    """Endless shuffled batches (a new order every epoch). A task with `demonstration(example)`
+    (multi-turn: loss only on the assistant's turns) supplies its own samples."""
+    demo = getattr(task, "demonstration", None)
+    if demo is not None:  # demonstrations run commands in sandboxes: a few at a time
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            encoded = list(pool.map(demo, examples))
+    else:
+        encoded = [sft_sample(tokenizer, ex) for ex in examples]
     rng = random.Random(seed)
     order: list[int] = []
     while True:
@@ -39,8 +47,8 @@ def sft_batches(
         rows = [encoded[i] for i in take]
         yield TrainBatch(
             tokens=[t for t, _ in rows],
-            response_lengths=[n for _, n in rows],
-            loss_masks=[[1] * n for _, n in rows],
+            response_lengths=[len(m) for _, m in rows],
+            loss_masks=[m for _, m in rows],
         )
 
 
@@ -61,7 +69,9 @@ def run_sft(config, model_dir, tracker) -> str:
     trainer = FSDPBackend(
         str(model_dir), optim=sft.model_dump(), total_steps=sft.num_steps, seed=config.seed
     )
-    batches = sft_batches(tokenizer, examples, sft.batch_size, sft.seed)
+    from miles_core.data import get_task
+
+    batches = sft_batches(tokenizer, examples, sft.batch_size, sft.seed, get_task(sft.task))
     report = reporter()
     report.start(sft.num_steps, "sft")
     try:
