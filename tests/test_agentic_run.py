@@ -51,6 +51,8 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
                 assert s.rollout_id.startswith(f"s{step}-") and s.reward in (0.0, 1.0)
             assert 0.0 <= result.metrics["rollout/success_rate"] <= 1.0
             assert result.metrics["agent/turns_mean"] >= 1.0
+            assert result.metrics["rollout/session/tito_mismatched_tokens"] == 0.0
+            assert result.metrics["rollout/session/branches"] == 0.0  # the agent appends only
             metrics = rt.train(result)
             assert metrics["train/grad_norm"] >= 0.0
             rt.update_weights()  # check_equal: the engine holds the trained weights

@@ -294,3 +294,28 @@ def test_a_server_that_cannot_bind_exits_nonzero_with_the_reason(tiny_dir):
         )
     assert proc.returncode != 0
     assert "address already in use" in proc.stderr and f"127.0.0.1:{port} failed" in proc.stderr
+
+
+def test_an_idle_keep_alive_connection_outlives_a_paused_client(server):
+    """A pooled client connection idle for longer than uvicorn's 5 s default keep-alive must
+    still work: otherwise the server closes it while a client (the producer, a session's
+    generate function) may be reusing it, and that request fails with a ReadError."""
+    import http.client
+    import socket
+
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() and conn.sock is not None
+    sock = conn.sock
+    time.sleep(6)  # the idle time under test, longer than the 5 s default
+    sock.settimeout(0)  # peek without waiting: b"" = closed by the server, no data = open
+    try:
+        closed = sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        closed = False
+    sock.settimeout(10)
+    assert not closed, "the server closed an idle keep-alive connection"
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200 and conn.sock is sock  # the same connection
+    conn.close()

@@ -30,6 +30,7 @@ class AgenticRollout:
         self.setup = setup
         self.config = setup.config
         self.source = setup.source
+        self._seen: dict[str, float] = {}  # session-server totals at the last step
 
     async def __call__(self, inp: RolloutInput) -> RolloutOutput:
         r, agent = self.config.rollout, self.config.agent
@@ -95,7 +96,24 @@ class AgenticRollout:
         for key in sorted({k for m in episode_metrics for k in m}):
             vals = [m[key] for m in episode_metrics if key in m]
             result.metrics[f"agent/{key}_mean"] = statistics.fmean(vals)
+        result.metrics |= await self._session_counters()
         return result
+
+    async def _session_counters(self) -> dict[str, float]:
+        """This step's TITO mismatches and branches, from the session server's totals."""
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.setup.session_url, timeout=30) as http:
+            totals = (await http.get("/metrics")).json()
+        out = {}
+        for key, name in (
+            ("mismatched_tokens", "tito_mismatched_tokens"),
+            ("branches", "branches"),
+        ):
+            now = float(totals.get(key, 0))
+            out[f"rollout/session/{name}"] = now - self._seen.get(key, 0.0)
+            self._seen[key] = now
+        return out
 
 
 def _empty(out: GenerateOutput) -> Sample:

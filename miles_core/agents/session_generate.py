@@ -24,7 +24,9 @@ def sample_from_json(data: dict) -> Sample:
 async def session_generate(
     inp: GenerateInput, agent: AgentFn, timeout_s: float = 300.0
 ) -> GenerateOutput:
-    async with httpx.AsyncClient(base_url=inp.session_url, timeout=60.0) as http:
+    # no pooled connections: an episode may idle longer than the server keeps one open
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=inp.session_url, timeout=60.0, limits=limits) as http:
         r = await http.post(
             "/sessions", json={"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
         )

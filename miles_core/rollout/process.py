@@ -11,6 +11,10 @@ from pathlib import Path
 
 import httpx
 
+# HTTP keep-alive of our servers: longer than any client's pooled idle time. uvicorn's 5 s
+# default closes idle connections while a client may be reusing one (ReadError at the client).
+KEEP_ALIVE_S = 120
+
 
 class ProcessUnavailable(RuntimeError):
     """The process died, hangs, or cannot be reached."""

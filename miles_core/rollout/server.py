@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles_core.rollout.process import KEEP_ALIVE_S
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
 from miles_core.weights.checker import mismatched_tensors, weights_checksum
@@ -536,7 +537,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     app = create_app(engine, args.model)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     )
 
     failed: list[BaseException] = []

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from miles_core.rollout.http_engine import generate_payload
+from miles_core.rollout.process import KEEP_ALIVE_S
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.sessions.openai_api import ChatRequest, completion_response
 from miles_core.sessions.trajectory import Trajectory
@@ -103,11 +104,13 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics():
+        live = sessions.values()  # totals since start: live sessions + deleted ones
         return {
             "sessions": len(sessions),
-            **counters,
-            "branches": sum(s.trajectory.branches for s in sessions.values()),
-            "mismatched_tokens": sum(s.trajectory.mismatched_tokens for s in sessions.values()),
+            **{k: v for k, v in counters.items() if not k.startswith("closed_")},
+            "branches": counters["closed_branches"] + sum(s.trajectory.branches for s in live),
+            "mismatched_tokens": counters["closed_mismatched_tokens"]
+            + sum(s.trajectory.mismatched_tokens for s in live),
         }
 
     @app.post("/sessions", status_code=201)
@@ -143,9 +146,12 @@ def create_app(
 
     @app.delete("/sessions/{sid}")
     async def delete(sid: str):
-        if sessions.pop(sid, None) is None:
+        s = sessions.pop(sid, None)
+        if s is None:
             counters["errors_4xx"] += 1
             return _error(404, f"unknown session {sid!r}", "not_found_error")
+        counters["closed_branches"] += s.trajectory.branches
+        counters["closed_mismatched_tokens"] += s.trajectory.mismatched_tokens
         return {"deleted": True}
 
     @app.get("/sessions/{sid}/v1/models")
@@ -275,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="default max completion tokens")
     args = ap.parse_args(argv)
     app = create_app(args.engine_url, get_family(args.family), args.model_name, args.max_tokens)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+    )
 
 
 if __name__ == "__main__":
