@@ -101,7 +101,10 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
         out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict(), "max_turns": 2}))
     assert out["reward"] == 0.0  # the call was answered with an error, nothing ran
     assert out["metrics"] == {"turns": 2.0, "commands": 0.0, "bad_calls": 1.0}
-    escape = ["rm -rf /usr; echo x > /etc/evil; cat /root/.bashrc > a.txt"]
+    escape = [
+        "rm -rf /usr; echo x > /etc/evil; cat /root/.bashrc > a.txt; ln -sf /etc/passwd "
+        + task.target
+    ]
     with _Server(_scripted_policy({task.instruction: escape})) as url:
         out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
     assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0
@@ -161,3 +164,12 @@ def test_plugins_load_by_import_path_or_are_refused_clearly():
     for path, words in cases:
         with pytest.raises(PluginError, match=words):
             load_plugin(path, "agent function")
+
+
+def test_the_checker_cannot_be_gamed_by_editing_the_test():
+    task = make_task("fix", random.Random(1))
+    cheat = ["echo 'pass' > test_calc.py"]  # a rewritten test would pass trivially
+    with _Server(_scripted_policy({task.instruction: cheat})) as url:
+        prompt = [{"role": "user", "content": task.instruction}]
+        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
+    assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0

@@ -78,6 +78,15 @@ def test_an_endless_loop_is_stopped_by_cpu_time_and_a_sleeper_by_wall_time(sandb
     assert r.killed_by == "wall time" and r.seconds < LIMITS.wall_s + 2
 
 
+def test_the_private_tmp_is_small(sandbox):
+    r = sandbox.run("for i in 1 2 3 4 5 6; do head -c 1000000 /dev/zero > /tmp/f$i || exit 1; done")
+    assert r.ok  # small files are fine
+    r = sandbox.run(
+        "for i in $(seq 1 100); do head -c 1000000 /dev/zero > /tmp/g$i || exit 1; done"
+    )
+    assert not r.ok and "No space left" in r.output  # 100 MB does not fit in 64 MiB
+
+
 def test_huge_output_and_huge_files_are_cut(sandbox):
     r = sandbox.run("yes aaaaaaaaaa")
     assert r.killed_by == "file size" and r.truncated and len(r.output) <= 4 * 1024

@@ -7,8 +7,10 @@ killed if the episode is cancelled (timeout); a non-zero exit fails the episode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -20,6 +22,7 @@ def command_agent(argv: list[str], env: dict[str, str] | None = None):
         task = {"prompt": prompt[-1]["content"] if prompt else "", "metadata": metadata}
         proc = await asyncio.create_subprocess_exec(
             *argv,
+            start_new_session=True,  # its own process group: sub-agents it spawns die with it
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env={
@@ -33,7 +36,8 @@ def command_agent(argv: list[str], env: dict[str, str] | None = None):
         try:
             out, err = await proc.communicate()
         except asyncio.CancelledError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise
         if proc.returncode != 0:

@@ -1,5 +1,4 @@
-"""The three nested plug-in layers of agentic rollout, each replaceable by import path
-("package.module:name"), outermost first:
+"""The three nested plug-in layers of agentic rollout, typed contracts, outermost first:
 
 - rollout function: `async __call__(RolloutInput) -> RolloutOutput` — owns the data, grouping,
   rewards and everything else for one step (class, built with `RolloutSetup`);
@@ -9,9 +8,10 @@
   — only the agent–environment loop; it speaks OpenAI chat to `base_url` and may return
   {"reward": …, "metrics": {…}} when the environment grades the episode itself.
 
-Reward hooks, when the environment does not set the reward: per sample
-`async reward(sample) -> float`, or per group `async reward(samples) -> list[float]`, both
-under a timeout; a hook that raises or times out marks the sample FAILED with the reason.
+The environment sets the reward (the agent function returns it); an episode without one is
+FAILED. Reward hooks per sample or per group are not built yet. The rollout function is wired in
+`RLRuntime._start_agentic_rollout` (`AgenticRollout`); generate and agent functions are chosen by
+import path (`agent.generate_function`, `agent.function`).
 """
 
 from __future__ import annotations
@@ -96,9 +96,8 @@ def load_plugin(path: str, what: str, want_async: bool = True) -> Any:
     obj = getattr(module, attr, None)
     if obj is None:
         raise PluginError(f"{what} {path!r}: {module_name!r} has no {attr!r}")
-    target = obj.__call__ if inspect.isclass(obj) else obj
     if not callable(obj) or (
-        want_async and not inspect.isclass(obj) and not inspect.iscoroutinefunction(target)
+        want_async and not inspect.isclass(obj) and not inspect.iscoroutinefunction(obj)
     ):
         raise PluginError(f"{what} {path!r} must be an async function")
     return obj

@@ -38,7 +38,7 @@ class AgenticRollout:
         limit = asyncio.Semaphore(agent.concurrency)
         t0 = time.perf_counter()
 
-        async def episode(g: int, k: int, data_index: int, example) -> GenerateOutput:
+        async def episode(g: int, k: int, example) -> GenerateOutput:
             messages = (
                 [{"role": "user", "content": example.prompt}]
                 if isinstance(example.prompt, str)
@@ -59,11 +59,14 @@ class AgenticRollout:
                 session_url=self.setup.session_url,
             )
             async with limit:
-                return await self.setup.generate(gen_in)
+                try:
+                    return await self.setup.generate(gen_in)
+                except Exception as e:  # noqa: BLE001  (one episode's failure, not the step's)
+                    return GenerateOutput([], error=f"generate function failed: {e!r}")
 
         jobs = [
-            episode(g, k, data_index, ex)
-            for g, (data_index, ex) in enumerate(prompts)
+            episode(g, k, ex)
+            for g, (_, ex) in enumerate(prompts)
             for k in range(r.n_samples_per_prompt)
         ]
         outputs = await asyncio.gather(*jobs)
@@ -76,7 +79,7 @@ class AgenticRollout:
                 ok = out.error is None and out.reward is not None and out.samples
                 failed += not ok
                 episode_metrics.append(out.metrics)
-                for s in out.samples or [_empty(out)]:
+                for s in out.samples or [_empty(out, f"s{inp.step}-g{g}-{k}")]:
                     s.group_index, s.index = g, len(samples)
                     s.reward = float(out.reward) if ok else 0.0
                     s.metadata.update(data_index=data_index, episode=k)
@@ -116,12 +119,12 @@ class AgenticRollout:
         return out
 
 
-def _empty(out: GenerateOutput) -> Sample:
+def _empty(out: GenerateOutput, rollout_id: str) -> Sample:
     """A placeholder for an episode that recorded nothing: one masked token, reward 0."""
     return Sample(
         group_index=0,
         index=0,
-        rollout_id="failed",
+        rollout_id=rollout_id,
         prompt="",
         tokens=[0, 0],
         response_length=1,

@@ -4,9 +4,11 @@
 - a read-only view of the system (/usr, /etc and the merged-/usr symlinks), nothing else of the
   host: no /root, /home, /work, host /tmp; a private /tmp and /proc;
 - no network, no IPC, its own PID namespace (all of it dies with the command);
-- rlimits on CPU time, address space, processes, file size and open files, and a wall-clock
-  limit enforced from outside. As root, every sandbox runs as its own unprivileged uid, so the
-  process limit is per sandbox and fork bombs in one episode cannot starve another.
+- rlimits on CPU time, address space, file size and open files, and a wall-clock limit enforced
+  from outside; a 64 MiB private /tmp. As root, every sandbox runs as its own unprivileged uid
+  with a process limit, so fork bombs in one episode cannot starve another (not as another user:
+  then the PID namespace and the wall clock bound them). The workspace itself has no disk quota
+  beyond the per-file size limit.
 
 Whatever a command does, `run` returns a `RunResult` (exit code, the first `output_kb` of its
 output, what killed it); it never raises for the command's behaviour.
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _UIDS = itertools.count()
+TMP_BYTES = 64 << 20  # the sandbox's private /tmp
 _UID_BASE = 200_000
 
 
@@ -74,7 +77,7 @@ class Sandbox:
     def __init__(self, limits: SandboxLimits | None = None, parent: str | Path | None = None):
         self.limits = limits or SandboxLimits()
         self.bwrap = bwrap_path()
-        self.root = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent))
+        self.root = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent)).resolve()
         self.root.chmod(0o711)  # the sandbox uid may pass through to its workspace, not list
         blocked = [d for d in self.root.parents if not d.stat().st_mode & stat.S_IXOTH]
         if os.geteuid() == 0 and blocked:
@@ -94,7 +97,7 @@ class Sandbox:
     def path(self, relative: str) -> Path:
         """A path inside the workspace (refuses anything that would leave it)."""
         p = (self.workspace / relative).resolve()
-        if p != self.workspace.resolve() and self.workspace.resolve() not in p.parents:
+        if p != self.workspace and self.workspace not in p.parents:
             raise ValueError(f"{relative!r} is outside the workspace")
         return p
 
@@ -102,9 +105,9 @@ class Sandbox:
         p = self.path(relative)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
-        if os.geteuid() == 0:
+        if os.geteuid() == 0:  # p is inside the (resolved) workspace: the loop stops there
             for q in [p, *p.parents]:
-                if q == self.workspace:
+                if q == self.workspace or self.workspace not in q.parents:
                     break
                 os.chown(q, self.uid, self.uid)
 
@@ -135,7 +138,7 @@ class Sandbox:
                 argv += ["--ro-bind", str(target), f"/{name}"]
         argv += [
             "--bind", str(self.workspace), "/workspace",
-            "--tmpfs", "/tmp",
+            "--size", str(TMP_BYTES), "--tmpfs", "/tmp",  # tmpfs pages escape RLIMIT_AS
             "--dev", "/dev",
             "--proc", "/proc",
             "--unshare-all",

@@ -50,9 +50,13 @@ class TerminalTask:
 
     def check(self, sandbox: Sandbox) -> float:
         """1.0 if the workspace solves the task, else 0.0 (never raises)."""
-        if self.kind == "fix":
-            return float(sandbox.run("python3 test_calc.py").ok)
-        got = sandbox.read(self.target)
+        try:
+            if self.kind == "fix":  # the test as given, not as the agent may have left it
+                sandbox.write("test_calc.py", self.files["test_calc.py"])
+                return float(sandbox.run("python3 test_calc.py").ok)
+            got = sandbox.read(self.target)
+        except (ValueError, OSError):  # e.g. the answer is a symlink out of the workspace
+            return 0.0
         return float(got is not None and got.strip() == self.answer)
 
     def to_dict(self) -> dict:
