@@ -154,6 +154,7 @@ class RLRuntime:
 
         agent = self.config.agent
         assert self.engine_process is not None  # the config requires rollout.engine: server
+        check_family_matches(agent.family, self.tokenizer)
         self.session_process = SessionServerProcess(
             self.engine_process.url,
             agent.family,
@@ -324,6 +325,24 @@ class RLRuntime:
             if self.engine_process is not None:
                 self.engine_process.stop()
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def check_family_matches(name: str, tokenizer) -> None:
+    """The session server's TITO family must tokenize like the model: a one-message prompt has
+    to give the same ids either way (else the engine would read ids from another vocabulary)."""
+    from miles_core.tito import get_family
+
+    probe = [{"role": "user", "content": "list the files"}]
+    ours = get_family(name).prompt(probe)
+    model = tokenizer.apply_chat_template(
+        probe, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    model = list(model["input_ids"] if isinstance(model, dict) else model)
+    if ours != model:
+        raise ValueError(
+            f"agent.family {name!r} does not tokenize like the model: {ours[:12]}… against the "
+            f"model tokenizer's {model[:12]}…; choose the family of the model's tokenizer"
+        )
 
 
 def new_workdir() -> Path:

@@ -62,6 +62,15 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
         assert p.proc.poll() is not None  # both servers stopped
 
 
+def test_a_tito_family_that_does_not_match_the_model_is_refused(tiny):
+    from miles_core.runtime import check_family_matches
+
+    _, tok = tiny
+    check_family_matches("tiny", tok)  # the model's own family
+    with pytest.raises(ValueError, match="agent.family 'qwen3' does not tokenize like the model"):
+        check_family_matches("qwen3", tok)
+
+
 def test_agentic_rollout_refuses_configs_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="agent.function .* needs rollout.engine: server"):
         _config(tmp_path, "rollout.engine=serving", "weight_sync.transport=colocated")
