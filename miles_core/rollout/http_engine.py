@@ -10,6 +10,7 @@ waiting.
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -255,8 +256,13 @@ class HttpEngine:
 
 
 def _message(r: httpx.Response) -> str:
+    return error_message(r.text)
+
+
+def error_message(body: str) -> str:
+    """The reason in an engine's error body (SGLang's `message` or OpenAI's `error.message`)."""
     try:
-        data = r.json()
-        return data.get("message") or data.get("error", {}).get("message") or r.text
-    except ValueError:
-        return r.text
+        data = json.loads(body)
+        return str(data.get("message") or data.get("error", {}).get("message") or body)
+    except (ValueError, AttributeError):
+        return body[:500]

@@ -34,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from miles_core.rollout.http_engine import generate_payload
+from miles_core.rollout.http_engine import error_message, generate_payload
 from miles_core.rollout.process import KEEP_ALIVE_S
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.sessions.openai_api import ChatRequest, completion_response
@@ -212,10 +212,10 @@ def create_app(
             return _error(502, f"engine at {engine_url} failed: {e!r}", "engine_error")
         if 400 <= status < 500:
             counters["errors_4xx"] += 1
-            return _error(400, f"the engine refused the turn: {_message(data)}")
+            return _error(400, f"the engine refused the turn: {error_message(data)}")
         if status != 200:
             counters["errors_5xx"] += 1
-            return _error(502, f"engine answered HTTP {status}: {_message(data)}")
+            return _error(502, f"engine answered HTTP {status}: {error_message(data)}")
         out = GenerateResponse.model_validate_json(data)
         reason = out.meta_info.finish_reason.type
         if reason == "abort":
@@ -260,14 +260,6 @@ def _sample_json(sample) -> dict:
     data = asdict(sample)
     data["status"] = str(sample.status)
     return data
-
-
-def _message(text: str) -> str:
-    try:
-        data = json.loads(text)
-        return str(data.get("error", {}).get("message") or data.get("message") or data)
-    except (ValueError, AttributeError):
-        return text[:200]
 
 
 def main(argv: list[str] | None = None) -> None:
