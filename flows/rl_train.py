@@ -2,6 +2,7 @@
 
     check inputs → MLflow run → [SFT warm start] → prepare runtime → for each step:
         rollout_batch → train_step → update_weights → [save_checkpoint] → log metrics
+        → [evaluate_policy]   (agentic runs with agent.eval_episodes; also before step 0)
     → final checkpoint, reward curve, MLflow run closed
 
 The config (a pydantic model) is the parameter, so the Prefect UI renders it as a form.
@@ -22,6 +23,7 @@ from miles_core.runtime import new_workdir
 from miles_core.steplog import StepLog
 from tasks import (
     check_inputs,
+    evaluate_policy,
     prepare_model,
     prepare_runtime,
     resumed_config,
@@ -46,6 +48,8 @@ def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
         rt = prepare_runtime(config, prepare_model(config, new_workdir()), tracker, resume)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
+        if rt.eval_due(rt.start_step):
+            log.evaluation(rt.start_step, evaluate_policy(rt))
         for step in range(rt.start_step, config.train.num_steps):
             t0 = time.perf_counter()
             rollout = rollout_batch(rt, step)
@@ -53,6 +57,8 @@ def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
             sync_metrics = update_weights(rt)
             saved = save_checkpoint(rt, step) if rt.is_save_step(step) else {}
             log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
+            if rt.eval_due(step + 1):  # the policy after step + 1 training steps
+                log.evaluation(step + 1, evaluate_policy(rt))
 
         if rt.last_saved_step != config.train.num_steps - 1:
             save_checkpoint(rt, config.train.num_steps - 1)

@@ -267,6 +267,28 @@ class AgentConfig(_Strict):
     max_tokens: int = Field(64, gt=0, description="new tokens per model call")
     timeout_s: float = Field(120.0, gt=0, description="an episode running longer fails")
     concurrency: int = Field(32, gt=0, description="episodes in flight")
+    reward_function: str | None = Field(
+        None,
+        description="per-episode reward hook 'pkg.mod:name' (episode: Episode) -> float, applied "
+        "after the environment's reward (agents/rewards.py)",
+    )
+    group_reward_function: str | None = Field(
+        None,
+        description="per-group reward hook 'pkg.mod:name' (episodes: list[Episode]) -> "
+        "list[float], applied last",
+    )
+    reward_timeout_s: float = Field(
+        30.0, gt=0, description="a reward hook call running longer fails its episodes"
+    )
+    eval_episodes: int = Field(
+        0,
+        ge=0,
+        description="episodes on fixed evaluation tasks (one each, fixed seeds) before the first "
+        "and after the last step, logged as eval/success_rate; 0 = no evaluation",
+    )
+    eval_every: int = Field(
+        0, ge=0, description="also evaluate after every N steps (0 = first and last only)"
+    )
 
     @field_validator("family")
     @classmethod
@@ -304,6 +326,20 @@ class RunConfig(_Strict):
                     "agent.function (agentic rollout) needs rollout.engine: server, rollout.mode: "
                     "sync and train.world_size: 1 for now"
                 )
+        else:
+            a = self.agent
+            unused = [
+                name
+                for name, value in (
+                    ("agent.generate_function", a.generate_function),
+                    ("agent.reward_function", a.reward_function),
+                    ("agent.group_reward_function", a.group_reward_function),
+                    ("agent.eval_episodes", a.eval_episodes),
+                )
+                if value
+            ]
+            if unused:
+                raise ValueError(f"{', '.join(unused)} needs agent.function (agentic rollout)")
         if t.advantage_estimator == "grpo" and r.n_samples_per_prompt < 2:
             raise ValueError(
                 "rollout.n_samples_per_prompt must be at least 2 for GRPO (advantages are group-relative)"

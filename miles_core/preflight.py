@@ -56,12 +56,29 @@ def _check_lengths(
             )
 
 
+def _check_plugins(config: RunConfig) -> None:
+    """Every agent plug-in path imports and names a callable of the right kind."""
+    from miles_core.agents.layers import load_plugin
+
+    a = config.agent
+    for path, what, want_async in (
+        (a.function, "agent.function", True),
+        (a.generate_function, "agent.generate_function", True),
+        (a.reward_function, "agent.reward_function", False),
+        (a.group_reward_function, "agent.group_reward_function", False),
+    ):
+        if path:
+            load_plugin(path, what, want_async)
+
+
 def preflight(config: RunConfig, resume: bool = False) -> None:
-    """Raises ValueError / FileNotFoundError / OSError for: unreadable or malformed datasets (row
+    """Raises ValueError / FileNotFoundError / OSError for: agent plug-ins that do not import,
+    unreadable or malformed datasets (row
     number in the message), rows without the label the task scores against, prompts that do not
     fit the context with max_new_tokens, SFT data without answers, a missing starting model, an
     unwritable checkpoint root, and on resume: no checkpoint, a checkpoint at or past
     train.num_steps, or one whose model config differs from the configured model."""
+    _check_plugins(config)
     model_config = _model_config(config)
     context = int(model_config.get("max_position_embeddings") or 0)
     tok = _tokenizer(config)

@@ -166,8 +166,38 @@ class RLRuntime:
         else:
             run_agent = load_plugin(agent.function, "agent.function")
             generate = make_session_generate(run_agent, agent.timeout_s)
-        setup = RolloutSetup(self.config, self.source, self.session_process.url, generate)
+        hooks = None
+        if agent.reward_function or agent.group_reward_function:
+            from miles_core.agents.rewards import RewardHooks
+
+            def hook(path: str | None, what: str):
+                return load_plugin(path, what, want_async=False) if path else None
+
+            hooks = RewardHooks(
+                hook(agent.reward_function, "agent.reward_function"),
+                hook(agent.group_reward_function, "agent.group_reward_function"),
+                agent.reward_timeout_s,
+            )
+        setup = RolloutSetup(self.config, self.source, self.session_process.url, generate, hooks)
         return AgenticRollout(setup)
+
+    def eval_due(self, version: int) -> bool:
+        """Whether the policy after `version` training steps is evaluated (agentic runs with
+        agent.eval_episodes): before the first step of this invocation, after the last, and
+        every agent.eval_every steps."""
+        a = self.config.agent
+        if self.agent_rollout is None or a.eval_episodes == 0:
+            return False
+        every = a.eval_every and version % a.eval_every == 0
+        return version in (self.start_step, self.config.train.num_steps) or bool(every)
+
+    def evaluate(self) -> dict[str, float]:
+        """Agent episodes on the fixed evaluation tasks with the weights the engines serve."""
+        assert self.agent_rollout is not None
+        c = self.config
+        examples = self.task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
+        metrics = asyncio.run(self.agent_rollout.evaluate(examples))
+        return metrics | {"eval/policy_version": float(self.engine_version)}
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:

@@ -22,6 +22,7 @@ class StepLog:
         self.tracker = tracker
         self.report = report
         self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
         self._carry = 0.0  # time of the previous MLflow flush, charged to orchestration
         report.start(total_steps, "rl")
 
@@ -43,6 +44,12 @@ class StepLog:
             fields["exact_match"] = metrics["rollout/exact_match"]
         self.report.update(step, fields)
 
+    def evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation of the policy after `step` training steps, logged at that step."""
+        self.evals.append(metrics)
+        self.tracker.log_metrics(metrics, step)
+        self.tracker.flush()
+
     def finish(self) -> dict[str, float | str]:
         """Closes the MLflow run (reward-curve PNG attached); returns a summary of this invocation."""
         self.report.stop()
@@ -63,4 +70,7 @@ class StepLog:
                 m["rollout/exact_match"] for m in first
             )
             summary["exact_match_last5"] = statistics.fmean(m["rollout/exact_match"] for m in last)
+        if len(self.evals) >= 2 and "eval/success_rate" in self.evals[0]:
+            summary["eval_success_first"] = self.evals[0]["eval/success_rate"]
+            summary["eval_success_last"] = self.evals[-1]["eval/success_rate"]
         return summary

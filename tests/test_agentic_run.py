@@ -11,6 +11,14 @@ from miles_core.config import load_config
 from miles_core.runtime import RLRuntime, prepare_model_dir
 
 
+HOOK_CALLS: list[str] = []
+
+
+def tenfold(episode) -> float:  # a per-episode reward hook on top of the checker's score
+    HOOK_CALLS.append(episode.samples[0].rollout_id)
+    return 10.0 * episode.env_reward
+
+
 def _config(tmp_path, *extra):
     return load_config(
         None,
@@ -32,6 +40,8 @@ def _config(tmp_path, *extra):
             "train.loss_agg=rollout_mean_token_mean",
             "train.threads=1",
             f"checkpoint.root={tmp_path}/ckpt",
+            "agent.eval_episodes=6",
+            "train.num_steps=2",
             *extra,
         ],
     )
@@ -39,16 +49,22 @@ def _config(tmp_path, *extra):
 
 @pytest.mark.slow
 def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path):
-    cfg = _config(tmp_path)
+    cfg = _config(tmp_path, "agent.reward_function=test_agentic_run:tenfold")
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
     procs = [rt.engine_process, rt.session_process]
     try:
+        assert rt.eval_due(0) and not rt.eval_due(1) and rt.eval_due(2)  # first and last
+        before = rt.evaluate()
+        assert before["eval/policy_version"] == 0.0 and before["eval/failed_episodes"] == 0.0
+        kinds = {k for k in before if k.startswith("eval/success_rate/")}
+        assert kinds == {f"eval/success_rate/{k}" for k in ("create", "count", "fix")}
         for step in range(2):
             result = rt.rollout(step)
             assert len(result.groups) == 2
             for s in result.samples:
                 s.validate()
-                assert s.rollout_id.startswith(f"s{step}-") and s.reward in (0.0, 1.0)
+                assert s.rollout_id.startswith(f"s{step}-") and s.reward in (0.0, 10.0)
+            assert result.metrics["rollout/reward_hook_failures"] == 0.0
             assert 0.0 <= result.metrics["rollout/success_rate"] <= 1.0
             assert result.metrics["agent/turns_mean"] >= 1.0
             assert result.metrics["rollout/session/tito_mismatched_tokens"] == 0.0
@@ -56,10 +72,17 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
             metrics = rt.train(result)
             assert metrics["train/grad_norm"] >= 0.0
             rt.update_weights()  # check_equal: the engine holds the trained weights
+        after = rt.evaluate()  # eval sessions are not counted in a step's session metrics
+        assert after["eval/policy_version"] == 2.0 and 0.0 <= after["eval/success_rate"] <= 1.0
     finally:
         rt.close()
     for p in procs:
         assert p.proc.poll() is not None  # both servers stopped
+    # the hook scored every episode: 6 evaluation episodes twice, 4 training episodes per step
+    assert sorted(HOOK_CALLS) == sorted(
+        [f"eval-{i}" for i in range(6)] * 2
+        + [f"s{t}-g{g}-{k}" for t in (0, 1) for g in (0, 1) for k in (0, 1)]
+    )
 
 
 def test_a_tito_family_that_does_not_match_the_model_is_refused(tiny):

@@ -8,8 +8,9 @@
   — only the agent–environment loop; it speaks OpenAI chat to `base_url` and may return
   {"reward": …, "metrics": {…}} when the environment grades the episode itself.
 
-The environment sets the reward (the agent function returns it); an episode without one is
-FAILED. Reward hooks per sample or per group are not built yet. The rollout function is wired in
+The environment sets the reward (the agent function returns it), then the optional reward hooks
+per episode and per group (`agents/rewards.py`); an episode left without one is FAILED. The
+rollout function is wired in
 `RLRuntime._start_agentic_rollout` (`AgenticRollout`); generate and agent functions are chosen by
 import path (`agent.generate_function`, `agent.function`).
 """
@@ -66,6 +67,7 @@ class RolloutSetup:
     source: Any  # PromptSource: the run's prompts, in order (resumable)
     session_url: str
     generate: Callable[[GenerateInput], Awaitable[GenerateOutput]]
+    rewards: Any = None  # RewardHooks (agents/rewards.py), or None: the environment's reward
 
 
 @dataclass

@@ -2,15 +2,16 @@
 generate function (default: the agent function in a session on the session server), grouped per
 prompt for GRPO.
 
-The environment sets each episode's reward (the agent returns it); all leaves of an episode
-share it and its rollout id. An episode that fails (the agent raised, timed out, or set no
-reward) stays in the batch with reward 0 and a zero loss mask, so it trains nothing and the
+The environment sets each episode's reward (the agent returns it), then the reward hooks, if
+configured (`agents/rewards.py`); all leaves of an episode share it and its rollout id. An episode
+that fails (the agent raised or timed out, a reward hook failed, or nothing set a reward) stays in the batch with reward 0 and a zero loss mask, so it trains nothing and the
 batch keeps its shape; it is counted in `rollout/failed_episodes`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 
@@ -31,54 +32,58 @@ class AgenticRollout:
         self.config = setup.config
         self.source = setup.source
         self._seen: dict[str, float] = {}  # session-server totals at the last step
+        self._limit = asyncio.Semaphore(setup.config.agent.concurrency)
+
+    async def _episode(self, example, rollout_id: str, seed: int) -> GenerateOutput:
+        """One agent episode through the generate function; its failure is the episode's."""
+        r, agent = self.config.rollout, self.config.agent
+        messages = (
+            [{"role": "user", "content": example.prompt}]
+            if isinstance(example.prompt, str)
+            else list(example.prompt)
+        )
+        gen_in = GenerateInput(
+            prompt=messages,
+            metadata={"task": example.label, "max_turns": agent.max_turns},
+            request_kwargs={
+                "max_tokens": agent.max_tokens,
+                "temperature": r.temperature,
+                "seed": seed,
+            },
+            rollout_id=rollout_id,
+            session_url=self.setup.session_url,
+        )
+        async with self._limit:
+            try:
+                return await self.setup.generate(gen_in)
+            except Exception as e:  # noqa: BLE001  (one episode's failure, not the step's)
+                return GenerateOutput([], error=f"generate function failed: {e!r}")
 
     async def __call__(self, inp: RolloutInput) -> RolloutOutput:
-        r, agent = self.config.rollout, self.config.agent
+        r = self.config.rollout
+        n = r.n_samples_per_prompt
         prompts = self.source.next_batch(r.prompts_per_step)
-        limit = asyncio.Semaphore(agent.concurrency)
+        self._limit = asyncio.Semaphore(self.config.agent.concurrency)
         t0 = time.perf_counter()
-
-        async def episode(g: int, k: int, example) -> GenerateOutput:
-            messages = (
-                [{"role": "user", "content": example.prompt}]
-                if isinstance(example.prompt, str)
-                else list(example.prompt)
+        base = (r.seed + self.config.seed) * 1_000_003 + inp.step * 10_007
+        outputs = await asyncio.gather(
+            *(
+                self._episode(ex, f"s{inp.step}-g{g}-{k}", base + g * n + k)
+                for g, (_, ex) in enumerate(prompts)
+                for k in range(n)
             )
-            gen_in = GenerateInput(
-                prompt=messages,
-                metadata={"task": example.label, "max_turns": agent.max_turns},
-                request_kwargs={
-                    "max_tokens": agent.max_tokens,
-                    "temperature": r.temperature,
-                    "seed": (r.seed + self.config.seed) * 1_000_003
-                    + inp.step * 10_007
-                    + g * r.n_samples_per_prompt
-                    + k,
-                },
-                rollout_id=f"s{inp.step}-g{g}-{k}",
-                session_url=self.setup.session_url,
-            )
-            async with limit:
-                try:
-                    return await self.setup.generate(gen_in)
-                except Exception as e:  # noqa: BLE001  (one episode's failure, not the step's)
-                    return GenerateOutput([], error=f"generate function failed: {e!r}")
-
-        jobs = [
-            episode(g, k, ex)
-            for g, (_, ex) in enumerate(prompts)
-            for k in range(r.n_samples_per_prompt)
-        ]
-        outputs = await asyncio.gather(*jobs)
+        )
+        hook_failures = await self._rewards(
+            outputs, [ex.label for _, ex in prompts for _ in range(n)], n
+        )
         seconds = time.perf_counter() - t0
-        groups, failed, episode_metrics = [], 0, []
+        groups, failed = [], 0
         for g, (data_index, _) in enumerate(prompts):
             samples: list[Sample] = []
-            for k in range(r.n_samples_per_prompt):
-                out = outputs[g * r.n_samples_per_prompt + k]
-                ok = out.error is None and out.reward is not None and out.samples
+            for k in range(n):
+                out = outputs[g * n + k]
+                ok = _succeeded(out)
                 failed += not ok
-                episode_metrics.append(out.metrics)
                 for s in out.samples or [_empty(out, f"s{inp.step}-g{g}-{k}")]:
                     s.group_index, s.index = g, len(samples)
                     s.reward = float(out.reward) if ok else 0.0
@@ -90,17 +95,43 @@ class AgenticRollout:
             groups.append(SampleGroup(group_index=g, samples=samples))
         result = RolloutOutput(groups)
         all_samples = [s for grp in groups for s in grp.samples]
-        rewards = [float(o.reward or 0.0) if o.error is None else 0.0 for o in outputs]
-        result.metrics = rollout_metrics(all_samples, seconds) | {
-            "rollout/success_rate": statistics.fmean(rewards),
-            "rollout/failed_episodes": float(failed),
-            "rollout/samples_per_episode": len(all_samples) / len(outputs),
-        }
-        for key in sorted({k for m in episode_metrics for k in m}):
-            vals = [m[key] for m in episode_metrics if key in m]
-            result.metrics[f"agent/{key}_mean"] = statistics.fmean(vals)
+        examples = [ex for _, ex in prompts for _ in range(n)]
+        result.metrics = (
+            rollout_metrics(all_samples, seconds)
+            | episode_metrics("rollout", examples, outputs)
+            | {
+                "rollout/failed_episodes": float(failed),
+                "rollout/reward_hook_failures": float(hook_failures),
+                "rollout/samples_per_episode": len(all_samples) / len(outputs),
+            }
+        )
         result.metrics |= await self._session_counters()
         return result
+
+    async def evaluate(self, examples: list) -> dict[str, float]:
+        """One episode per example at fixed seeds (the same every time: only the policy changes
+        between two evaluations); `eval/success_rate` and friends, nothing trained."""
+        self._limit = asyncio.Semaphore(self.config.agent.concurrency)
+        t0 = time.perf_counter()
+        seed = (self.config.rollout.seed + self.config.seed) * 1_000_003 - 1
+        outputs = await asyncio.gather(
+            *(self._episode(ex, f"eval-{i}", seed - i) for i, ex in enumerate(examples))
+        )
+        await self._rewards(outputs, [ex.label for ex in examples], 1, per_group=False)
+        metrics = episode_metrics("eval", examples, outputs)
+        metrics["eval/failed_episodes"] = float(sum(not _succeeded(o) for o in outputs))
+        metrics["eval/time_s"] = time.perf_counter() - t0
+        await self._session_counters()  # eval sessions do not count toward the next step
+        return metrics
+
+    async def _rewards(self, outputs, tasks, n: int, per_group: bool = True) -> int:
+        """The reward hooks, if any, on top of the environment's rewards (in place)."""
+        hooks = self.setup.rewards
+        if hooks is None:
+            return 0
+        if not per_group:  # an evaluation scores episodes alone, not against their siblings
+            hooks = dataclasses.replace(hooks, per_group=None)
+        return await hooks.apply(outputs, tasks, n)
 
     async def _session_counters(self) -> dict[str, float]:
         """This step's TITO mismatches and branches, from the session server's totals."""
@@ -117,6 +148,28 @@ class AgenticRollout:
             out[f"rollout/session/{name}"] = now - self._seen.get(key, 0.0)
             self._seen[key] = now
         return out
+
+
+def _succeeded(out: GenerateOutput) -> bool:
+    return bool(out.error is None and out.reward is not None and out.samples)
+
+
+def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) -> dict:
+    """`<prefix>/success_rate` (mean environment reward, failed episodes count 0), per task
+    kind where the label names one, and the agent's own metrics as `agent/<key>_mean`."""
+    rewards = [float(o.reward or 0.0) if _succeeded(o) else 0.0 for o in outputs]
+    out = {f"{prefix}/success_rate": statistics.fmean(rewards)}
+    kinds: dict[str, list[float]] = {}
+    for ex, reward in zip(examples, rewards, strict=True):
+        if isinstance(ex.label, dict) and isinstance(ex.label.get("kind"), str):
+            kinds.setdefault(ex.label["kind"], []).append(reward)
+    for kind, values in sorted(kinds.items()):
+        out[f"{prefix}/success_rate/{kind}"] = statistics.fmean(values)
+    agent_prefix = "agent" if prefix == "rollout" else f"{prefix}/agent"
+    for key in sorted({k for o in outputs for k in o.metrics}):
+        values = [o.metrics[key] for o in outputs if key in o.metrics]
+        out[f"{agent_prefix}/{key}_mean"] = statistics.fmean(values)
+    return out
 
 
 def _empty(out: GenerateOutput, rollout_id: str) -> Sample:
