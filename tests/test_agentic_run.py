@@ -10,7 +10,6 @@ import pytest
 from miles_core.config import load_config
 from miles_core.runtime import RLRuntime, prepare_model_dir
 
-
 HOOK_CALLS: list[str] = []
 
 
