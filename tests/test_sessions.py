@@ -170,3 +170,43 @@ def test_model_tool_calls_come_back_as_openai_tool_calls(servers, http):
     }
     parsed = family.parse(family.completion(call, TOOLS))
     assert parsed["tool_calls"][0]["function"] == call["tool_calls"][0]["function"]
+
+
+def test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502():
+    """In-process session server (fake clock) in front of a real HTTP "engine" that answers 200
+    with a body that is not a generate response."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from test_agents import _Server
+
+    from miles_core.sessions.server import create_app
+
+    garbled = FastAPI()
+
+    @garbled.post("/generate")
+    async def generate():
+        return {"text": "hello"}  # no output ids, no meta_info
+
+    now = [0.0]
+    with _Server(garbled) as url:
+        app = create_app(
+            url.removesuffix("/v1"), get_family("tiny"), session_ttl_s=60, clock=lambda: now[0]
+        )
+        with TestClient(app) as c:
+            a = c.post("/sessions").json()["session_id"]
+            r = c.post(
+                f"/sessions/{a}/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert r.status_code == 502
+            assert "not a generate response" in r.json()["error"]["message"]
+            assert c.get(f"/sessions/{a}").json()["turns"] == 0  # nothing recorded
+            now[0] = 30.0
+            b = c.post("/sessions").json()["session_id"]
+            now[0] = 61.0  # a: idle 61 s (past the TTL); b: idle 31 s
+            c.post("/sessions")
+            assert c.get(f"/sessions/{a}").status_code == 404
+            assert c.get(f"/sessions/{b}").status_code == 200
+            metrics = c.get("/metrics").json()
+            assert metrics["expired_sessions"] == 1 and metrics["sessions"] == 2
+            assert metrics["errors_5xx"] == 1

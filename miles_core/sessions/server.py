@@ -15,7 +15,9 @@ are recorded as they are. An agent only needs `base_url = <server>/sessions/<id>
 
 Bad input never stops the server: unknown session 404; malformed messages, tool-call arguments
 that are not JSON or a conversation longer than the engine's context 400 with the reason; a
-generation the engine aborted 503 (nothing recorded).
+generation the engine aborted 503 (nothing recorded); an engine that fails or answers with
+something that is not a generate response 502. Sessions idle longer than `--session-ttl-s` are
+dropped (a harness that died without deleting its session does not hold memory forever).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,6 +60,7 @@ class Session:
     id: str
     trajectory: Trajectory
     metadata: dict[str, Any]
+    last_used: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -69,7 +74,11 @@ def create_app(
     model_name: str = "miles",
     default_max_tokens: int = 256,
     engine_timeout_s: float = 600.0,
+    session_ttl_s: float = 3600.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
+    """`session_ttl_s`: a session nobody used for that long (a harness that crashed without
+    deleting it) is dropped when the next session is created, counted in `expired_sessions`."""
     app = FastAPI(title="miles session server")
     sessions: dict[str, Session] = {}
     counters: Counter = Counter()
@@ -113,11 +122,25 @@ def create_app(
             + sum(s.trajectory.mismatched_tokens for s in live),
         }
 
+    def _close(s: Session) -> None:
+        counters["closed_branches"] += s.trajectory.branches
+        counters["closed_mismatched_tokens"] += s.trajectory.mismatched_tokens
+
+    def _expire_idle() -> None:
+        now = clock()
+        for sid in [k for k, s in sessions.items() if now - s.last_used > session_ttl_s]:
+            if not sessions[sid].lock.locked():  # never one with a turn in flight
+                _close(sessions.pop(sid))
+                counters["expired_sessions"] += 1
+
     @app.post("/sessions", status_code=201)
     async def create(body: CreateBody | None = None):
         body = body or CreateBody()
+        _expire_idle()
         sid = uuid.uuid4().hex[:16]
-        sessions[sid] = Session(sid, Trajectory(family, body.rollout_id or sid), body.metadata)
+        sessions[sid] = Session(
+            sid, Trajectory(family, body.rollout_id or sid), body.metadata, clock()
+        )
         counters["sessions_created"] += 1
         return {"session_id": sid, "base_url": f"/sessions/{sid}/v1"}
 
@@ -126,6 +149,7 @@ def create_app(
         if s is None:
             counters["errors_4xx"] += 1
             return _error(404, f"unknown session {sid!r}", "not_found_error")
+        s.last_used = clock()
         return s
 
     @app.get("/sessions/{sid}")
@@ -150,8 +174,7 @@ def create_app(
         if s is None:
             counters["errors_4xx"] += 1
             return _error(404, f"unknown session {sid!r}", "not_found_error")
-        counters["closed_branches"] += s.trajectory.branches
-        counters["closed_mismatched_tokens"] += s.trajectory.mismatched_tokens
+        _close(s)
         return {"deleted": True}
 
     @app.get("/sessions/{sid}/v1/models")
@@ -181,7 +204,10 @@ def create_app(
             counters["errors_4xx"] += 1
             return _error(400, str(e))
         async with s.lock:  # one turn at a time per session: the tree stays consistent
-            return await _turn(s, body, messages)
+            try:
+                return await _turn(s, body, messages)
+            finally:
+                s.last_used = clock()
 
     async def _turn(s: Session, body: ChatRequest, messages) -> Any:
         t = s.trajectory
@@ -216,7 +242,11 @@ def create_app(
         if status != 200:
             counters["errors_5xx"] += 1
             return _error(502, f"engine answered HTTP {status}: {error_message(data)}")
-        out = GenerateResponse.model_validate_json(data)
+        try:
+            out = GenerateResponse.model_validate_json(data)
+        except ValidationError as e:
+            counters["errors_5xx"] += 1
+            return _error(502, f"the engine's reply is not a generate response: {e}"[:500])
         reason = out.meta_info.finish_reason.type
         if reason == "abort":
             counters["aborted_turns"] += 1
@@ -272,8 +302,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--model-name", default="miles")
     ap.add_argument("--max-tokens", type=int, default=256, help="default max completion tokens")
+    ap.add_argument(
+        "--session-ttl-s", type=float, default=3600.0, help="drop sessions idle this long"
+    )
     args = ap.parse_args(argv)
-    app = create_app(args.engine_url, get_family(args.family), args.model_name, args.max_tokens)
+    app = create_app(
+        args.engine_url,
+        get_family(args.family),
+        args.model_name,
+        args.max_tokens,
+        session_ttl_s=args.session_ttl_s,
+    )
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
     )
