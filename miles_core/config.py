@@ -150,7 +150,12 @@ class OffPolicyConfig(_Strict):
 class TrainConfig(OptimConfig):
     backend: Literal["fsdp"] = "fsdp"
     num_steps: int = Field(50, gt=0, description="rollout → train → weight update iterations")
-    global_batch_size: int = Field(128, gt=0, description="samples per optimizer step")
+    global_batch_size: int = Field(
+        128,
+        gt=0,
+        description="rollouts per optimizer step (a sample each; an agent episode's leaves "
+        "count once and stay in one step)",
+    )
     advantage_estimator: Literal["grpo"] = "grpo"
     normalize_advantage_std: bool = True
     eps_clip: float = Field(0.2, gt=0, lt=1)

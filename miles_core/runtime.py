@@ -25,7 +25,7 @@ from miles_core.rollout.serving import ServingEngine
 from miles_core.sessions import SessionServerProcess
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
 from miles_core.tracking import Tracker
-from miles_core.train.advantages import grpo_advantages
+from miles_core.train.advantages import grpo_advantages, rollout_slices
 from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
@@ -230,11 +230,9 @@ class RLRuntime:
         batch = TrainBatch.from_samples(result.samples, advantages, cfg.rollout.temperature)
         batch.old_log_probs = self.trainer.compute_log_probs(batch)
         per_step: list[dict[str, float]] = []
-        size = cfg.train.global_batch_size
-        for start in range(0, len(batch), size):
-            per_step.append(
-                self.trainer.train_step(batch.slice(start, start + size), loss="policy")
-            )
+        # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
+        for start, end in rollout_slices(batch.sample_ids, cfg.train.global_batch_size):
+            per_step.append(self.trainer.train_step(batch.slice(start, end), loss="policy"))
         keys = per_step[0].keys()
         return {f"train/{k}": sum(m[k] for m in per_step) / len(per_step) for k in keys}
 

@@ -125,6 +125,29 @@ def test_grpo_advantages_are_group_normalised():
     assert grpo_advantages([group(0, [2.0, 0.0])], normalize_std=False) == [1.0, -1.0]
 
 
+def test_grpo_baselines_count_each_rollout_once_and_leaves_share_its_advantage():
+    def leaf(rollout, reward):
+        return Sample(0, 0, rollout, "p", [1], 0, [], [], reward=reward)
+
+    # episode a: 3 leaves, reward 1; b: 1 leaf, reward 0 → the baseline is 0.5, not 0.75
+    group = SampleGroup(0, [leaf("a", 1.0), leaf("a", 1.0), leaf("b", 0.0), leaf("a", 1.0)])
+    assert grpo_advantages([group], normalize_std=False) == [0.5, 0.5, -0.5, 0.5]
+    std = torch.tensor([1.0, 0.0], dtype=torch.float64).std().item()
+    expected = [0.5 / std] * 2 + [-0.5 / std, 0.5 / std]
+    assert grpo_advantages([group]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_optimizer_steps_take_whole_rollouts():
+    from miles_core.train.advantages import rollout_slices
+
+    ids = ["a", "a", "b", "c", "c", "c", "d"]
+    assert rollout_slices(ids, 2) == [(0, 3), (3, 7)]
+    assert rollout_slices(ids, 3) == [(0, 6), (6, 7)]
+    assert rollout_slices(ids, 10) == [(0, 7)]
+    assert rollout_slices([f"r{i}" for i in range(6)], 2) == [(0, 2), (2, 4), (4, 6)]
+    assert rollout_slices([], 4) == []
+
+
 def test_ppo_clip_is_asymmetric_and_masks_count_in_the_numerator_only():
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
     old = torch.zeros(1, 3)

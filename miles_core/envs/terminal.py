@@ -4,7 +4,8 @@ command", inside its own sandbox; a checker scores the final workspace (1.0 solv
 Kinds:
 - `create`: create a file holding a word;
 - `count`: count the lines of a file that contain a word, into answer.txt;
-- `fix`: make a failing Python test pass by fixing the function it tests.
+- `fix`: make a failing Python test pass by fixing the function it tests (which operator is
+  wrong shows only in the code: the agent has to look, then edit).
 
 Each task also carries a scripted solution (the commands that solve it), used for SFT warm-start
 demonstrations and as a known-good agent in tests.
@@ -107,7 +108,8 @@ def make_task(kind: str, rng: random.Random) -> TerminalTask:
                 "calc.py": f"def {name}(a, b):\n    return a {bad} b\n",
                 "test_calc.py": f"from calc import {name}\nassert {name}({a}, {b}) == {expected}\n",
             },
-            solution=[f"sed -i 's/a {bad} b/a {good} b/' calc.py"],
+            # the instruction does not say which operator is wrong: read the code, then fix it
+            solution=["cat calc.py", f"sed -i 's/a {bad} b/a {good} b/' calc.py"],
             target="calc.py",
         )
     raise ValueError(f"unknown terminal task kind {kind!r}; choose from {KINDS}")

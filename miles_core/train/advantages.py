@@ -1,4 +1,10 @@
-"""Advantage estimators. GRPO: each reward minus its group's mean, divided by the group's std."""
+"""Advantage estimators. GRPO: each reward minus its group's mean, divided by the group's std.
+
+The statistics are over a group's rollouts, not its samples: an agent episode recorded as
+several leaves (siblings sharing a rollout id, one reward) counts once, so a harness that
+branches a lot does not pull its group's baseline toward its own reward. Every leaf gets its
+rollout's advantage. With one sample per rollout (plain RL) the two are the same.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +19,28 @@ def grpo_advantages(
     """One scalar advantage per sample, in the order of the groups' samples."""
     out: list[float] = []
     for g in groups:
-        r = torch.tensor(g.rewards, dtype=torch.float64)
+        rewards: dict[str, float] = {}  # rollout id → its reward, in first-seen order
+        for s in g.samples:
+            rewards.setdefault(s.rollout_id, float(s.reward))
+        r = torch.tensor(list(rewards.values()), dtype=torch.float64)
         a = r - r.mean()
         if normalize_std and len(r) > 1:
             a = a / (r.std(unbiased=True) + eps)
-        out.extend(a.tolist())
+        by_rollout = dict(zip(rewards, a.tolist(), strict=True))
+        out.extend(by_rollout[s.rollout_id] for s in g.samples)
     return out
+
+
+def rollout_slices(rollout_ids: list[str], rollouts_per_slice: int) -> list[tuple[int, int]]:
+    """[start, end) row ranges of consecutive rollouts, `rollouts_per_slice` whole rollouts each
+    (a rollout's leaves are never split between two optimizer steps)."""
+    bounds, count, start = [], 0, 0
+    for i, rid in enumerate(rollout_ids):
+        if i and rid != rollout_ids[i - 1]:
+            count += 1
+            if count == rollouts_per_slice:
+                bounds.append((start, i))
+                start, count = i, 0
+    if rollout_ids:
+        bounds.append((start, len(rollout_ids)))
+    return bounds
