@@ -267,6 +267,11 @@ class AgentConfig(_Strict):
     generate_function: str | None = Field(
         None, description="replace the session-backed generate function (import path)"
     )
+    command: list[str] | None = Field(
+        None,
+        description="a black-box agent program's argv (e.g. [python, examples/blackbox_harness/"
+        "agent.py]), run per episode by agent.function miles_core.agents.blackbox:run_command",
+    )
     family: str = Field("tiny", description="TITO family of the session server")
     max_turns: int = Field(3, gt=0, description="model calls per episode")
     max_tokens: int = Field(64, gt=0, description="new tokens per model call")
@@ -337,6 +342,7 @@ class RunConfig(_Strict):
                 name
                 for name, value in (
                     ("agent.generate_function", a.generate_function),
+                    ("agent.command", a.command),
                     ("agent.reward_function", a.reward_function),
                     ("agent.group_reward_function", a.group_reward_function),
                     ("agent.eval_episodes", a.eval_episodes),

@@ -98,3 +98,33 @@ def test_agentic_rollout_refuses_configs_it_cannot_run(tmp_path):
         _config(tmp_path, "rollout.engine=serving", "weight_sync.transport=colocated")
     with pytest.raises(ValueError, match="unknown TITO family 'gpt2'"):
         _config(tmp_path, "agent.family=gpt2")
+
+
+@pytest.mark.slow
+def test_a_black_box_harness_trains_from_its_config(tmp_path):
+    """examples/blackbox_harness_cpu.yaml: every episode is the harness program (sub-agent and
+    compaction), recorded as a three-leaf tree; the leaves of an episode train as one rollout."""
+    cfg = load_config(
+        Path(__file__).parents[1] / "examples" / "blackbox_harness_cpu.yaml",
+        [
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            "train.threads=1",
+            f"checkpoint.root={tmp_path}/ckpt",
+        ],
+    )
+    rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
+    try:
+        result = rt.rollout(0)
+        assert result.metrics["rollout/failed_episodes"] == 0.0
+        assert result.metrics["rollout/samples_per_episode"] == 3.0
+        assert result.metrics["rollout/session/branches"] == 8.0  # 2 per episode
+        assert result.metrics["rollout/session/tito_mismatched_tokens"] == 0.0
+        for group in result.groups:
+            assert len({s.rollout_id for s in group.samples}) == 2 and len(group.samples) == 6
+        metrics = rt.train(result)  # one optimizer step: 4 rollouts = 12 leaves
+        assert metrics["train/grad_norm"] >= 0.0
+    finally:
+        rt.close()

@@ -2,7 +2,10 @@
 agent function that runs the program with OPENAI_BASE_URL set to the session's URL and the task
 as JSON in MILES_TASK ({"prompt", "metadata"}); if its last stdout line is a JSON object with
 "reward" (and optional "metrics"-like numbers), that is the environment's reward. The program is
-killed if the episode is cancelled (timeout); a non-zero exit fails the episode."""
+killed if the episode is cancelled (timeout); a non-zero exit fails the episode.
+
+In a run's config: `agent.function: miles_core.agents.blackbox:run_command` with
+`agent.command: [python, path/to/agent.py]` (`python` means this interpreter)."""
 
 from __future__ import annotations
 
@@ -60,6 +63,18 @@ def _result(stdout: str) -> dict[str, Any] | None:
         return None
     metrics = {k: float(v) for k, v in data.items() if k != "reward" and isinstance(v, int | float)}
     return {"reward": data.get("reward"), "metrics": metrics}
+
+
+async def run_command(
+    base_url: str, prompt: list[dict], request_kwargs: dict, metadata: dict
+) -> dict | None:
+    """The agent function for config-driven runs: the program is `metadata["command"]` (the
+    rollout passes `agent.command`); a relative script path resolves from the working dir."""
+    argv = metadata.get("command")
+    if not argv or not isinstance(argv, list):
+        raise ValueError("run_command needs agent.command: the agent program's argv")
+    argv = [sys.executable if a in ("python", "python3") else a for a in argv]
+    return await command_agent(argv)(base_url, prompt, request_kwargs, metadata)
 
 
 def python_agent(script: str, env: dict[str, str] | None = None):

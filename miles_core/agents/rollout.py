@@ -44,7 +44,8 @@ class AgenticRollout:
         )
         gen_in = GenerateInput(
             prompt=messages,
-            metadata={"task": example.label, "max_turns": agent.max_turns},
+            metadata={"task": example.label, "max_turns": agent.max_turns}
+            | ({"command": list(agent.command)} if agent.command else {}),
             request_kwargs={
                 "max_tokens": agent.max_tokens,
                 "temperature": r.temperature,
