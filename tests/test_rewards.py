@@ -180,3 +180,49 @@ def test_agent_settings_without_an_agent_function_are_refused(tmp_path):
             None,
             ["agent.reward_function=test_rewards:length_bonus", "agent.eval_episodes=4"],
         )
+
+
+def _second_attempt_raises(episode: Episode) -> float:
+    if episode.samples[0].rollout_id.endswith("-1"):
+        raise RuntimeError("judge unavailable")
+    return 0.5
+
+
+def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_path):
+    """AgenticRollout with a stand-in generate function (one leaf per episode, env reward 1.0)
+    and a session server stand-in that only answers /metrics (real HTTP)."""
+    from fastapi import FastAPI
+    from test_agents import _Server
+
+    from miles_core.agents.layers import RolloutInput, RolloutSetup
+    from miles_core.agents.rollout import AgenticRollout
+    from miles_core.data.dataset import PromptSource
+    from miles_core.envs.terminal_task import TerminalTasks
+    from miles_core.types import Status
+
+    counters = FastAPI()
+
+    @counters.get("/metrics")
+    async def metrics():
+        return {"mismatched_tokens": 0, "branches": 0}
+
+    async def generate(inp):
+        return GenerateOutput([_sample(inp.rollout_id)], 1.0, {"turns": 1.0})
+
+    cfg = _agentic(tmp_path)
+    source = PromptSource(TerminalTasks().generate(4, seed=0))
+    hooks = RewardHooks(_second_attempt_raises, None, timeout_s=5)
+    with _Server(counters) as url:
+        setup = RolloutSetup(cfg, source, url.removesuffix("/v1"), generate, hooks)
+        out = asyncio.run(AgenticRollout(setup)(RolloutInput(step=0, weight_version=0)))
+    samples = [s for g in out.groups for s in g.samples]
+    assert [s.rollout_id for s in samples] == ["s0-g0-0", "s0-g0-1", "s0-g1-0", "s0-g1-1"]
+    for s in samples:
+        if s.rollout_id.endswith("-1"):
+            assert s.status == Status.FAILED and s.reward == 0.0 and not any(s.loss_mask)
+            assert "judge unavailable" in s.metadata["error"]
+        else:
+            assert s.reward == 0.5 and any(s.loss_mask)
+    assert out.metrics["rollout/reward_hook_failures"] == 2.0
+    assert out.metrics["rollout/failed_episodes"] == 2.0
+    assert out.metrics["rollout/success_rate"] == 0.25  # (0.5 + 0 + 0.5 + 0) / 4

@@ -74,9 +74,8 @@ class AgenticRollout:
                 for k in range(n)
             )
         )
-        hook_failures = await self._rewards(
-            outputs, [ex.label for _, ex in prompts for _ in range(n)], n
-        )
+        examples = [ex for _, ex in prompts for _ in range(n)]
+        hook_failures = await self._rewards(outputs, [ex.label for ex in examples], n)
         seconds = time.perf_counter() - t0
         groups, failed = [], 0
         for g, (data_index, _) in enumerate(prompts):
@@ -92,11 +91,11 @@ class AgenticRollout:
                     if not ok:
                         s.status = Status.FAILED
                         s.loss_mask = [0] * s.response_length
+                        s.metadata.setdefault("error", out.error or "nothing set a reward")
                     samples.append(s)
             groups.append(SampleGroup(group_index=g, samples=samples))
         result = RolloutOutput(groups)
         all_samples = [s for grp in groups for s in grp.samples]
-        examples = [ex for _, ex in prompts for _ in range(n)]
         result.metrics = (
             rollout_metrics(all_samples, seconds)
             | episode_metrics("rollout", examples, outputs)
