@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
-from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
+from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, version_number
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
@@ -214,7 +214,7 @@ class HttpEngine:
 
     @property
     def weight_version(self) -> int:
-        return int(self.server_info()["weight_version"])
+        return version_number(self.server_info()["weight_version"])
 
     def set_weight_version(self, version: int) -> None:
         self.post(

@@ -315,7 +315,7 @@ class RolloutProducer:
             last = resp
             # the versions this call may have used, in order without repeats (a call that
             # spanned a push under retract / in_place records both)
-            for v in (start_version, int(resp.meta_info.weight_version)):
+            for v in (start_version, resp.meta_info.version):
                 if not versions or versions[-1] != v:
                     versions.append(v)
             out_ids += resp.output_ids

@@ -54,6 +54,15 @@ class FinishReason(BaseModel):
     message: str | None = None  # why an abort happened (engine error, shutdown), as in SGLang
 
 
+def version_number(weight_version: str) -> int:
+    """Our policy versions are integers; SGLang starts a server at "default" (the weights it
+    loaded, before any update): that is version 0."""
+    try:
+        return int(weight_version)
+    except ValueError:
+        return 0
+
+
 class MetaInfo(BaseModel):
     id: str | None = None
     finish_reason: FinishReason
@@ -61,6 +70,11 @@ class MetaInfo(BaseModel):
     completion_tokens: int
     cached_tokens: int = 0
     weight_version: str
+
+    @property
+    def version(self) -> int:
+        return version_number(self.weight_version)
+
     # SGLang's layout: one [logprob, token_id, text] triple per output token.
     output_token_logprobs: list[tuple[float, int, str | None]] = Field(default_factory=list)
 

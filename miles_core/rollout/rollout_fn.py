@@ -99,7 +99,7 @@ def build_group(
             response_length=len(out),
             loss_mask=[1] * len(out),
             rollout_log_probs=resp.output_log_probs,
-            weight_versions=versions[k] if versions else [int(resp.meta_info.weight_version)],
+            weight_versions=versions[k] if versions else [resp.meta_info.version],
             reward=score.reward,
             status=status,
             label=ex.label,

@@ -256,7 +256,7 @@ def create_app(
         except Exception:  # noqa: BLE001  (model output that is not a valid message: keep text)
             counters["unparsed_tool_calls"] += 1
             reply = {"role": "assistant", "content": family.decode(out.output_ids)}
-        version = int(out.meta_info.weight_version)
+        version = out.meta_info.version
         node = t.record(
             turn, messages, tools, reply, out.output_ids, out.output_log_probs, version, reason
         )

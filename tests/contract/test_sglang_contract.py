@@ -197,3 +197,17 @@ def test_real_sglang_server_answers_our_client():
         assert len(out[0].output_ids) == 4 and len(out[0].output_log_probs) == 4
     finally:
         proc.stop()
+
+
+def test_an_sglang_server_that_was_never_updated_reports_version_zero():
+    from miles_core.rollout.protocol import MetaInfo, version_number
+
+    assert version_number("default") == 0  # SGLang's initial weight_version
+    assert version_number("7") == 7
+    meta = MetaInfo(
+        finish_reason={"type": "stop"},
+        prompt_tokens=1,
+        completion_tokens=1,
+        weight_version="default",
+    )
+    assert meta.version == 0
