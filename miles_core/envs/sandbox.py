@@ -4,7 +4,8 @@
 - a read-only view of the system (/usr, /etc and the merged-/usr symlinks), nothing else of the
   host: no /root, /home, /work, host /tmp; a private /tmp and /proc;
 - no network, no IPC, its own PID namespace (all of it dies with the command);
-- rlimits on CPU time, address space, file size and open files, and a wall-clock limit enforced
+- rlimits on CPU time, address space, file size and open files (set by util-linux `prlimit`,
+  which execs bwrap: no `preexec_fn` in this threaded process), and a wall-clock limit enforced
   from outside; a 64 MiB private /tmp. As root, every sandbox runs as its own unprivileged uid
   with a process limit, so fork bombs in one episode cannot starve another (not as another user:
   then the PID namespace and the wall clock bound them). The workspace itself has no disk quota
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import resource
 import shutil
 import signal
 import stat
@@ -73,10 +73,18 @@ def bwrap_path() -> str:
     return path
 
 
+def prlimit_path() -> str:
+    path = shutil.which("prlimit")
+    if path is None:
+        raise SandboxUnavailable("prlimit is not installed: `apt-get install util-linux`")
+    return path
+
+
 class Sandbox:
     def __init__(self, limits: SandboxLimits | None = None, parent: str | Path | None = None):
         self.limits = limits or SandboxLimits()
         self.bwrap = bwrap_path()
+        self.prlimit = prlimit_path()
         self.root = Path(tempfile.mkdtemp(prefix="miles-sandbox-", dir=parent)).resolve()
         self.root.chmod(0o711)  # the sandbox uid may pass through to its workspace, not list
         blocked = [d for d in self.root.parents if not d.stat().st_mode & stat.S_IXOTH]
@@ -129,7 +137,16 @@ class Sandbox:
 
     # ------------------------------------------------------------------ commands
     def _argv(self, command: str) -> list[str]:
-        argv = [self.bwrap, "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        argv = [
+            *self._prlimit(),
+            self.bwrap,
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--ro-bind",
+            "/etc",
+            "/etc",
+        ]
         for name in ("bin", "sbin", "lib", "lib64", "lib32"):
             target = Path("/") / name
             if target.is_symlink():
@@ -153,19 +170,28 @@ class Sandbox:
         ]  # fmt: skip
         return argv
 
-    def _limits(self) -> None:  # runs in the child, before exec
+    def _prlimit(self) -> list[str]:
+        """rlimits set by util-linux `prlimit`, which then execs bwrap: no `preexec_fn`, which
+        is unsafe in a threaded process (agent episodes run sandboxes from many threads)."""
         lim = self.limits
         mb = 1 << 20
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb * mb, lim.file_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.geteuid() == 0:  # an unprivileged uid of its own: the process limit applies
-            resource.setrlimit(resource.RLIMIT_NPROC, (lim.processes, lim.processes))
-            os.setgroups([])
-            os.setgid(self.uid)
-            os.setuid(self.uid)
+        argv = [
+            self.prlimit,
+            f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}",
+            f"--as={lim.memory_mb * mb}",
+            f"--fsize={lim.file_mb * mb}",
+            f"--nofile={lim.open_files}",
+            "--core=0",
+        ]
+        if os.geteuid() == 0:  # the child runs as the sandbox's own uid: the process limit holds
+            argv.append(f"--nproc={lim.processes}")
+        return [*argv, "--"]
+
+    def _identity(self) -> dict:
+        """As root, the child drops to the sandbox's own uid/gid (set by Popen itself)."""
+        if os.geteuid() != 0:
+            return {}
+        return {"user": self.uid, "group": self.uid, "extra_groups": []}
 
     def run(self, command: str) -> RunResult:
         """Runs `command` with /bin/sh in the sandbox; never raises for what the command does."""
@@ -178,8 +204,8 @@ class Sandbox:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=self._limits,  # noqa: PLW1509  (rlimits + uid for the child only)
                 start_new_session=True,
+                **self._identity(),
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
             )
             killed_by = None
