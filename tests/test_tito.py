@@ -66,6 +66,35 @@ def test_a_tool_call_that_is_not_json_does_not_parse():
         q.append([{"role": "assistant", "content": "x"}])
 
 
+def test_parse_exact_gives_a_message_that_renders_back_to_the_engine_ids(family):
+    """What the session server returns to a harness: echoed back, it is the engine's ids —
+    structured where the structure round-trips, else plain text (no tool call invented)."""
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "run", "arguments": json.dumps({"cmd": "ls -l"})},
+            }
+        ],
+    }
+    plain = {"role": "assistant", "content": "all done"}
+    cases = [(family.completion(call), "parsed"), (family.completion(plain), "parsed")]
+    cases.append((family.completion(plain)[:2], "parsed"))  # cut off: closed by the stop id
+    if family.name != "mistral":  # ChatML: text after the call, a misspelt key
+        text = family.decode(family.completion(call)[:-1])
+        for odd in (text + "junk", text.replace("arguments", "argumeents")):
+            cases.append((family.completion({"role": "assistant", "content": odd}), "text"))
+    for ids, expected in cases:
+        message, how = family.parse_exact(ids)
+        assert how == expected, (family.decode(ids), how)
+        closed = ids if ids[-1] in family.stop_ids else ids + family.stop_ids[:1]
+        assert family.completion(message) == closed
+        assert ("tool_calls" in message) == (ids == family.completion(call))
+
+
 def test_unknown_family_is_refused_by_the_command():
     out = subprocess.run(
         [sys.executable, "-m", "flows.cli", "tito", "verify", "--family", "gpt2"],

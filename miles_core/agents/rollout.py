@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import statistics
 import time
+from collections import Counter
 
 from miles_core.agents.layers import (
     GenerateInput,
@@ -24,6 +26,8 @@ from miles_core.agents.layers import (
 )
 from miles_core.rollout.rollout_fn import rollout_metrics
 from miles_core.types import Sample, SampleGroup, Status
+
+log = logging.getLogger("miles")
 
 
 class AgenticRollout:
@@ -106,6 +110,9 @@ class AgenticRollout:
             }
         )
         result.metrics |= await self._session_counters()
+        reasons = Counter(o.error or "nothing set a reward" for o in outputs if not _succeeded(o))
+        for reason, count in reasons.most_common(3):
+            log.warning("step %d: %d episode(s) failed: %s", inp.step, count, reason[:300])
         return result
 
     async def evaluate(self, examples: list) -> dict[str, float]:

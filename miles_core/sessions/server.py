@@ -251,11 +251,10 @@ def create_app(
         if reason == "abort":
             counters["aborted_turns"] += 1
             return _error(503, "the engine aborted this generation (weight update); retry")
-        try:
-            reply = family.parse(out.output_ids)
-        except Exception:  # noqa: BLE001  (model output that is not a valid message: keep text)
-            counters["unparsed_tool_calls"] += 1
-            reply = {"role": "assistant", "content": family.decode(out.output_ids)}
+        # the message form that renders back to exactly the engine's ids (else plain text)
+        reply, how = await asyncio.to_thread(family.parse_exact, out.output_ids, tools)
+        if how != "parsed":
+            counters[f"replies_{how}"] += 1
         version = out.meta_info.version
         node = t.record(
             turn, messages, tools, reply, out.output_ids, out.output_log_probs, version, reason

@@ -62,3 +62,33 @@ class TitoFamily(ABC):
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included (for reports)."""
+
+    def parse_exact(self, ids: list[int], tools: list[dict] | None = None) -> tuple[Message, str]:
+        """The assistant message for completion `ids` that renders back to exactly these ids
+        (a cut-off reply: plus the stop id a render closes it with), and how it was found:
+
+        - "parsed": the structured message (content, reasoning, tool calls) round-trips;
+        - "text": it does not (e.g. text after a tool call, a misspelt key: `parse` would drop
+          or repair something), but the reply as plain text does — so a harness that echoes the
+          message sends back exactly what the engine generated, and no tool call is invented;
+        - "inexact": neither round-trips (the structured message if it parses, else the text).
+        """
+        closed = list(ids)
+        if not closed or closed[-1] not in self.stop_ids:
+            closed += self.stop_ids[:1]
+        body = [t for t in ids if t not in self.stop_ids]
+        text: Message = {"role": "assistant", "content": self.decode(body)}
+        try:
+            parsed: Message | None = self.parse(ids)
+        except Exception:  # noqa: BLE001  (model output that is not a valid message)
+            parsed = None
+        for message, how in ((parsed, "parsed"), (text, "text")):
+            if message is not None and self._renders_as(message, tools, closed):
+                return message, how
+        return parsed or text, "inexact"
+
+    def _renders_as(self, message: Message, tools: list[dict] | None, ids: list[int]) -> bool:
+        try:
+            return self.completion(message, tools) == ids
+        except Exception:  # noqa: BLE001  (a renderer refusing the message: not exact)
+            return False
