@@ -255,6 +255,9 @@ class TrackingConfig(_Strict):
     )
 
 
+RUN_COMMAND = "miles_core.agents.blackbox:run_command"  # the agent function of agent.command
+
+
 class AgentConfig(_Strict):
     """Agentic rollout: every sample is an agent episode recorded by the session server."""
 
@@ -336,6 +339,16 @@ class RunConfig(_Strict):
                     "agent.function (agentic rollout) needs rollout.engine: server, rollout.mode: "
                     "sync and train.world_size: 1 for now"
                 )
+            a = self.agent
+            if a.eval_episodes and self.data.path:
+                raise ValueError(
+                    "agent.eval_episodes draws fixed tasks from data.task's generator; with "
+                    "data.path set there is none: leave agent.eval_episodes at 0"
+                )
+            if (a.function == RUN_COMMAND) != bool(a.command):
+                raise ValueError(f"agent.command and agent.function: {RUN_COMMAND} go together")
+            if a.eval_every and not a.eval_episodes:
+                raise ValueError("agent.eval_every needs agent.eval_episodes > 0")
         else:
             a = self.agent
             unused = [

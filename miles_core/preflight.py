@@ -69,6 +69,11 @@ def _check_plugins(config: RunConfig) -> None:
     ):
         if path:
             load_plugin(path, what, want_async)
+    if a.eval_episodes and not callable(getattr(get_task(config.data.task), "generate", None)):
+        raise ValueError(
+            f"agent.eval_episodes: task {config.data.task!r} has no generate(n, seed) to draw "
+            "evaluation tasks from"
+        )
 
 
 def preflight(config: RunConfig, resume: bool = False) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +30,8 @@ from miles_core.train.advantages import grpo_advantages, rollout_slices
 from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
+
+log = logging.getLogger("miles")
 
 
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
@@ -192,12 +195,17 @@ class RLRuntime:
         return version in (self.start_step, self.config.train.num_steps) or bool(every)
 
     def evaluate(self) -> dict[str, float]:
-        """Agent episodes on the fixed evaluation tasks with the weights the engines serve."""
+        """Agent episodes on the fixed evaluation tasks with the weights the engines serve. An
+        evaluation that fails is logged with its reason (`eval/errors`); training goes on."""
         assert self.agent_rollout is not None
         c = self.config
-        examples = self.task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
-        metrics = asyncio.run(self.agent_rollout.evaluate(examples))
-        return metrics | {"eval/policy_version": float(self.engine_version)}
+        version = {"eval/policy_version": float(self.engine_version)}
+        try:
+            examples = self.task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
+            return asyncio.run(self.agent_rollout.evaluate(examples)) | version
+        except Exception as e:  # noqa: BLE001  (an evaluation never stops training)
+            log.warning("evaluation of policy version %d failed: %r", self.engine_version, e)
+            return {"eval/errors": 1.0} | version
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:

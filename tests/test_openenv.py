@@ -98,20 +98,20 @@ def test_an_openenv_episode_through_the_session_server_records_every_turn(
         session_url=sessions.url,
     )
     out = asyncio.run(session_generate(inp, run_agent))
-    assert out.error is None and out.reward in (0.0, 1.0)
-    assert out.metrics["turns"] in (1.0, 2.0)
+    assert out.error is None
+    assert out.reward == 0.0 and out.metrics["turns"] == 2.0  # a random model: wrong twice
     (sample,) = out.samples  # append-only: one leaf
     sample.validate()
     text = tok.decode(sample.tokens)
-    assert text.count("say cat") == (2 if out.metrics["turns"] == 2.0 else 1)  # not repeated
+    assert text.count("say cat") == 2  # the prompt once (not repeated), then "no: say cat"
     # the environment's second observation is context: it lies under loss mask 0
-    if out.metrics["turns"] == 2.0:
-        start = len(sample.tokens) - sample.response_length
-        feedback = tok.encode("no: say cat", add_special_tokens=False)
-        at = next(
-            i for i in range(len(sample.tokens)) if sample.tokens[i : i + len(feedback)] == feedback
-        )
-        assert at >= start and not any(sample.loss_mask[at - start : at - start + len(feedback)])
+    start = len(sample.tokens) - sample.response_length
+    feedback = tok.encode("no: say cat", add_special_tokens=False)
+    at = next(
+        i for i in range(len(sample.tokens)) if sample.tokens[i : i + len(feedback)] == feedback
+    )
+    assert at >= start and not any(sample.loss_mask[at - start : at - start + len(feedback)])
+    assert sum(sample.loss_mask) > 0  # the two replies
 
 
 def test_a_missing_or_unreachable_environment_fails_the_episode(session_stack, monkeypatch):

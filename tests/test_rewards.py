@@ -45,7 +45,11 @@ def length_bonus(episode: Episode) -> float:  # plain function: env reward + 0.5
 
 
 async def rank_in_group(episodes: list[Episode]) -> list[float]:  # async, sees hook rewards
-    order = sorted(range(len(episodes)), key=lambda i: episodes[i].reward)
+    def key(i):  # failed episodes (error set, reward maybe None) rank last
+        e = episodes[i]
+        return float("-inf") if e.error or e.reward is None else e.reward
+
+    order = sorted(range(len(episodes)), key=key)
     return [float(order.index(i)) for i in range(len(episodes))]
 
 
@@ -135,6 +139,47 @@ def test_a_failing_group_hook_fails_its_group_only(group_hook, reason):
     assert all(o.error is None for o in outputs[2:])
 
 
+def test_a_group_hook_sees_failed_episodes_marked_and_they_stay_failed():
+    seen = []
+
+    def record(episodes):
+        seen.extend((e.error, e.reward) for e in episodes)
+        return [1.0] * len(episodes)
+
+    outputs = _outputs([1.0, None, 0.0])
+    outputs[1].error = "agent timed out after 120 s"
+    assert _apply(RewardHooks(None, record, timeout_s=5), outputs, n=3) == 0
+    assert seen == [(None, 1.0), ("agent timed out after 120 s", None), (None, 0.0)]
+    assert outputs[1].error == "agent timed out after 120 s"  # still failed
+    assert [o.env_reward for o in outputs] == [1.0, None, 0.0]  # the environment's grade kept
+
+
+class _AsyncCall:  # a callable object whose call returns a coroutine
+    async def __call__(self, episode):
+        return 2.0
+
+
+def _exits(episode):
+    raise SystemExit(3)
+
+
+async def _own_timeout(episode):
+    raise TimeoutError("judge did not answer")
+
+
+def test_awaitables_are_awaited_and_exits_or_own_timeouts_are_plain_failures():
+    outputs = _outputs([1.0])
+    assert _apply(RewardHooks(_AsyncCall(), None, timeout_s=5), outputs, n=1) == 0
+    assert outputs[0].reward == 2.0
+    for hook, reason in (
+        (_exits, "raised RuntimeError('SystemExit: 3')"),
+        (_own_timeout, "raised TimeoutError('judge did not answer')"),
+    ):
+        outputs = _outputs([1.0])
+        assert _apply(RewardHooks(hook, None, timeout_s=5), outputs, n=1) == 1
+        assert reason in outputs[0].error
+
+
 def test_an_episode_that_already_failed_keeps_its_own_reason():
     outputs = _outputs([1.0, 1.0])
     outputs[0].error = "agent timed out after 120 s"
@@ -172,6 +217,20 @@ def test_reward_hook_paths_are_checked_before_anything_starts(tmp_path):
     ):
         with pytest.raises(ValueError, match=message):
             preflight(_agentic(tmp_path, setting))
+
+
+def test_agent_settings_that_cannot_work_together_are_refused(tmp_path):
+    for settings, message in (
+        (["agent.eval_episodes=4", "data.path=rows.jsonl"], "with data.path set there is none"),
+        (["agent.eval_every=5"], "agent.eval_every needs agent.eval_episodes"),
+        (["agent.command=[python,x.py]"], "agent.command and agent.function: miles_core"),
+        (
+            ["agent.function=miles_core.agents.blackbox:run_command"],
+            "agent.command and agent.function",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _agentic(tmp_path, *settings)
 
 
 def test_agent_settings_without_an_agent_function_are_refused(tmp_path):
@@ -225,4 +284,5 @@ def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_pa
             assert s.reward == 0.5 and any(s.loss_mask)
     assert out.metrics["rollout/reward_hook_failures"] == 2.0
     assert out.metrics["rollout/failed_episodes"] == 2.0
-    assert out.metrics["rollout/success_rate"] == 0.25  # (0.5 + 0 + 0.5 + 0) / 4
+    assert out.metrics["rollout/success_rate"] == 0.5  # the environment's grade: 1, 0, 1, 0
+    assert out.metrics["rollout/episode_reward_mean"] == 0.25  # trained on: 0.5, 0, 0.5, 0

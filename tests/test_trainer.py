@@ -146,6 +146,8 @@ def test_optimizer_steps_take_whole_rollouts():
     assert rollout_slices(ids, 10) == [(0, 7)]
     assert rollout_slices([f"r{i}" for i in range(6)], 2) == [(0, 2), (2, 4), (4, 6)]
     assert rollout_slices([], 4) == []
+    with pytest.raises(ValueError, match="rollout 'a': its samples are not next to each other"):
+        rollout_slices(["a", "b", "a"], 1)
 
 
 def test_ppo_clip_is_asymmetric_and_masks_count_in_the_numerator_only():

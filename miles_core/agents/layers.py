@@ -21,10 +21,13 @@ import importlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.tito import Message
 from miles_core.types import Sample, SampleGroup
+
+if TYPE_CHECKING:
+    from miles_core.agents.rewards import RewardHooks
 
 AgentFn = Callable[[str, list[Message], dict[str, Any], dict[str, Any]], Awaitable[dict | None]]
 
@@ -56,9 +59,10 @@ class GenerateInput:
 @dataclass
 class GenerateOutput:
     samples: list[Sample]  # one per trajectory leaf, sharing the rollout id
-    reward: float | None = None  # set by the environment, if it grades the episode
+    reward: float | None = None  # the episode's reward (the environment's, then the hooks')
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the trajectory failed, if it did
+    env_reward: float | None = None  # the environment's own grade, kept when hooks run
 
 
 @dataclass
@@ -67,7 +71,7 @@ class RolloutSetup:
     source: Any  # PromptSource: the run's prompts, in order (resumable)
     session_url: str
     generate: Callable[[GenerateInput], Awaitable[GenerateOutput]]
-    rewards: Any = None  # RewardHooks (agents/rewards.py), or None: the environment's reward
+    rewards: RewardHooks | None = None  # None: the environment's reward as it is
 
 
 @dataclass

@@ -5,7 +5,9 @@ Three sources, applied in this order (each later one sees what the earlier ones 
 1. the environment: the agent function returns {"reward": …} (e.g. the terminal checker);
 2. `agent.reward_function` ("pkg.mod:name"), per episode: `reward(episode: Episode) -> float`;
 3. `agent.group_reward_function`, per group (the n episodes of one prompt):
-   `reward(episodes: list[Episode]) -> list[float]` — e.g. ranking or comparing attempts.
+   `reward(episodes: list[Episode]) -> list[float]` — e.g. ranking or comparing attempts. It
+   sees the whole group, episodes that already failed included (`error` set, `reward` maybe
+   None); what it returns for those is ignored: they stay failed.
 
 Hooks may be plain or async functions. Every call runs under `agent.reward_timeout_s`; a hook
 that raises, times out, or returns anything but a finite number (or, per group, a list of n of
@@ -20,6 +22,7 @@ import asyncio
 import inspect
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +40,8 @@ class Episode:
     env_reward: float | None  # what the environment set, if anything
     metrics: dict[str, float] = field(default_factory=dict)  # the agent's own metrics
     reward: float | None = None  # the reward so far (env, then the per-episode hook)
+    error: str | None = None  # set when the episode already failed: it trains nothing, and
+    # its reward may be None; a group hook still sees it (rank it last, or ignore it)
 
 
 class RewardHookError(RuntimeError):
@@ -68,8 +73,10 @@ def _in_daemon_thread(fn: Callable, arg: Any) -> asyncio.Future:
     def work() -> None:
         try:
             value, error = fn(arg), None
-        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+        except Exception as e:  # noqa: BLE001  (handed to the awaiting coroutine)
             value, error = None, e
+        except BaseException as e:  # noqa: BLE001  (SystemExit & co: a failure, not an exit)
+            value, error = None, RuntimeError(f"{type(e).__name__}: {e}")
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop has closed: nobody waits any more
@@ -80,13 +87,22 @@ def _in_daemon_thread(fn: Callable, arg: Any) -> asyncio.Future:
 
 
 async def call_hook(fn: Callable, arg: Any, timeout_s: float, what: str) -> Any:
-    """`fn(arg)` (plain or async) under a timeout; any failure as a RewardHookError."""
-    try:
+    """`fn(arg)` (plain or async; an object whose call returns an awaitable counts as async)
+    under a timeout; any failure as a RewardHookError."""
+    t0 = time.monotonic()
+
+    async def call() -> Any:
         if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(arg), timeout_s)
-        return await asyncio.wait_for(_in_daemon_thread(fn, arg), timeout_s)
-    except TimeoutError:
-        raise RewardHookError(f"{what} timed out after {timeout_s:g} s") from None
+            return await fn(arg)
+        value = await _in_daemon_thread(fn, arg)
+        return await value if inspect.isawaitable(value) else value
+
+    try:
+        return await asyncio.wait_for(call(), timeout_s)
+    except TimeoutError as e:
+        if time.monotonic() - t0 >= timeout_s:
+            raise RewardHookError(f"{what} timed out after {timeout_s:g} s") from None
+        raise RewardHookError(f"{what} raised {e!r}") from e  # the hook's own timeout
     except Exception as e:  # noqa: BLE001  (the hook's failure fails its episodes, not the step)
         raise RewardHookError(f"{what} raised {e!r}") from e
 
@@ -101,9 +117,11 @@ class RewardHooks:
         """Sets each output's final reward in place (groups of `n` consecutive outputs); an
         output a hook fails gets `error`. Returns how many episodes a hook failed."""
         episodes = [
-            Episode(o.samples, task, o.reward, dict(o.metrics), o.reward)
+            Episode(o.samples, task, o.reward, dict(o.metrics), o.reward, o.error)
             for o, task in zip(outputs, tasks, strict=True)
         ]
+        for o in outputs:
+            o.env_reward = o.reward
         failed = 0
         if self.per_episode is not None:
             results = await asyncio.gather(
@@ -114,6 +132,7 @@ class RewardHooks:
                 episodes[i].reward = reward
                 if error is not None:
                     outputs[i].error, failed = error, failed + 1
+                    episodes[i].error = error
         if self.per_group is not None:
             groups = [list(range(g, g + n)) for g in range(0, len(outputs), n)]
             results = await asyncio.gather(*(self._group([episodes[i] for i in g]) for g in groups))

@@ -3,9 +3,11 @@ generate function (default: the agent function in a session on the session serve
 prompt for GRPO.
 
 The environment sets each episode's reward (the agent returns it), then the reward hooks, if
-configured (`agents/rewards.py`); all leaves of an episode share it and its rollout id. An episode
-that fails (the agent raised or timed out, a reward hook failed, or nothing set a reward) stays in the batch with reward 0 and a zero loss mask, so it trains nothing and the
-batch keeps its shape; it is counted in `rollout/failed_episodes`.
+configured (`agents/rewards.py`); all leaves of an episode share it and its rollout id. An
+episode that fails (the agent raised or timed out, a reward hook failed, or nothing set a
+reward) stays in the batch with reward 0 and a zero loss mask, so it trains nothing and the
+batch keeps its shape; it is counted in `rollout/failed_episodes`, its reason logged and kept in
+its samples' metadata.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ class AgenticRollout:
         self.config = setup.config
         self.source = setup.source
         self._seen: dict[str, float] = {}  # session-server totals at the last step
-        self._limit = asyncio.Semaphore(setup.config.agent.concurrency)
 
-    async def _episode(self, example, rollout_id: str, seed: int) -> GenerateOutput:
+    async def _episode(
+        self, example, rollout_id: str, seed: int, limit: asyncio.Semaphore
+    ) -> GenerateOutput:
         """One agent episode through the generate function; its failure is the episode's."""
         r, agent = self.config.rollout, self.config.agent
         messages = (
@@ -58,7 +61,7 @@ class AgenticRollout:
             rollout_id=rollout_id,
             session_url=self.setup.session_url,
         )
-        async with self._limit:
+        async with limit:
             try:
                 return await self.setup.generate(gen_in)
             except Exception as e:  # noqa: BLE001  (one episode's failure, not the step's)
@@ -68,12 +71,12 @@ class AgenticRollout:
         r = self.config.rollout
         n = r.n_samples_per_prompt
         prompts = self.source.next_batch(r.prompts_per_step)
-        self._limit = asyncio.Semaphore(self.config.agent.concurrency)
+        limit = asyncio.Semaphore(self.config.agent.concurrency)  # in this call's event loop
         t0 = time.perf_counter()
         base = (r.seed + self.config.seed) * 1_000_003 + inp.step * 10_007
         outputs = await asyncio.gather(
             *(
-                self._episode(ex, f"s{inp.step}-g{g}-{k}", base + g * n + k)
+                self._episode(ex, f"s{inp.step}-g{g}-{k}", base + g * n + k, limit)
                 for g, (_, ex) in enumerate(prompts)
                 for k in range(n)
             )
@@ -95,7 +98,7 @@ class AgenticRollout:
                     if not ok:
                         s.status = Status.FAILED
                         s.loss_mask = [0] * s.response_length
-                        s.metadata.setdefault("error", out.error or "nothing set a reward")
+                        s.metadata.setdefault("error", failure_reason(out))
                     samples.append(s)
             groups.append(SampleGroup(group_index=g, samples=samples))
         result = RolloutOutput(groups)
@@ -110,7 +113,7 @@ class AgenticRollout:
             }
         )
         result.metrics |= await self._session_counters()
-        reasons = Counter(o.error or "nothing set a reward" for o in outputs if not _succeeded(o))
+        reasons = Counter(failure_reason(o) for o in outputs if not _succeeded(o))
         for reason, count in reasons.most_common(3):
             log.warning("step %d: %d episode(s) failed: %s", inp.step, count, reason[:300])
         return result
@@ -118,14 +121,17 @@ class AgenticRollout:
     async def evaluate(self, examples: list) -> dict[str, float]:
         """One episode per example at fixed seeds (the same every time: only the policy changes
         between two evaluations); `eval/success_rate` and friends, nothing trained."""
-        self._limit = asyncio.Semaphore(self.config.agent.concurrency)
+        limit = asyncio.Semaphore(self.config.agent.concurrency)
         t0 = time.perf_counter()
         seed = (self.config.rollout.seed + self.config.seed) * 1_000_003 - 1
         outputs = await asyncio.gather(
-            *(self._episode(ex, f"eval-{i}", seed - i) for i, ex in enumerate(examples))
+            *(self._episode(ex, f"eval-{i}", seed - i, limit) for i, ex in enumerate(examples))
         )
-        await self._rewards(outputs, [ex.label for ex in examples], 1, per_group=False)
+        hook_failures = await self._rewards(
+            outputs, [ex.label for ex in examples], 1, per_group=False
+        )
         metrics = episode_metrics("eval", examples, outputs)
+        metrics["eval/reward_hook_failures"] = float(hook_failures)
         metrics["eval/failed_episodes"] = float(sum(not _succeeded(o) for o in outputs))
         metrics["eval/time_s"] = time.perf_counter() - t0
         await self._session_counters()  # eval sessions do not count toward the next step
@@ -161,13 +167,30 @@ def _succeeded(out: GenerateOutput) -> bool:
     return bool(out.error is None and out.reward is not None and out.samples)
 
 
+def failure_reason(out: GenerateOutput) -> str:
+    if out.error is not None:
+        return out.error
+    return "no turns recorded" if not out.samples else "nothing set a reward"
+
+
 def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) -> dict:
-    """`<prefix>/success_rate` (mean environment reward, failed episodes count 0), per task
-    kind where the label names one, and the agent's own metrics as `agent/<key>_mean`."""
+    """`<prefix>/success_rate`: the mean of the environment's grade (the episode's reward
+    where the environment gives none; failed episodes count 0), overall and per task kind
+    where the label names one; `<prefix>/episode_reward_mean`: the reward trained on (after
+    the hooks); the agent's own metrics as `agent/<key>_mean`."""
     rewards = [float(o.reward or 0.0) if _succeeded(o) else 0.0 for o in outputs]
-    out = {f"{prefix}/success_rate": statistics.fmean(rewards)}
+    graded = [
+        (o.env_reward if o.env_reward is not None else float(o.reward or 0.0))
+        if _succeeded(o)
+        else 0.0
+        for o in outputs
+    ]
+    out = {
+        f"{prefix}/success_rate": statistics.fmean(graded),
+        f"{prefix}/episode_reward_mean": statistics.fmean(rewards),
+    }
     kinds: dict[str, list[float]] = {}
-    for ex, reward in zip(examples, rewards, strict=True):
+    for ex, reward in zip(examples, graded, strict=True):
         if isinstance(ex.label, dict) and isinstance(ex.label.get("kind"), str):
             kinds.setdefault(ex.label["kind"], []).append(reward)
     for kind, values in sorted(kinds.items()):

@@ -14,7 +14,8 @@ protocol, any language or container behind it) as an agent function.
 The loop: reset → the observation becomes a user message (unless it repeats the prompt's last
 message) → the model replies through the session at `base_url` → the reply is the action →
 step; until the environment says done or `max_turns` replies. The reward is the sum of the
-step rewards, set by the environment. `openenv-core` is an optional dependency (`.[openenv]`).
+step rewards, set by the environment. `openenv-core` is an optional dependency (`.[openenv]`);
+without it, a run naming this agent function is refused before anything starts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+from openai import AsyncOpenAI
+
+# imported here, not in run_agent: without the extra, naming this agent fails in preflight
+from openenv.core import GenericEnvClient
 
 ENV_URL_VAR = "MILES_OPENENV_URL"
 
@@ -43,9 +49,6 @@ def observation_text(observation: Any, field: str | None) -> str:
 async def run_agent(
     base_url: str, prompt: list[dict], request_kwargs: dict[str, Any], metadata: dict[str, Any]
 ) -> dict:
-    from openai import AsyncOpenAI
-    from openenv.core import GenericEnvClient
-
     task = metadata.get("task") or {}
     env_url = task.get("env_url") or os.environ.get(ENV_URL_VAR)
     if not env_url:

@@ -57,10 +57,15 @@ class FinishReason(BaseModel):
 def version_number(weight_version: str) -> int:
     """Our policy versions are integers; SGLang starts a server at "default" (the weights it
     loaded, before any update): that is version 0."""
+    if weight_version == "default":
+        return 0
     try:
         return int(weight_version)
     except ValueError:
-        return 0
+        raise ValueError(
+            f"engine weight_version {weight_version!r} is neither an integer policy version "
+            "nor SGLang's initial 'default'"
+        ) from None
 
 
 class MetaInfo(BaseModel):

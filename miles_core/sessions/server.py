@@ -122,7 +122,7 @@ def create_app(
             + sum(s.trajectory.mismatched_tokens for s in live),
         }
 
-    def _close(s: Session) -> None:
+    def _retire(s: Session) -> None:  # its counters join the totals of closed sessions
         counters["closed_branches"] += s.trajectory.branches
         counters["closed_mismatched_tokens"] += s.trajectory.mismatched_tokens
 
@@ -130,7 +130,7 @@ def create_app(
         now = clock()
         for sid in [k for k, s in sessions.items() if now - s.last_used > session_ttl_s]:
             if not sessions[sid].lock.locked():  # never one with a turn in flight
-                _close(sessions.pop(sid))
+                _retire(sessions.pop(sid))
                 counters["expired_sessions"] += 1
 
     @app.post("/sessions", status_code=201)
@@ -174,7 +174,7 @@ def create_app(
         if s is None:
             counters["errors_4xx"] += 1
             return _error(404, f"unknown session {sid!r}", "not_found_error")
-        _close(s)
+        _retire(s)
         return {"deleted": True}
 
     @app.get("/sessions/{sid}/v1/models")

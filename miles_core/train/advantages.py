@@ -33,14 +33,19 @@ def grpo_advantages(
 
 def rollout_slices(rollout_ids: list[str], rollouts_per_slice: int) -> list[tuple[int, int]]:
     """[start, end) row ranges of consecutive rollouts, `rollouts_per_slice` whole rollouts each
-    (a rollout's leaves are never split between two optimizer steps)."""
+    (a rollout's leaves are never split between two optimizer steps). A rollout's samples must
+    be next to each other (rollout functions emit them so)."""
     bounds, count, start = [], 0, 0
+    seen: set[str] = set()
     for i, rid in enumerate(rollout_ids):
         if i and rid != rollout_ids[i - 1]:
+            if rid in seen:
+                raise ValueError(f"rollout {rid!r}: its samples are not next to each other")
             count += 1
             if count == rollouts_per_slice:
                 bounds.append((start, i))
                 start, count = i, 0
+        seen.add(rid)
     if rollout_ids:
         bounds.append((start, len(rollout_ids)))
     return bounds

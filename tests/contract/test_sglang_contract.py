@@ -204,6 +204,8 @@ def test_an_sglang_server_that_was_never_updated_reports_version_zero():
 
     assert version_number("default") == 0  # SGLang's initial weight_version
     assert version_number("7") == 7
+    with pytest.raises(ValueError, match="'v5' is neither an integer policy version"):
+        version_number("v5")
     meta = MetaInfo(
         finish_reason={"type": "stop"},
         prompt_tokens=1,
