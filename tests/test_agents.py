@@ -21,40 +21,44 @@ from miles_core.rollout.process import free_port
 from miles_core.types import Status
 
 
-def _scripted_policy(solutions: dict[str, list[str]], bad_args: bool = False) -> FastAPI:
+def _scripted_reply(solutions: dict[str, list[str]], body: dict, bad_args: bool = False) -> dict:
     """Answers like a model that knows each task's solution: one `run` call per command, then
     a final message."""
+    messages = body["messages"]
+    instruction = messages[0]["content"]
+    done = sum(1 for m in messages if m["role"] == "tool")
+    steps = solutions[instruction]
+    if done < len(steps):
+        args = "not json" if bad_args else json.dumps({"cmd": steps[done]})
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{done}",
+                    "type": "function",
+                    "function": {"name": "run", "arguments": args},
+                }
+            ],
+        }
+        reason = "tool_calls"
+    else:
+        message, reason = {"role": "assistant", "content": "done"}, "stop"
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "scripted",
+        "choices": [{"index": 0, "message": message, "finish_reason": reason}],
+    }
+
+
+def _scripted_policy(solutions: dict[str, list[str]], bad_args: bool = False) -> FastAPI:
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
-        messages = body["messages"]
-        instruction = messages[0]["content"]
-        done = sum(1 for m in messages if m["role"] == "tool")
-        steps = solutions[instruction]
-        if done < len(steps):
-            args = "not json" if bad_args else json.dumps({"cmd": steps[done]})
-            message = {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": f"call_{done}",
-                        "type": "function",
-                        "function": {"name": "run", "arguments": args},
-                    }
-                ],
-            }
-            reason = "tool_calls"
-        else:
-            message, reason = {"role": "assistant", "content": "done"}, "stop"
-        return {
-            "id": "x",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "scripted",
-            "choices": [{"index": 0, "message": message, "finish_reason": reason}],
-        }
+        return _scripted_reply(solutions, body, bad_args)
 
     return app
 
@@ -92,7 +96,30 @@ def test_the_terminal_agent_solves_every_kind_with_a_policy_that_knows_the_solut
             out = asyncio.run(run_agent(base_url, prompt, {}, {"task": task.to_dict()}))
         assert out["reward"] == 1.0, task
         steps = float(len(task.solution))  # one call per command, then the final answer
-        assert out["metrics"] == {"turns": steps + 1, "commands": steps, "bad_calls": 0.0}
+        expected = {"turns": steps + 1, "commands": steps, "bad_calls": 0.0, "context_full": 0.0}
+        assert out["metrics"] == expected
+
+
+def test_a_conversation_out_of_context_ends_the_episode_and_is_graded():
+    """The session server answers 400 when the next turn does not fit the context: the agent
+    stops there and the checker grades what was done (here: the task, solved in turn one)."""
+    from fastapi.responses import JSONResponse
+
+    task = make_task("create", random.Random(0))
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        if any(m["role"] == "tool" for m in body["messages"]):
+            message = "prompt (500 tokens) + max_new_tokens (128) exceeds the context length 512"
+            return JSONResponse({"error": {"message": message}}, status_code=400)
+        return _scripted_reply({task.instruction: task.solution}, body)
+
+    with _Server(app) as url:
+        prompt = [{"role": "user", "content": task.instruction}]
+        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
+    assert out["reward"] == 1.0
+    assert out["metrics"] == {"turns": 1.0, "commands": 1.0, "bad_calls": 0.0, "context_full": 1.0}
 
 
 def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
@@ -101,7 +128,7 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
         prompt = [{"role": "user", "content": task.instruction}]
         out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict(), "max_turns": 2}))
     assert out["reward"] == 0.0  # the call was answered with an error, nothing ran
-    assert out["metrics"] == {"turns": 2.0, "commands": 0.0, "bad_calls": 1.0}
+    assert out["metrics"] == {"turns": 2.0, "commands": 0.0, "bad_calls": 1.0, "context_full": 0.0}
     escape = [
         "rm -rf /usr; echo x > /etc/evil; cat /root/.bashrc > a.txt; ln -sf /etc/passwd "
         + task.target

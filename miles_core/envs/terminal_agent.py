@@ -5,7 +5,8 @@
 `metadata["task"]` is a TerminalTask as a dict. The agent sets the task up in a fresh sandbox,
 then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the next step:
 every `run` tool call is executed in the sandbox and its output returned as the tool result; a
-reply without tool calls ends the episode. The checker's score of the final workspace is the
+reply without tool calls ends the episode, and so does a conversation that has no room left in
+the model's context (`context_full`). The checker's score of the final workspace is the
 reward (set by the environment). Tools are not sent with the request (a long tool schema does
 not fit a tiny model's context); the model learns the call format from demonstrations.
 """
@@ -46,21 +47,27 @@ def command_of(call) -> str | None:
 async def run_agent(
     base_url: str, prompt: list[dict], request_kwargs: dict[str, Any], metadata: dict[str, Any]
 ) -> dict:
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, BadRequestError
 
     task = TerminalTask.from_dict(metadata["task"])
     max_turns = int(metadata.get("max_turns", 4))
     limits = SandboxLimits(**metadata.get("limits", {}))
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = list(prompt)
-    turns = commands = bad_calls = 0
+    turns = commands = bad_calls = context_full = 0
     try:
         with Sandbox(limits) as sandbox:
             await asyncio.to_thread(task.setup, sandbox)
             for _ in range(max_turns):
-                r = await client.chat.completions.create(
-                    model="policy", messages=messages, **request_kwargs
-                )
+                try:
+                    r = await client.chat.completions.create(
+                        model="policy", messages=messages, **request_kwargs
+                    )
+                except BadRequestError as e:
+                    if "context length" not in str(e):
+                        raise
+                    context_full = 1  # no room for another turn: grade what was done
+                    break
                 turns += 1
                 choice = r.choices[0]
                 calls = choice.message.tool_calls or []
@@ -87,5 +94,10 @@ async def run_agent(
             reward = await asyncio.to_thread(task.check, sandbox)
     finally:
         await client.close()
-    metrics = {"turns": float(turns), "commands": float(commands), "bad_calls": float(bad_calls)}
+    metrics = {
+        "turns": float(turns),
+        "commands": float(commands),
+        "bad_calls": float(bad_calls),
+        "context_full": float(context_full),
+    }
     return {"reward": reward, "metrics": metrics}
