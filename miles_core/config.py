@@ -89,6 +89,12 @@ class RolloutConfig(_Strict):
     n_samples_per_prompt: int = Field(8, gt=0, description="GRPO group size")
     max_new_tokens: int = Field(16, gt=0)
     temperature: float = Field(1.0, gt=0)
+    reward_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a reward function (task.score) running longer fails its sample (reward 0, "
+        "nothing trained)",
+    )
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 disables top-k")
     seed: int = 0

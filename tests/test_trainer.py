@@ -137,6 +137,18 @@ def test_grpo_baselines_count_each_rollout_once_and_leaves_share_its_advantage()
     assert grpo_advantages([group]) == pytest.approx(expected, rel=1e-5)
 
 
+def test_failed_samples_are_not_part_of_the_baseline():
+    from miles_core.types import Status
+
+    def sample(k, reward, status=Status.COMPLETED):
+        return Sample(0, k, f"r{k}", "p", [1], 0, [], [], reward=reward, status=status)
+
+    group = SampleGroup(0, [sample(0, 1.0), sample(1, 0.0, Status.FAILED), sample(2, 0.0)])
+    assert grpo_advantages([group], normalize_std=False) == [0.5, 0.0, -0.5]
+    all_failed = SampleGroup(1, [sample(0, 0.0, Status.FAILED), sample(1, 0.0, Status.FAILED)])
+    assert grpo_advantages([all_failed]) == [0.0, 0.0]
+
+
 def test_optimizer_steps_take_whole_rollouts():
     from miles_core.train.advantages import rollout_slices
 

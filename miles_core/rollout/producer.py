@@ -279,6 +279,7 @@ class RolloutProducer:
             ticket.ids,
             responses,
             [v for _, v in results],
+            reward_timeout_s=self.cfg.reward_timeout_s,
         )
         with self._cond:
             ticket.group = group

@@ -13,6 +13,7 @@ from miles_core.data.dataset import to_messages
 from miles_core.data.tasks import Example, Task
 from miles_core.rollout.engine import RolloutEngine
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from miles_core.rollout.scoring import safe_score
 from miles_core.types import FINISH_REASON_TO_STATUS, Sample, SampleGroup, Status
 
 
@@ -82,14 +83,17 @@ def build_group(
     ids: list[int],
     responses: list[GenerateResponse],
     versions: list[list[int]] | None = None,
+    reward_timeout_s: float = 30.0,
 ) -> SampleGroup:
     """Scores the responses of one prompt; `versions[k]` are the weight versions of sample k's
-    generation calls (default: the version its single response reports)."""
+    generation calls (default: the version its single response reports). A response whose
+    reward function fails (raises, times out, non-finite) becomes a FAILED sample: reward 0, a
+    zero loss mask, the reason in its metadata."""
     samples = []
     for k, resp in enumerate(responses):
         out = resp.output_ids
         status = FINISH_REASON_TO_STATUS[resp.meta_info.finish_reason.type]
-        score = task.score(resp.text, ex.label)
+        score, error = safe_score(task, resp.text, ex.label, reward_timeout_s)
         sample = Sample(
             group_index=g,
             index=g * n + k,
@@ -97,18 +101,19 @@ def build_group(
             prompt=ex.prompt,
             tokens=ids + out,
             response_length=len(out),
-            loss_mask=[1] * len(out),
+            loss_mask=[0 if error else 1] * len(out),
             rollout_log_probs=resp.output_log_probs,
             weight_versions=versions[k] if versions else [resp.meta_info.version],
-            reward=score.reward,
-            status=status,
+            reward=float(score.reward),
+            status=Status.FAILED if error else status,
             label=ex.label,
             response=resp.text,
             metadata={
                 "data_index": data_index,
                 "metrics": score.metrics,
                 "cached_tokens": resp.meta_info.cached_tokens,
-            },
+            }
+            | ({"error": error} if error else {}),
         )
         sample.validate()
         samples.append(sample)
@@ -136,7 +141,17 @@ def generate_groups(
     gen_seconds = time.perf_counter() - t0
     load = engine_load(load_before, engine.load_counters())
     groups = [
-        build_group(task, step, g, n, data_index, ex, ids, responses[g * n : (g + 1) * n])
+        build_group(
+            task,
+            step,
+            g,
+            n,
+            data_index,
+            ex,
+            ids,
+            responses[g * n : (g + 1) * n],
+            reward_timeout_s=cfg.reward_timeout_s,
+        )
         for g, ((data_index, ex), ids) in enumerate(zip(prompts, encoded, strict=True))
     ]
     result = RolloutResult(groups)
@@ -171,6 +186,7 @@ def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:
         "rollout/response_len_mean": statistics.fmean(lengths),
         "rollout/truncated_ratio": sum(s.status == Status.TRUNCATED for s in samples)
         / len(samples),
+        "rollout/failed_samples": float(sum(s.status == Status.FAILED for s in samples)),
         "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
         "rollout/weight_version/mean": statistics.fmean(versions),
         "rollout/weight_version/min": float(min(versions)),

@@ -3,14 +3,16 @@
 The statistics are over a group's rollouts, not its samples: an agent episode recorded as
 several leaves (siblings sharing a rollout id, one reward) counts once, so a harness that
 branches a lot does not pull its group's baseline toward its own reward. Every leaf gets its
-rollout's advantage. With one sample per rollout (plain RL) the two are the same.
+rollout's advantage. With one sample per rollout (plain RL) the two are the same. FAILED
+samples (a reward function or an agent that failed) are left out of the statistics and get
+advantage 0: they train nothing and do not drag their siblings' baseline toward 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from miles_core.types import SampleGroup
+from miles_core.types import SampleGroup, Status
 
 
 def grpo_advantages(
@@ -21,13 +23,16 @@ def grpo_advantages(
     for g in groups:
         rewards: dict[str, float] = {}  # rollout id → its reward, in first-seen order
         for s in g.samples:
-            rewards.setdefault(s.rollout_id, float(s.reward))
-        r = torch.tensor(list(rewards.values()), dtype=torch.float64)
-        a = r - r.mean()
-        if normalize_std and len(r) > 1:
-            a = a / (r.std(unbiased=True) + eps)
-        by_rollout = dict(zip(rewards, a.tolist(), strict=True))
-        out.extend(by_rollout[s.rollout_id] for s in g.samples)
+            if s.status != Status.FAILED:  # failed: trains nothing, and is not a baseline
+                rewards.setdefault(s.rollout_id, float(s.reward))
+        by_rollout: dict[str, float] = {}
+        if rewards:
+            r = torch.tensor(list(rewards.values()), dtype=torch.float64)
+            a = r - r.mean()
+            if normalize_std and len(r) > 1:
+                a = a / (r.std(unbiased=True) + eps)
+            by_rollout = dict(zip(rewards, a.tolist(), strict=True))
+        out.extend(by_rollout.get(s.rollout_id, 0.0) for s in g.samples)
     return out
 
 
