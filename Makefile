@@ -34,8 +34,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: venv system
-	$(BIN)/miles train --config examples/say_a.yaml
-	$(BIN)/miles train --config examples/reverse_sft_rl.yaml
+	$(BIN)/miles train --config examples/say_a.yaml --set checkpoint.overwrite=true
+	$(BIN)/miles train --config examples/reverse_sft_rl.yaml --set checkpoint.overwrite=true
 
 test: venv system
 	$(BIN)/python -m pytest -q

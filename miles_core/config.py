@@ -248,6 +248,11 @@ class CheckpointConfig(_Strict):
     root: str = Field("checkpoints", description="fsspec root: a local path or s3://bucket/prefix")
     interval: int = Field(0, ge=0, description="save every N steps; 0 saves only at the end")
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    overwrite: bool = Field(
+        False,
+        description="a new run (not --resume) whose name already has checkpoints under root "
+        "replaces them; false: such a run is refused before anything starts",
+    )
 
 
 class TrackingConfig(_Strict):

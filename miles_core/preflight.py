@@ -76,12 +76,45 @@ def _check_plugins(config: RunConfig) -> None:
         )
 
 
+def run_names(config: RunConfig) -> list[str]:
+    """The checkpoint folders a run writes: its own, and its SFT warm start's."""
+    return [config.name] + ([f"{config.name}-sft"] if config.sft is not None else [])
+
+
+def _refuse_existing_runs(config: RunConfig) -> None:
+    ck = config.checkpoint
+    for name in run_names(config):
+        store = CheckpointStore(ck.root, name, ck.storage_options)
+        try:
+            latest = store.latest_step()
+        finally:
+            store.close()
+        if latest is not None:
+            raise ValueError(
+                f"run {name!r} already has checkpoints under {ck.root} (latest step {latest}): "
+                "continue it with --resume, choose another name, or set "
+                "checkpoint.overwrite: true to replace them"
+            )
+
+
+def clear_previous_checkpoints(config: RunConfig) -> None:
+    """checkpoint.overwrite on a new run: the earlier run's checkpoints of the same name go."""
+    ck = config.checkpoint
+    for name in run_names(config):
+        store = CheckpointStore(ck.root, name, ck.storage_options)
+        try:
+            store.remove_all()
+        finally:
+            store.close()
+
+
 def preflight(config: RunConfig, resume: bool = False) -> None:
     """Raises ValueError / FileNotFoundError / OSError for: agent plug-ins that do not import,
     unreadable or malformed datasets (row
     number in the message), rows without the label the task scores against, prompts that do not
     fit the context with max_new_tokens, SFT data without answers, a missing starting model, an
-    unwritable checkpoint root, and on resume: no checkpoint, a checkpoint at or past
+    unwritable checkpoint root, a new run whose name already has checkpoints (unless
+    checkpoint.overwrite), and on resume: no checkpoint, a checkpoint at or past
     train.num_steps, or one whose model config differs from the configured model."""
     _check_plugins(config)
     model_config = _model_config(config)
@@ -116,6 +149,8 @@ def preflight(config: RunConfig, resume: bool = False) -> None:
     store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
     try:
         store.check_writable()
+        if not resume and not config.checkpoint.overwrite:
+            _refuse_existing_runs(config)
         if resume:
             latest = store.latest_step()
             if latest is None:

@@ -25,6 +25,10 @@ from miles_core.models.builder import architecture_of, check_same_architecture
 STATE_FILE = "state.json"
 
 
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; nothing already saved was changed."""
+
+
 class CheckpointStore:
     def __init__(self, root: str, run_name: str, storage_options: dict[str, Any] | None = None):
         self.root = root.rstrip("/")
@@ -41,28 +45,44 @@ class CheckpointStore:
         return self._url(f"{self.base}/step_{step:06d}")
 
     def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> str:
-        """`write(local_dir)` fills a directory; it is then published as step `step`."""
+        """`write(local_dir)` fills a directory; it is then published as step `step`. A save
+        that fails (disk full, credentials, ...) raises CheckpointSaveError and leaves the
+        earlier checkpoints and `latest` as they were (its partial files are removed)."""
         name = f"step_{step:06d}"
         target = f"{self.base}/{name}"
-        if self.is_local:
-            Path(self.base).mkdir(parents=True, exist_ok=True)
-            tmp = Path(self.base) / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            write(tmp)
-            _write_json(tmp / STATE_FILE, state)
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
-        else:
-            local = self._staging / name
+        local = Path(self.base) / f".{name}.tmp" if self.is_local else self._staging / name
+        try:
+            if self.is_local:
+                Path(self.base).mkdir(parents=True, exist_ok=True)
             shutil.rmtree(local, ignore_errors=True)
             write(local)
             _write_json(local / STATE_FILE, state)
-            if self.fs.exists(target):
-                self.fs.rm(target, recursive=True)
-            self.fs.put(str(local), target, recursive=True)
+            if self.is_local:
+                shutil.rmtree(target, ignore_errors=True)
+                local.rename(target)
+            else:
+                if self.fs.exists(target):
+                    self.fs.rm(target, recursive=True)
+                self.fs.put(str(local), target, recursive=True)
+            self.fs.pipe_file(f"{self.base}/latest", str(step).encode())
+        except Exception as e:
             shutil.rmtree(local, ignore_errors=True)
-        self.fs.pipe_file(f"{self.base}/latest", str(step).encode())
+            previous = self.latest_step_or_none()
+            kept = f"step {previous} is the latest" if previous is not None else "none saved yet"
+            raise CheckpointSaveError(
+                f"saving step {step} to {self._url(self.base)} failed ({e}); the earlier "
+                f"checkpoints are untouched ({kept})"
+            ) from e
+        finally:
+            if not self.is_local:
+                shutil.rmtree(local, ignore_errors=True)
         return self._url(target)
+
+    def latest_step_or_none(self) -> int | None:
+        try:
+            return self.latest_step()
+        except Exception:  # noqa: BLE001  (only for a message: the store may be unreachable)
+            return None
 
     def check_writable(self) -> None:
         """Writes and removes a probe file, so bad credentials or paths fail before training."""
@@ -79,6 +99,11 @@ class CheckpointStore:
         if not self.fs.exists(marker):
             return None
         return int(self.fs.cat_file(marker).decode().strip())
+
+    def remove_all(self) -> None:
+        """Deletes every checkpoint of this run (checkpoint.overwrite on a new run)."""
+        if self.fs.exists(self.base):
+            self.fs.rm(self.base, recursive=True)
 
     def fetch(self, step: int) -> Path:
         """A local directory with the checkpoint's files (downloaded for remote roots)."""

@@ -5,7 +5,7 @@ from pathlib import Path
 from prefect.runtime import flow_run
 
 from miles_core.config import RunConfig
-from miles_core.preflight import preflight
+from miles_core.preflight import clear_previous_checkpoints, preflight
 from miles_core.runtime import RLRuntime, latest_state, prepare_model_dir
 from miles_core.tracking import Tracker
 from tasks._task import step_task
@@ -13,8 +13,11 @@ from tasks._task import step_task
 
 @step_task(name="check_inputs")
 def check_inputs(config: RunConfig, resume: bool = False) -> None:
-    """Dataset rows, SFT answers, the checkpoint to resume: refused here, before anything starts."""
+    """Dataset rows, SFT answers, the checkpoint to resume: refused here, before anything starts.
+    With checkpoint.overwrite, a new run first removes the earlier checkpoints of its name."""
     preflight(config, resume)
+    if config.checkpoint.overwrite and not resume:
+        clear_previous_checkpoints(config)
 
 
 @step_task(name="resumed_config")

@@ -182,3 +182,25 @@ def test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root(tmp_path
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match="is not writable"):
         preflight(load_config(None, [f"checkpoint.root={blocker}"]))
+
+
+def test_a_new_run_with_the_name_of_an_existing_one_is_refused_unless_it_overwrites(tmp_path):
+    """Two runs of one name would interleave their checkpoints (and `latest`): refused; with
+    checkpoint.overwrite the earlier run's checkpoints (its SFT's too) are removed first."""
+    from miles_core.preflight import clear_previous_checkpoints
+    from miles_core.storage import CheckpointStore
+
+    def write(d):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "weights.txt").write_text("old")
+
+    for name in ("twice", "twice-sft"):
+        CheckpointStore(str(tmp_path), name).save(3, write, {})
+    base = [f"checkpoint.root={tmp_path}", "name=twice"]
+    with pytest.raises(ValueError, match=r"run 'twice' already has checkpoints under .* step 3"):
+        preflight(load_config(None, base))
+    cfg = load_config(None, [*base, "checkpoint.overwrite=true", "sft.task=reverse"])
+    preflight(cfg)  # allowed: it replaces them
+    clear_previous_checkpoints(cfg)
+    assert not (tmp_path / "twice").exists() and not (tmp_path / "twice-sft").exists()
+    preflight(load_config(None, base))  # nothing left to collide with

@@ -1,6 +1,7 @@
 """Checkpoints through fsspec: local and s3:// (a real moto S3 server on 127.0.0.1)."""
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -145,3 +146,71 @@ def test_disk_weight_pushes_through_s3_reach_an_engine_server(
     finally:
         engine.close()
         proc.stop()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 256 KiB tmpfs: too small for a checkpoint of the tiny model (a real ENOSPC)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_save_onto_a_full_disk_fails_clearly_and_keeps_the_earlier_checkpoint(full_disk):
+    from miles_core.models import build_model
+    from miles_core.storage import CheckpointSaveError, CheckpointStore
+
+    store = CheckpointStore(str(full_disk), "run")
+    store.save(0, lambda d: (d.mkdir(), (d / "small.txt").write_text("fits")), {"step": 0})
+    model, tok = build_model("tiny", 0)
+    with pytest.raises(CheckpointSaveError, match=r"No space left on device.*step 0 is the latest"):
+        store.save(1, lambda d: (model.save_pretrained(d), tok.save_pretrained(d)), {})
+    assert store.latest_step() == 0 and store.read_state(0) == {"step": 0}
+    assert sorted(p.name for p in (full_disk / "run").iterdir()) == ["latest", "step_000000"]
+    store.close()
+
+
+def test_a_failed_save_before_the_last_step_does_not_stop_training(full_disk, tmp_path):
+    """The save task on a real full disk: before the last step it reports and carries on; once
+    there is room the next save succeeds; a last-step save that fails raises."""
+    import tempfile
+    from pathlib import Path
+
+    from miles_core.config import load_config
+    from miles_core.runtime import RLRuntime, prepare_model_dir
+    from miles_core.storage import CheckpointSaveError
+    from tasks.checkpoint import save_checkpoint
+
+    cfg = load_config(
+        None,
+        [
+            "model.preset=tiny",
+            "data.num_prompts=8",
+            "rollout.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            "train.num_steps=3",
+            f"checkpoint.root={full_disk}",
+        ],
+    )
+    rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
+    try:
+        assert save_checkpoint.fn(rt, 0)["checkpoint/save_failed"] == 1.0  # full: goes on
+        assert rt.last_saved_step is None and rt.store.latest_step() is None
+        with pytest.raises(CheckpointSaveError, match="No space left on device"):
+            save_checkpoint.fn(rt, 2)  # the last step's save must succeed
+        remount = ["mount", "-o", "remount,size=64m", str(full_disk)]
+        subprocess.run(remount, check=True)
+        assert "checkpoint/save_failed" not in save_checkpoint.fn(rt, 1)
+        assert rt.store.latest_step() == 1
+    finally:
+        rt.close()
