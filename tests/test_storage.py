@@ -1,7 +1,11 @@
 """Checkpoints through fsspec: local and s3:// (a real moto S3 server on 127.0.0.1)."""
 
 import json
+import os
 import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +218,92 @@ def test_a_failed_save_before_the_last_step_does_not_stop_training(full_disk, tm
         assert rt.store.latest_step() == 1
     finally:
         rt.close()
+
+
+class _AuthMotoServer:
+    """moto as a subprocess with credential checks on: only the first few calls (used here to
+    create an IAM user and its key) go unauthenticated."""
+
+    def __init__(self, log_path):
+        from miles_core.rollout.process import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
+        env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
+        server = Path(sys.executable).with_name("moto_server")
+        self.proc = subprocess.Popen(
+            [str(server), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def wait(self):
+        import httpx
+
+        for _ in range(200):
+            try:
+                httpx.get(f"{self.url}/moto-api/", timeout=1)
+                return
+            except httpx.HTTPError:
+                assert self.proc.poll() is None, "moto server exited"
+                threading.Event().wait(0.05)
+        raise TimeoutError("moto server did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def auth_s3(tmp_path):
+    import boto3
+
+    server = _AuthMotoServer(tmp_path / "moto.log")
+    try:
+        server.wait()
+        kw = {"endpoint_url": server.url, "region_name": "us-east-1"}
+        iam = boto3.client("iam", aws_access_key_id="a", aws_secret_access_key="b", **kw)
+        iam.create_user(UserName="trainer")
+        allow_s3 = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+        }
+        iam.put_user_policy(
+            UserName="trainer", PolicyName="s3", PolicyDocument=json.dumps(allow_s3)
+        )
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        good = {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+        boto3.client(
+            "s3",
+            aws_access_key_id=good["key"],
+            aws_secret_access_key=good["secret"],
+            **kw,
+        ).create_bucket(Bucket=BUCKET)
+        yield server.url, good
+    finally:
+        server.stop()
+
+
+def test_wrong_s3_credentials_are_refused_before_anything_starts(auth_s3):
+    from miles_core.config import load_config
+    from miles_core.preflight import preflight
+
+    url, good = auth_s3
+
+    def config(key, secret):
+        opts = {"endpoint_url": url, "key": key, "secret": secret, "skip_instance_cache": True}
+        return load_config(
+            None,
+            [
+                f"checkpoint.root=s3://{BUCKET}/runs",
+                f"checkpoint.storage_options={json.dumps(opts)}",
+            ],
+        )
+
+    preflight(config(good["key"], good["secret"]))  # the right key writes its probe
+    for key, secret in ((good["key"], "wrong-secret"), ("AKIANOSUCHKEY", good["secret"])):
+        with pytest.raises(OSError, match=rf"checkpoint root s3://{BUCKET}/runs.* is not writable"):
+            preflight(config(key, secret))
