@@ -204,3 +204,61 @@ def test_a_new_run_with_the_name_of_an_existing_one_is_refused_unless_it_overwri
     clear_previous_checkpoints(cfg)
     assert not (tmp_path / "twice").exists() and not (tmp_path / "twice-sft").exists()
     preflight(load_config(None, base))  # nothing left to collide with
+
+
+def test_empty_prompts_and_a_missing_model_are_refused(tmp_path):
+    for prompt in ("", "   ", []):
+        path = _write(tmp_path / "e.jsonl", [{"prompt": "ok"}, {"prompt": prompt}])
+        with pytest.raises(DatasetError, match="row 2: 'prompt' must be a non-empty string"):
+            read_jsonl(path)
+    missing = load_config(None, [f"model.path={tmp_path / 'nope'}"])
+    with pytest.raises(FileNotFoundError, match="is not a model directory"):
+        preflight(missing)
+
+
+# The bad-input catalogue: every class of bad input, what the user gets, and the test that
+# shows it (`file::test`). Each ends in a clear error before anything starts, a 4xx from a
+# server that keeps serving, or a FAILED sample while training goes on; nothing saved is lost.
+CATALOGUE = [
+    ("malformed JSONL row", "row number + 'not valid JSON'", "test_bad_input.py::test_dataset_row_without_prompt_names_the_row"),
+    ("row without a prompt", "row number named", "test_bad_input.py::test_dataset_row_without_prompt_names_the_row"),
+    ("empty or blank prompt", "row number named", "test_bad_input.py::test_empty_prompts_and_a_missing_model_are_refused"),
+    ("row without the label the task scores", "row number named", "test_bad_input.py::test_preflight_refuses_rows_without_the_label_the_task_scores"),
+    ("prompt longer than the context", "refused in preflight with lengths", "test_bad_input.py::test_preflight_refuses_prompts_that_do_not_fit_the_context"),
+    ("missing dataset file", "'not found'", "test_bad_input.py::test_dataset_row_without_prompt_names_the_row"),
+    ("invalid config combination", "the field and the rule", "test_bad_input.py::test_config_errors_name_the_field"),
+    ("unknown config key / bad override", "the key named", "test_bad_input.py::test_override_syntax_error"),
+    ("CLI: bad input exits 2 before Prefect or MLflow start", "exit 2, message", "test_bad_input.py::test_cli_rejects_bad_input_before_starting_anything"),
+    ("unknown starting model path", "'not a model directory'", "test_bad_input.py::test_empty_prompts_and_a_missing_model_are_refused"),
+    ("model/checkpoint mismatch", "both architectures named", "test_bad_input.py::test_preflight_refuses_a_checkpoint_of_another_model"),
+    ("resume past the end, unwritable root", "what to change", "test_bad_input.py::test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root"),
+    ("duplicate run name", "--resume / another name / overwrite", "test_bad_input.py::test_a_new_run_with_the_name_of_an_existing_one_is_refused_unless_it_overwrites"),
+    ("wrong S3 credentials", "root 'is not writable' + the store's reason", "test_storage.py::test_wrong_s3_credentials_are_refused_before_anything_starts"),
+    ("disk full on save", "earlier checkpoints and latest untouched", "test_storage.py::test_a_save_onto_a_full_disk_fails_clearly_and_keeps_the_earlier_checkpoint"),
+    ("disk full before the last step", "logged, training goes on", "test_storage.py::test_a_failed_save_before_the_last_step_does_not_stop_training"),
+    ("NaN / infinite reward", "FAILED sample, training goes on", "test_scoring.py::test_a_failing_reward_function_fails_only_its_sample"),
+    ("reward function that raises or hangs", "FAILED sample after the timeout", "test_scoring.py::test_a_run_whose_reward_function_fails_half_the_time_keeps_training"),
+    ("reward hook that raises, hangs or returns garbage", "only its episodes FAILED", "test_rewards.py::test_a_failing_episode_hook_fails_that_episode_only"),
+    ("invalid token ids / malformed /generate", "400, server keeps serving", "test_engine_server.py::test_bad_generate_requests_get_400_and_the_server_keeps_serving"),
+    ("malformed JSON, unknown version, oversize body", "400 / 413", "test_engine_server.py::test_malformed_json_unknown_version_and_oversize_body"),
+    ("corrupt, foreign or out-of-order weight push", "refused, engine unchanged", "test_transports.py::test_a_corrupt_or_foreign_disk_push_is_refused_and_changes_nothing"),
+    ("unknown session, malformed messages, bad tool-call JSON, too long", "404 / 400 with the reason", "test_sessions.py::test_bad_requests_get_clear_errors_and_the_server_keeps_serving"),
+    ("harness that disconnects mid-turn", "server keeps serving", "test_sessions.py::test_a_harness_that_disconnects_mid_turn_does_not_stop_the_server"),
+    ("garbled engine reply to the session server", "502", "test_sessions.py::test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502"),
+    ("agent that raises or hangs", "FAILED episode", "test_agents.py::test_an_agent_that_raises_or_hangs_yields_failed_samples"),
+    ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
+    ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
+    ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),
+]  # fmt: skip
+
+
+def test_the_catalogue_names_real_tests_and_covers_at_least_twenty_classes():
+    import ast
+
+    assert len({name for name, _, _ in CATALOGUE}) >= 20
+    here = Path(__file__).parent
+    for name, _, where in CATALOGUE:
+        file, _, test = where.partition("::")
+        tree = ast.parse((here / file).read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert test in defined, f"catalogue entry {name!r}: {where} does not exist"

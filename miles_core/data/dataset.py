@@ -34,7 +34,11 @@ def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
         if not isinstance(row, dict) or "prompt" not in row:
             raise DatasetError(f"{url}: row {row_number} has no 'prompt' field")
         prompt = row["prompt"]
-        if not isinstance(prompt, str | list) or not prompt:
+        if (
+            not isinstance(prompt, str | list)
+            or not prompt
+            or (isinstance(prompt, str) and not prompt.strip())
+        ):
             raise DatasetError(
                 f"{url}: row {row_number}: 'prompt' must be a non-empty string or message list"
             )
