@@ -250,7 +250,7 @@ def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeyp
         "rollout.n_samples_per_prompt=2",
         "train.global_batch_size=8",
     ]
-    with pytest.raises(RuntimeError, match="reward function crashed"):
+    with pytest.raises(SystemExit, match="reward function stopped the run"):
         rl_train(_tiny_config(tmp_path, "fails", 4, extra))
     children = subprocess.run(
         ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.rollout.server"],

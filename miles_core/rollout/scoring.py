@@ -1,6 +1,8 @@
 """A task's reward function, called so that it cannot stop the run: under a timeout, with any
 exception or non-finite reward turned into a failed sample (reward 0, nothing trained, the
-reason kept in the sample's metadata and counted in `rollout/failed_samples`)."""
+reason kept in the sample's metadata and counted in `rollout/failed_samples`). A reward function
+that asks the process to stop (`SystemExit`, `KeyboardInterrupt`) is obeyed: the run stops,
+its servers with it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A task whose reward function fails on the second rollout: a real error inside a run."""
+"""A task whose reward function stops the process on the second rollout (`SystemExit`): a real
+error inside a run that is not contained to one sample (an exception would only fail its
+sample, see tests/test_scoring.py)."""
 
 from miles_core.data.tasks import SayA, Score
 
@@ -12,5 +14,5 @@ class FailsOnSecondRollout(SayA):
     def score(self, completion: str, label) -> Score:
         self.calls += 1
         if self.calls > 8:  # the first rollout scores 8 samples
-            raise RuntimeError("reward function crashed")
+            raise SystemExit("reward function stopped the run")
         return super().score(completion, label)
