@@ -13,7 +13,9 @@ Hooks may be plain or async functions. Every call runs under `agent.reward_timeo
 that raises, times out, or returns anything but a finite number (or, per group, a list of n of
 them) fails the episodes it was scoring, with the reason: they stay in the batch, masked, and
 training goes on. Plain functions run on daemon threads: one that never returns is abandoned at
-the timeout (its thread leaks, the run does not wait for it).
+the timeout (its thread leaks, the run does not wait for it). A hook that asks the process to
+stop (`SystemExit`, `KeyboardInterrupt`) is obeyed, as a task's reward function is
+(rollout/scoring.py): the run stops.
 """
 
 from __future__ import annotations
@@ -73,10 +75,8 @@ def _in_daemon_thread(fn: Callable, arg: Any) -> asyncio.Future:
     def work() -> None:
         try:
             value, error = fn(arg), None
-        except Exception as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
             value, error = None, e
-        except BaseException as e:  # noqa: BLE001  (SystemExit & co: a failure, not an exit)
-            value, error = None, RuntimeError(f"{type(e).__name__}: {e}")
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop has closed: nobody waits any more
