@@ -186,13 +186,13 @@ class RLRuntime:
 
     def eval_due(self, version: int) -> bool:
         """Whether the policy after `version` training steps is evaluated (agentic runs with
-        agent.eval_episodes): before the first step of this invocation, after the last, and
-        every agent.eval_every steps."""
+        agent.eval_episodes): the starting policy (version 0), every agent.eval_every steps,
+        and the last. A resumed run does not evaluate its starting point again."""
         a = self.config.agent
         if self.agent_rollout is None or a.eval_episodes == 0:
             return False
         every = a.eval_every and version % a.eval_every == 0
-        return version in (self.start_step, self.config.train.num_steps) or bool(every)
+        return version in (0, self.config.train.num_steps) or bool(every)
 
     def evaluate(self) -> dict[str, float]:
         """Agent episodes on the fixed evaluation tasks with the weights the engines serve. An

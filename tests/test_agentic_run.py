@@ -53,6 +53,9 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
     procs = [rt.engine_process, rt.session_process]
     try:
         assert rt.eval_due(0) and not rt.eval_due(1) and rt.eval_due(2)  # first and last
+        rt.start_step = 1  # as after a resume at step 1: no second evaluation of its start,
+        assert not rt.eval_due(1)  # version 0 was the first invocation's
+        rt.start_step = 0
         before = rt.evaluate()
         assert before["eval/policy_version"] == 0.0 and before["eval/failed_episodes"] == 0.0
         kinds = {k for k in before if k.startswith("eval/success_rate/")}
