@@ -67,6 +67,12 @@ class RolloutConfig(_Strict):
         "while the trainer trains (weights pushed between batches); fully_async: a producer "
         "keeps the engine busy, weights pushed any time (needs rollout.engine: server)",
     )
+    watchdog_s: float = Field(
+        60.0,
+        gt=0,
+        description="async modes: when no rollout group completes for this long, the run logs "
+        "what it waits on (again every watchdog_s)",
+    )
     max_staleness: int = Field(
         1, ge=0, description="fully_async: most policy versions a sample may lag the trainer"
     )

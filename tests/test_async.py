@@ -161,3 +161,35 @@ def test_drop_and_retry_policies_never_hand_out_stale_groups(engine, tiny_dir, t
         assert sorted(taken) == sorted(first)
     else:
         assert not set(taken) & set(first)
+
+
+def test_the_progress_watchdog_says_what_a_stalled_step_waits_on(
+    engine, tiny_dir, tmp_path, caplog
+):
+    """A paused engine completes no group: `take` logs what it waits on every watchdog_s, and
+    returns once the engine resumes."""
+    import logging
+    import threading
+
+    cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.watchdog_s=0.3").rollout
+    _, tok = load_hf_dir(tiny_dir)
+    source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
+    version = engine.weight_version
+    producer = RolloutProducer(engine, tok, get_task("reverse"), source, cfg, lambda: version)
+    out: list = []
+    try:
+        engine.pause("in_place")  # nothing can complete
+        producer.start()
+        with caplog.at_level(logging.WARNING, logger="miles.producer"):
+            taker = threading.Thread(target=lambda: out.append(producer.take(0)), daemon=True)
+            taker.start()
+            _wait(lambda: sum("progress watchdog" in r.message for r in caplog.records) >= 2)
+        engine.resume()
+        taker.join(60)
+    finally:
+        engine.resume()
+        producer.stop()
+    warning = next(r.message for r in caplog.records if "progress watchdog" in r.message)
+    assert f"step 0 waits for {cfg.prompts_per_step} groups" in warning
+    assert "generating" in warning and f"engine serves version {version}" in warning
+    assert out and len(out[0].groups) == cfg.prompts_per_step  # resumed: the step completes

@@ -98,6 +98,7 @@ class RolloutProducer:
         self._stop = False
         self._error: BaseException | None = None
         self.counters = collections.Counter()
+        self._last_done = time.monotonic()  # when a group last completed (the watchdog's clock)
         self._thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
 
     # ------------------------------------------------------------------ trainer side
@@ -113,13 +114,18 @@ class RolloutProducer:
     def take(self, step: int) -> RolloutResult:
         """The B groups of `step`, waiting for them; metrics include staleness and buffer state."""
         t0 = time.perf_counter()
+        warned = time.monotonic()
         with self._cond:
             while True:
                 self._raise_if_failed()
                 picked = self._pick(step)
                 if picked is not None:
                     break
-                self._cond.wait(1.0)
+                now = time.monotonic()
+                if now - max(self._last_done, warned) >= self.cfg.watchdog_s:
+                    log.warning(self._waiting_on(step, now - self._last_done))
+                    warned = now
+                self._cond.wait(min(1.0, self.cfg.watchdog_s))
             for t in picked:
                 del self._tickets[t.index]
             self._cond.notify_all()
@@ -136,6 +142,17 @@ class RolloutProducer:
         )
         result.metrics.pop("rollout/tokens_per_s", None)  # not meaningful for a wait
         return result
+
+    def _waiting_on(self, step: int, idle_s: float) -> str:
+        """What `take(step)` waits on, for the progress watchdog (called under the lock)."""
+        tickets = list(self._tickets.values())
+        done = sum(t.group is not None for t in tickets)
+        return (
+            f"progress watchdog: no rollout group completed for {idle_s:.1f} s; step {step} "
+            f"waits for {self.batch} groups; buffer: {done} done, {len(tickets) - done} "
+            f"generating, {len(self._retry)} to retry; engine serves version {self.version()} "
+            f"(stale_policy {self.cfg.stale_policy}, max_staleness {self.cfg.max_staleness})"
+        )
 
     def wait_idle(self) -> None:
         """Blocks until no admitted group is still generating."""
@@ -283,7 +300,7 @@ class RolloutProducer:
         )
         with self._cond:
             ticket.group = group
-            ticket.done_at = time.monotonic()
+            ticket.done_at = self._last_done = time.monotonic()
             self._cond.notify_all()
 
     async def _post(
