@@ -14,7 +14,7 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv system demo test lint format bench clean
+.PHONY: venv system demo test lint format bench clean stack-up stack-down stack-status ui-check
 
 venv: $(STAMP)
 
@@ -30,7 +30,7 @@ system:
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
-	$(BIN)/pip install -q -e '.[test,openenv]'
+	$(BIN)/pip install -q -e '.[test,openenv,server]'
 	touch $(STAMP)
 
 demo: venv system
@@ -50,6 +50,20 @@ format: venv
 
 bench: venv
 	$(BIN)/python benchmarks/step_time.py
+
+# the local production stack (infra/local_stack.py): Prefect server, MLflow server, S3 (moto)
+stack-up: venv
+	infra/local-stack up
+
+stack-down:
+	infra/local-stack down
+
+stack-status:
+	infra/local-stack status
+
+# headless Chromium screenshots of the Prefect and MLflow UIs into ui-check/ (not in make test)
+ui-check: venv
+	$(BIN)/python -m infra.ui_check
 
 clean:
 	rm -rf $(VENV) .prefect mlflow.db mlruns checkpoints *.egg-info

@@ -2,10 +2,13 @@
 
     miles train --config examples/say_a.yaml --set train.lr=5e-4 --set train.num_steps=20
     miles train --config examples/say_a.yaml --resume
+    miles train --config examples/say_a.yaml --resume --resume-step 19
     miles sft --config examples/reverse_sft_rl.yaml
     miles engine serve --model checkpoints/say-a/step_000039 --port 30000
     miles sessions serve --engine-url http://127.0.0.1:30000 --family tiny --port 30100
     miles tito verify --family qwen3
+    miles evaluate --model say-a [--version 3 | --alias best-eval] [--force]
+    miles eval serve --port 30200      (the reference service of eval.mode: external)
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
 flow, ranks 1..N-1 replay the trainer's calls.
@@ -48,7 +51,20 @@ def _parser() -> argparse.ArgumentParser:
         )
         if name == "train":
             c.add_argument(
-                "--resume", action="store_true", help="continue from the run's latest checkpoint"
+                "--resume",
+                action="store_true",
+                help="continue the run from its latest checkpoint: the loop starts at the saved "
+                "step + 1, train.num_steps stays the total; model, optimizer, LR schedule, RNG, "
+                "data position, async rollout buffer and MLflow run continue",
+            )
+            c.add_argument(
+                "--resume-step",
+                type=int,
+                default=None,
+                metavar="N",
+                help="with --resume (implied): continue from the checkpoint of step N instead of "
+                "the latest (refused if there is none); it becomes the latest, later "
+                "checkpoints are overwritten as the run reaches them",
             )
     engine = sub.add_parser("engine", help="rollout engine commands")
     engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
@@ -56,6 +72,16 @@ def _parser() -> argparse.ArgumentParser:
     sessions = sub.add_parser("sessions", help="agent session server commands")
     sessions.add_argument("action", choices=["serve"], help="serve: the OpenAI-compatible server")
     sessions.add_argument("rest", nargs=argparse.REMAINDER, help="--engine-url URL --family F ...")
+    ev = sub.add_parser("evaluate", help="score a registered policy version (evaluate-policy flow)")
+    ev.add_argument("--model", required=True, help="registered model name (the run's name)")
+    ev.add_argument("--version", default=None, help="model version (default: the alias's)")
+    ev.add_argument("--alias", default="newest", help="alias used without --version")
+    ev.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI")
+    ev.add_argument("--prompts", type=int, default=32, help="fixed evaluation prompts")
+    ev.add_argument("--force", action="store_true", help="score a version scored already")
+    service = sub.add_parser("eval", help="evaluation service commands")
+    service.add_argument("action", choices=["serve"], help="serve: the external-mode service")
+    service.add_argument("rest", nargs=argparse.REMAINDER, help="--port P --host H")
     tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
     tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
     tito.add_argument("--family", required=True, help="tiny, qwen3 or mistral")
@@ -96,6 +122,27 @@ def main(argv: list[str] | None = None) -> int:
 
         session_server.main(args.rest)
         return 0
+    if args.command == "eval":
+        from miles_core.eval import service as eval_service
+
+        eval_service.main(args.rest)
+        return 0
+    if args.command == "evaluate":
+        from flows.evaluate import evaluate
+
+        try:
+            result = evaluate(
+                args.model,
+                args.version,
+                args.alias,
+                args.tracking_uri,
+                args.prompts,
+                skip_evaluated=not args.force,
+            )
+        except LookupError as e:
+            return _fail(str(e))
+        print(json.dumps(result))
+        return 0
     if args.command == "tito":
         from flows.tito_verify import run_verify
 
@@ -120,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     from miles_core.preflight import preflight
 
     try:
-        preflight(config, resume=getattr(args, "resume", False))
+        preflight(
+            config,
+            resume=getattr(args, "resume", False),
+            resume_step=getattr(args, "resume_step", None),
+        )
     except (ValueError, OSError) as e:
         _shutdown(world)
         return _fail(str(e))
@@ -150,7 +201,8 @@ def _run(args, config: RunConfig, world: int) -> int:
         if args.command == "train":
             from flows.rl_train import rl_train
 
-            result = rl_train(config, resume=args.resume)
+            resume = args.resume or args.resume_step is not None
+            result = rl_train(config, resume=resume, resume_step=args.resume_step)
         else:
             from flows.sft import sft
 

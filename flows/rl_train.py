@@ -2,8 +2,8 @@
 
     check inputs → MLflow run → [SFT warm start] → prepare runtime → for each step:
         rollout_batch → train_step → update_weights → [save_checkpoint] → log metrics
-        → [evaluate_policy]   (agentic runs with agent.eval_episodes; also before step 0)
-    → final checkpoint, reward curve, MLflow run closed
+        → [evaluate_policy] (eval.mode or agent.eval_episodes) → log finished evaluations
+    → final checkpoint, pending evaluations, reward curve, MLflow run closed
 
 The config (a pydantic model) is the parameter, so the Prefect UI renders it as a form.
 Simplifications, stated: sync mode (rollout, then train, then push); one embedded engine in this
@@ -23,6 +23,7 @@ from miles_core.runtime import new_workdir
 from miles_core.steplog import StepLog
 from tasks import (
     check_inputs,
+    collect_evaluations,
     evaluate_policy,
     prepare_model,
     prepare_runtime,
@@ -36,32 +37,47 @@ from tasks import (
 
 
 @flow(name="rl-train", log_prints=True)
-def rl_train(config: RunConfig, resume: bool = False) -> dict[str, float | str]:
-    check_inputs(config, resume)
-    tracker = start_tracking(config, config.tracking.run_name or config.name, resume=resume)
+def rl_train(
+    config: RunConfig, resume: bool = False, resume_step: int | None = None
+) -> dict[str, float | str]:
+    """`resume`: continue the run's latest checkpoint; `resume_step`: continue checkpoint
+    step N instead (implies resume). Either way the loop starts at the saved step + 1 and
+    `train.num_steps` stays the run's total."""
+    resume = resume or resume_step is not None
+    check_inputs(config, resume, resume_step)
+    tracker = start_tracking(
+        config, config.tracking.run_name or config.name, resume=resume, resume_step=resume_step
+    )
     rt = None
     try:
         if resume:
-            config = resumed_config(config)  # starts from the model the run started from
+            config = resumed_config(config, resume_step)  # the model the run started from
         elif config.sft is not None:
             config = config.with_model_path(sft(config, parent_run_id=tracker.run_id))
-        rt = prepare_runtime(config, prepare_model(config, new_workdir()), tracker, resume)
+        rt = prepare_runtime(
+            config, prepare_model(config, new_workdir()), tracker, resume, resume_step
+        )
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
-        if rt.eval_due(rt.start_step):
-            log.evaluation(rt.start_step, evaluate_policy(rt))
+        if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
+            evaluate_policy(rt, 0)
         for step in range(rt.start_step, config.train.num_steps):
             t0 = time.perf_counter()
             rollout = rollout_batch(rt, step)
             train_metrics = train_step(rt, rollout)
             sync_metrics = update_weights(rt)
-            saved = save_checkpoint(rt, step) if rt.is_save_step(step) else {}
+            phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
+            saved = save_checkpoint(rt, step, phases) if rt.is_save_step(step) else {}
             log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
             if rt.eval_due(step + 1):  # the policy after step + 1 training steps
-                log.evaluation(step + 1, evaluate_policy(rt))
+                evaluate_policy(rt, step + 1)
+            for version, metrics in collect_evaluations(rt):
+                log.evaluation(version, metrics)
 
         if rt.last_saved_step != config.train.num_steps - 1:
             save_checkpoint(rt, config.train.num_steps - 1)
+        for version, metrics in collect_evaluations(rt, wait=True):
+            log.evaluation(version, metrics)
     except BaseException:
         tracker.finish("FAILED")
         raise

@@ -6,6 +6,7 @@ edits, and the flattened MLflow params of the run.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -73,6 +74,24 @@ class RolloutConfig(_Strict):
         description="async modes: when no rollout group completes for this long, the run logs "
         "what it waits on (again every watchdog_s)",
     )
+    health_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="engine: server: seconds between heartbeats (/health, and whether the "
+        "process still runs; an exited process is replaced at once)",
+    )
+    health_timeout_s: float = Field(
+        6.0,
+        gt=0,
+        description="engine: server: an engine without a healthy /health answer for this long "
+        "(hung, e.g. SIGSTOP) is killed and replaced; must exceed health_interval_s",
+    )
+    max_engine_restarts: int = Field(
+        3,
+        ge=0,
+        description="engine: server: most engine replacements (attempts) in a run; the next "
+        "death fails the run (0: a dead engine fails the run at once)",
+    )
     max_staleness: int = Field(
         1, ge=0, description="fully_async: most policy versions a sample may lag the trainer"
     )
@@ -111,6 +130,16 @@ class RolloutConfig(_Strict):
             raise ValueError(f"rollout.mode {self.mode} needs rollout.engine: server")
         if self.dtype != "float32" and self.engine == "embedded":
             raise ValueError(f"rollout.dtype {self.dtype} needs rollout.engine: serving or server")
+        return self
+
+    @model_validator(mode="after")
+    def _health_bounds(self) -> RolloutConfig:
+        if self.health_timeout_s <= self.health_interval_s:
+            raise ValueError(
+                f"rollout.health_timeout_s ({self.health_timeout_s}) must exceed "
+                f"rollout.health_interval_s ({self.health_interval_s}): an engine is declared "
+                "dead after several missed heartbeats"
+            )
         return self
 
 
@@ -251,7 +280,11 @@ class WeightSyncConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    root: str = Field("checkpoints", description="fsspec root: a local path or s3://bucket/prefix")
+    root: str = Field(
+        default_factory=lambda: os.environ.get("MILES_CHECKPOINT_ROOT", "checkpoints"),
+        description="fsspec root: a local path or s3://bucket/prefix (default: "
+        "$MILES_CHECKPOINT_ROOT, else ./checkpoints)",
+    )
     interval: int = Field(0, ge=0, description="save every N steps; 0 saves only at the end")
     storage_options: dict[str, Any] = Field(default_factory=dict)
     overwrite: bool = Field(
@@ -270,6 +303,39 @@ class TrackingConfig(_Strict):
     register_policy: bool = Field(
         True, description="record each checkpoint as a registered model version"
     )
+
+
+class EvalConfig(_Strict):
+    """Evaluation of the policy on fixed prompts of data.task while training runs."""
+
+    mode: Literal["none", "shared", "dedicated", "external"] = Field(
+        "none",
+        description="shared: pause the producer and evaluate on the rollout engine between "
+        "steps; dedicated: a separate engine server loaded from the version's checkpoint, "
+        "training keeps going; external: POST the checkpoint URI and version to eval.url and "
+        "poll for the result; none: no evaluation",
+    )
+    every: int = Field(
+        0,
+        ge=0,
+        description="evaluate the policy after every N training steps (and after the last); "
+        "dedicated/external evaluate checkpoints, so N must be a multiple of "
+        "checkpoint.interval; 0 = after the last step only",
+    )
+    prompts: int = Field(32, gt=0, description="fixed evaluation prompts (data.task's generator)")
+    seed: int = Field(1_000_003, description="seed of the evaluation prompts (added to data.seed)")
+    max_new_tokens: int | None = Field(None, gt=0, description="default: rollout.max_new_tokens")
+    greedy: bool = Field(True, description="greedy decoding (top_k 1); false samples as rollout")
+    timeout_s: float = Field(
+        300.0, gt=0, description="an evaluation running longer is logged as failed (eval/errors)"
+    )
+    max_in_flight: int = Field(
+        2, ge=1, description="dedicated/external: more pending evaluations are skipped (logged)"
+    )
+    url: str | None = Field(
+        None, description="external: the evaluation service (POST {url}, GET {url}/{id})"
+    )
+    poll_s: float = Field(1.0, gt=0, description="external: seconds between polls")
 
 
 RUN_COMMAND = "miles_core.agents.blackbox:run_command"  # the agent function of agent.command
@@ -346,6 +412,7 @@ class RunConfig(_Strict):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     sft: SFTConfig | None = Field(None, description="supervised warm start before RL")
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
@@ -408,11 +475,29 @@ class RunConfig(_Strict):
                 f"weight_sync.transport {self.weight_sync.transport} pushes to engine servers: "
                 "set rollout.engine: server (or use transport colocated)"
             )
+        self._check_eval()
         if self.sft is not None and self.sft.world_size != t.world_size:
             raise ValueError(
                 "sft.world_size must equal train.world_size (they share the trainer ranks)"
             )
         return self
+
+    def _check_eval(self) -> None:
+        e, interval = self.eval, self.checkpoint.interval
+        if (e.mode == "external") != bool(e.url):
+            raise ValueError("eval.url and eval.mode: external go together")
+        if e.mode == "none":
+            return
+        if self.agent.function is not None:
+            raise ValueError(
+                "eval.mode is for task runs; agentic runs evaluate with agent.eval_episodes"
+            )
+        if e.mode in ("dedicated", "external") and e.every:
+            if not interval or e.every % interval:
+                raise ValueError(
+                    f"eval.mode {e.mode} evaluates saved checkpoints: eval.every ({e.every}) "
+                    f"must be a multiple of checkpoint.interval ({interval})"
+                )
 
     def with_model_path(self, path: str | None) -> RunConfig:
         """The same config starting from the HF directory `path` (e.g. an SFT output)."""

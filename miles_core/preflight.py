@@ -12,6 +12,8 @@ from miles_core.data import get_task, load_examples
 from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
+from miles_core.resume_checks import check_buffer_resumable
+from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.storage import CheckpointStore, check_checkpoint_matches
 
 
@@ -108,14 +110,16 @@ def clear_previous_checkpoints(config: RunConfig) -> None:
             store.close()
 
 
-def preflight(config: RunConfig, resume: bool = False) -> None:
+def preflight(config: RunConfig, resume: bool = False, resume_step: int | None = None) -> None:
     """Raises ValueError / FileNotFoundError / OSError for: agent plug-ins that do not import,
     unreadable or malformed datasets (row
     number in the message), rows without the label the task scores against, prompts that do not
     fit the context with max_new_tokens, SFT data without answers, a missing starting model, an
     unwritable checkpoint root, a new run whose name already has checkpoints (unless
-    checkpoint.overwrite), and on resume: no checkpoint, a checkpoint at or past
-    train.num_steps, or one whose model config differs from the configured model."""
+    checkpoint.overwrite), and on resume: no checkpoint (or none at `resume_step`), a
+    checkpoint at or past train.num_steps, one whose model config differs from the configured
+    model, or an async rollout buffer the config cannot continue (resume_checks.py)."""
+    resume = resume or resume_step is not None
     _check_plugins(config)
     model_config = _model_config(config)
     context = int(model_config.get("max_position_embeddings") or 0)
@@ -157,6 +161,15 @@ def preflight(config: RunConfig, resume: bool = False) -> None:
                 raise FileNotFoundError(
                     f"--resume: run {config.name!r} has no checkpoint under {config.checkpoint.root}"
                 )
+            if resume_step is not None and resume_step != latest:
+                saved = store.steps()
+                if resume_step not in saved:
+                    raise FileNotFoundError(
+                        f"--resume-step {resume_step}: run {config.name!r} has no checkpoint of "
+                        f"step {resume_step} under {config.checkpoint.root} (saved steps: "
+                        f"{', '.join(map(str, saved)) or 'none'})"
+                    )
+                latest = resume_step
             if latest + 1 >= config.train.num_steps:
                 raise ValueError(
                     f"--resume: run {config.name!r} is already at step {latest + 1} of "
@@ -165,5 +178,6 @@ def preflight(config: RunConfig, resume: bool = False) -> None:
             check_checkpoint_matches(
                 architecture_of(model_config), store.uri(latest), config.checkpoint.storage_options
             )
+            check_buffer_resumable(store.read_json(latest, BUFFER_FILE), config, latest)
     finally:
         store.close()

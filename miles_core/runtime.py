@@ -7,22 +7,31 @@ Nothing here knows about Prefect; `tasks/` wraps these functions, `flows/` order
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
+import functools
 import logging
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
+from miles_core import rng_state
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.eval.in_run import RunEvaluation
+from miles_core.eval.scoring import EvalSpec, score_policy
+from miles_core.ledger import LEDGER_FILE, TrainedLedger
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
+from miles_core.resume_checks import check_buffer_resumable, shape_changes
+from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.rollout.embedded import EmbeddedEngine
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+from miles_core.rollout.http_engine import EngineProcess, EngineUnavailable, HttpEngine
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.rollout.serving import ServingEngine
+from miles_core.rollout.supervisor import EngineSupervisor
 from miles_core.sessions import SessionServerProcess
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
 from miles_core.tracking import Tracker
@@ -30,8 +39,24 @@ from miles_core.train.advantages import grpo_advantages, rollout_slices
 from miles_core.train.batch import TrainBatch
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
+from miles_core.weights.remote import PushFailed
 
 log = logging.getLogger("miles")
+
+# transports whose connect() can take a fresh engine server (no group to re-form with it)
+RECONNECTABLE_TRANSPORTS = ("shared_memory", "disk")
+
+
+def _exclusive_weights(method):
+    """Runs the method under the runtime's weights lock, so the engine supervisor's push to a
+    replaced engine never reads the trainer's weights mid-update (nor pushes beside another)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._weights_lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
@@ -42,12 +67,12 @@ def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
     return save_hf_dir(model, tok, workdir / "init_model")
 
 
-def latest_state(config: RunConfig) -> dict:
-    """`state.json` of the run's latest checkpoint ({} if it has none)."""
+def latest_state(config: RunConfig, step: int | None = None) -> dict:
+    """`state.json` of the run's latest checkpoint, or of checkpoint `step` ({} if none)."""
     store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
     try:
-        latest = store.latest_step()
-        return {} if latest is None else store.read_state(latest)
+        at = store.latest_step() if step is None else step
+        return {} if at is None else store.read_state(at)
     finally:
         store.close()
 
@@ -73,6 +98,9 @@ class RLRuntime:
         seed = config.rollout.seed + config.seed
         self.workdir = new_workdir()
         self.engine_process: EngineProcess | None = None
+        self.supervisor: EngineSupervisor | None = None  # replaces a dead engine server
+        self._weights_lock = threading.RLock()
+        self._trained_since_push = False  # the trainer is one version ahead of policy_version
         if config.rollout.engine == "server":
             self.engine = self._start_engine_server(model_dir, seed)
         elif config.rollout.engine == "serving":
@@ -123,8 +151,13 @@ class RLRuntime:
                 raise
         self.policy_version = 0
         self.engine_version = 0  # the version the engines serve (= policy_version after a push)
+        self._supervise_engine()
+        self.evaluation = self._start_evaluation()
         self.start_step = 0
         self.last_saved_step: int | None = None
+        self.ledger = TrainedLedger()  # sample ids trained since the last checkpoint
+        self._restored_buffer: dict | None = None  # a resumed checkpoint's async buffer
+        self._rollout_step = 0
         if tracker is not None:
             origin = (
                 config.model.path
@@ -148,6 +181,64 @@ class RLRuntime:
         return HttpEngine(
             self.engine_process.url, concurrency=batch, batch_size=r.n_samples_per_prompt
         )
+
+    def _supervise_engine(self) -> None:
+        """Heartbeats for the engine server; a dead or hung one is replaced on the same port and
+        gets the trainer's weights before it serves (`_serve_current_weights`)."""
+        if self.engine_process is None:
+            return
+        r, transport = self.config.rollout, self.config.weight_sync.transport
+        restarts = r.max_engine_restarts
+        if transport not in RECONNECTABLE_TRANSPORTS and restarts:
+            log.info(
+                "weight_sync.transport %s cannot reconnect to a replaced engine server: a dead "
+                "engine fails the run (replacement needs shared_memory or disk)",
+                transport,
+            )
+            restarts = 0
+        self.supervisor = EngineSupervisor(
+            self.engine_process,
+            self._serve_current_weights,
+            interval_s=r.health_interval_s,
+            timeout_s=r.health_timeout_s,
+            max_restarts=restarts,
+        ).start()
+        self.engine.supervisor = self.supervisor
+
+    @_exclusive_weights
+    def _serve_current_weights(self) -> None:
+        """Called by the supervisor for a fresh engine server, before it serves: the transport
+        reconnects (a disk transport's next push is full) and the trainer's current weights go
+        out with their version; `check_equal` verifies them."""
+        version = self.policy_version + int(self._trained_since_push)
+        self.transport.connect([self.engine])
+        stats = self._push_now(version, "abort")
+        log.warning(
+            "replaced engine server got policy version %d (%d bytes in %.2f s)",
+            version,
+            stats.bytes,
+            stats.seconds,
+        )
+        if self.config.weight_sync.check_equal:
+            self._check_weights_now()
+
+    def _surviving(self, what: str, call, *args):
+        """`call(*args)` (a push or a check over HTTP); if it fails because the engine server
+        died, waits for the replacement and makes the call once more."""
+        if self.supervisor is None:
+            return call(*args)
+        seen = self.supervisor.wait_serving()
+        try:
+            return call(*args)
+        except (PushFailed, EngineUnavailable) as e:
+            self.supervisor.wait_for_replacement(seen, e)
+        log.warning("repeating the %s on the replaced engine server", what)
+        return call(*args)
+
+    def _with_engine_health(self, result: RolloutResult) -> RolloutResult:
+        if self.supervisor is not None:
+            result.metrics |= self.supervisor.metrics()
+        return result
 
     def _start_agentic_rollout(self):
         """The session server in front of the engine server, and the rollout function."""
@@ -184,40 +275,64 @@ class RLRuntime:
         setup = RolloutSetup(self.config, self.source, self.session_process.url, generate, hooks)
         return AgenticRollout(setup)
 
-    def eval_due(self, version: int) -> bool:
-        """Whether the policy after `version` training steps is evaluated (agentic runs with
-        agent.eval_episodes): the starting policy (version 0), every agent.eval_every steps,
-        and the last. A resumed run does not evaluate its starting point again."""
-        a = self.config.agent
-        if self.agent_rollout is None or a.eval_episodes == 0:
-            return False
-        every = a.eval_every and version % a.eval_every == 0
-        return version in (0, self.config.train.num_steps) or bool(every)
+    # ------------------------------------------------------------------ evaluation
+    def _start_evaluation(self) -> RunEvaluation | None:
+        if not RunEvaluation.wanted(self.config):
+            return None
+        return RunEvaluation(
+            self.config,
+            self.tracker,
+            self._score_shared,
+            hold=lambda: self.producer.held() if self.producer else contextlib.nullcontext(),
+            current_version=lambda: self.policy_version,
+        )
 
-    def evaluate(self) -> dict[str, float]:
-        """Agent episodes on the fixed evaluation tasks with the weights the engines serve. An
-        evaluation that fails is logged with its reason (`eval/errors`); training goes on."""
-        assert self.agent_rollout is not None
+    def eval_due(self, version: int) -> bool:
+        """Whether the policy after `version` training steps is evaluated (eval.mode, or agentic
+        runs with agent.eval_episodes): the starting policy (shared mode), every N versions, and
+        the last. The flow evaluates version 0 only in a run's first invocation."""
+        return self.evaluation is not None and self.evaluation.due(version)
+
+    def submit_evaluation(self, version: int) -> None:
+        """Scores policy version `version` (the one the engines serve now): at once in shared
+        mode, in the background from its checkpoint in dedicated / external mode."""
+        assert self.evaluation is not None
+        self.evaluation.submit(version)
+
+    def finished_evaluations(self, wait: bool = False) -> list[tuple[int, dict[str, float]]]:
+        """(version, eval/* metrics) of the evaluations that ended; `wait` for pending ones."""
+        return [] if self.evaluation is None else self.evaluation.finished(wait)
+
+    def _score_shared(self) -> tuple[dict[str, float], str | None]:
+        """A shared-mode evaluation on the rollout engine: the fixed eval prompts of data.task,
+        or the agent episodes on fixed tasks of agentic runs."""
         c = self.config
-        version = {"eval/policy_version": float(self.engine_version)}
-        try:
+        if self.agent_rollout is not None:
             examples = self.task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
-            return asyncio.run(self.agent_rollout.evaluate(examples)) | version
-        except Exception as e:  # noqa: BLE001  (an evaluation never stops training)
-            log.warning("evaluation of policy version %d failed: %r", self.engine_version, e)
-            return {"eval/errors": 1.0} | version
+            metrics = asyncio.run(self.agent_rollout.evaluate(examples))
+        else:
+            metrics = score_policy(self.engine, self.tokenizer, EvalSpec.from_run(c))
+        return metrics, self.engine_checksum()
+
+    def engine_checksum(self) -> str:
+        """sha256 of the weights the engine serves."""
+        if isinstance(self.engine, HttpEngine):
+            return self._surviving("weights checksum", self.engine.weights_checksum)
+        return weights_checksum(self.engine.named_tensors().items())
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
         r = self.config.rollout
+        self._rollout_step = step  # the step `train` records in the ledger
         if self.agent_rollout is not None:
             from miles_core.agents.layers import RolloutInput
 
             out = asyncio.run(self.agent_rollout(RolloutInput(step, self.engine_version)))
-            return RolloutResult(out.groups, out.metrics)
+            return self._with_engine_health(RolloutResult(out.groups, out.metrics))
         if r.mode == "sync":
             prompts = self.source.next_batch(r.prompts_per_step)
-            return generate_groups(self.engine, self.tokenizer, self.task, prompts, r, step)
+            result = generate_groups(self.engine, self.tokenizer, self.task, prompts, r, step)
+            return self._with_engine_health(result)
         if self.producer is None:  # first call: after a resume has set the data position
             if r.mode == "one_step_off":  # one batch ahead, pushes between batches
                 r = r.model_copy(update={"max_staleness": 1, "stale_policy": "pace"})
@@ -229,9 +344,14 @@ class RLRuntime:
                 r,
                 version=lambda: self.engine_version,
                 first_group=step * r.prompts_per_step,
-            ).start()
-        return self.producer.take(step)
+            )
+            if self._restored_buffer is not None:  # groups buffered at the resumed checkpoint
+                self.producer.restore(self._restored_buffer)
+                self._restored_buffer = None
+            self.producer.start()
+        return self._with_engine_health(self.producer.take(step))
 
+    @_exclusive_weights
     def train(self, result: RolloutResult) -> dict[str, float]:
         cfg = self.config
         advantages = grpo_advantages(result.groups, cfg.train.normalize_advantage_std)
@@ -241,11 +361,15 @@ class RLRuntime:
         # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
         for start, end in rollout_slices(batch.sample_ids, cfg.train.global_batch_size):
             per_step.append(self.trainer.train_step(batch.slice(start, end), loss="policy"))
+        self._trained_since_push = True
+        self.ledger.record(self._rollout_step, result.groups)
         keys = per_step[0].keys()
         return {f"train/{k}": sum(m[k] for m in per_step) / len(per_step) for k in keys}
 
     def update_weights(self) -> dict[str, float]:
-        self.policy_version += 1
+        with self._weights_lock:  # a replaced engine gets this version from now on
+            self.policy_version += 1
+            self._trained_since_push = False
         r = self.config.rollout
         if self.producer is not None and r.mode == "one_step_off":
             self.producer.wait_idle()  # the batch in flight finishes on the old weights
@@ -258,6 +382,12 @@ class RLRuntime:
         return stats.as_metrics() | {"train/policy_version": float(self.policy_version)}
 
     def _push(self, version: int, pause_mode: str):
+        """Pushes the trainer's weights as `version`; a push that meets a dead engine server
+        waits for its replacement (which got the trainer's weights) and is made once more."""
+        return self._surviving(f"push of version {version}", self._push_now, version, pause_mode)
+
+    @_exclusive_weights
+    def _push_now(self, version: int, pause_mode: str):
         dtype = self._push_dtype()
         if getattr(self.transport, "pushes_from_trainer", False):  # p2p: every rank sends
             return self.transport.push_from(self.trainer, version, pause_mode, dtype)
@@ -271,6 +401,10 @@ class RLRuntime:
     def check_weights_equal(self) -> None:
         """The engines hold exactly what was pushed: the trainer's weights, in the push dtype,
         loaded into the engine's own (fp32) parameters."""
+        self._surviving("weights check", self._check_weights_now)
+
+    @_exclusive_weights
+    def _check_weights_now(self) -> None:
         dtype = self._push_dtype()
         expected = [
             (n, t.to(dtype).to(t.dtype) if dtype is not None else t)
@@ -290,62 +424,136 @@ class RLRuntime:
             )
 
     def is_save_step(self, step: int) -> bool:
+        """Every checkpoint.interval steps, and the last step."""
         interval = self.config.checkpoint.interval
-        return bool(interval) and (step + 1) % interval == 0
+        last = step == self.config.train.num_steps - 1
+        return last or (bool(interval) and (step + 1) % interval == 0)
 
-    def save(self, step: int) -> str:
-        if isinstance(self.engine, HttpEngine):
-            checksum = self.engine.weights_checksum()
-        else:
-            checksum = weights_checksum(self.engine.named_tensors().items())
+    def save(self, step: int, metrics: dict[str, float] | None = None) -> str:
+        """Checkpoint of `step` (storage.py lists its files). `metrics`: the step's phase
+        metrics, kept so a resume can log them if this process dies before it flushes them."""
+        checksum = self.engine_checksum()
         generator = getattr(self.engine, "generator", None)  # servers seed every request
+        buffer = self.producer.snapshot() if self.producer else None
         state = {
             "step": step,
             "policy_version": self.policy_version,
             "weights_sha256": checksum,
             "init_model": self.config.model.path,
-            "data": self.producer.data_state() if self.producer else self.source.state(),
-            "engine_rng": base64.b64encode(generator.get_state().numpy().tobytes()).decode()
-            if generator is not None
-            else None,
+            # with a producer: after every admitted group (the buffer holds those not trained)
+            "data": buffer["source_state"] if buffer else self.source.state(),
+            "engine_rng": rng_state.encode_generator(generator) if generator is not None else None,
+            "rng": rng_state.capture(),
             "mlflow_run_id": self.tracker.run_id if self.tracker else None,
             "architecture": self.architecture,
+            "config": self.config.model_dump(mode="json"),
+            "step_metrics": metrics or {},
         }
+        files = {LEDGER_FILE: self.ledger.to_json()}
+        if buffer is not None:
+            files[BUFFER_FILE] = buffer
 
         def write(directory: Path) -> None:
-            self.trainer.save(str(directory))
+            with self._weights_lock:  # never beside a push to a replaced engine (SPMD calls)
+                self.trainer.save(str(directory))
             self.tokenizer.save_pretrained(str(directory))
 
-        uri = self.store.save(step, write, state)
+        uri = self.store.save(step, write, state, files)
         self.last_saved_step = step
+        self.ledger.saved(step)
+        model_version = None
         if self.tracker:
-            self.tracker.set_tags({"miles.last_checkpoint": uri})
             if self.config.tracking.register_policy:
-                self.tracker.log_policy_version(
+                model_version = self.tracker.log_policy_version(
                     self.config.name, step, self.policy_version, uri, {"weights_sha256": checksum}
                 )
+            self.tracker.set_tags({"miles.last_checkpoint": uri})
+        if self.evaluation is not None:  # dedicated / external modes score checkpoints
+            self.evaluation.record_checkpoint(self.policy_version, uri, model_version, checksum)
         return uri
 
     def resume(self, step: int) -> None:
-        """Loads a checkpoint of this run: weights, optimizer, data position, RNG, version."""
+        """Loads checkpoint `step` of this run: weights, optimizer, LR schedule, data position,
+        RNG states, version, the async buffer (handed to the producer on the first rollout);
+        the run continues at step + 1. A checkpoint other than the latest becomes the latest
+        (later ones belong to an abandoned lineage and are overwritten as the run gets there)."""
         uri = self.store.uri(step)
         check_checkpoint_matches(self.architecture, uri, self.config.checkpoint.storage_options)
-        local = self.store.fetch(step)
         state = self.store.read_state(step)
+        buffer = self.store.read_json(step, BUFFER_FILE)
+        check_buffer_resumable(buffer, self.config, step)
+        changed = shape_changes(state.get("config"), self.config)
+        if changed:
+            log.warning(
+                "resuming step %d with %s: training continues, but not bit-identically to an "
+                "uninterrupted run",
+                step,
+                ", ".join(changed),
+            )
+        local = self.store.fetch(step)
         self.trainer.load(str(local))
         self.source.load_state(state["data"])
         if state.get("engine_rng") and hasattr(self.engine, "generator"):
-            raw = bytearray(base64.b64decode(state["engine_rng"]))
-            self.engine.generator.set_state(torch.frombuffer(raw, dtype=torch.uint8))
+            rng_state.decode_generator(self.engine.generator, state["engine_rng"])
+        if state.get("rng"):
+            rng_state.restore(state["rng"])
+        if self.config.rollout.mode != "sync":
+            self._restored_buffer = buffer
         self.policy_version = self.engine_version = int(state["policy_version"])
         self._push(self.policy_version, self.config.rollout.pause_mode)
         self.start_step = self.last_saved_step = int(state["step"])
         self.start_step += 1
+        self.ledger = TrainedLedger(previous_step=step)
+        latest = self.store.latest_step()
+        if latest != step:
+            later = [s for s in self.store.steps() if s > step]
+            log.warning(
+                "resuming from step %d, not the latest (%s): checkpoints %s belong to the "
+                "abandoned continuation and are overwritten as the run reaches them",
+                step,
+                latest,
+                later,
+            )
+            self.store.mark_latest(step)
+        self._record_what_the_dead_process_missed(step, state, uri)
+
+    def _record_what_the_dead_process_missed(self, step: int, state: dict, uri: str) -> None:
+        """A process killed just after writing checkpoint `step` may not have flushed that
+        step's metrics or registered the checkpoint as a policy version: both are done now."""
+        t = self.tracker
+        metrics = state.get("step_metrics") or {}
+        if t is None:
+            return
+        key = next((k for k in ("rollout/reward_mean", *metrics) if k in metrics), None)
+        if key is not None:
+            logged = {m.step for m in t.client.get_metric_history(t.run_id, key)}
+            if step not in logged:
+                log.warning("step %d's metrics were never logged: logging them now", step)
+                t.log_metrics(metrics, step)
+                t.flush()
+        if self.config.tracking.register_policy and state.get("weights_sha256"):
+            found = t.client.search_model_versions(
+                f"name='{self.config.name}' and run_id='{t.run_id}'"
+            )
+            if not any(mv.tags.get("step") == str(step) for mv in found):
+                log.warning("checkpoint %s was never registered: registering it now", uri)
+                t.log_policy_version(
+                    self.config.name,
+                    step,
+                    int(state["policy_version"]),
+                    uri,
+                    {"weights_sha256": state["weights_sha256"]},
+                )
+                t.set_tags({"miles.last_checkpoint": uri})
 
     def close(self) -> None:
         """Stops everything the run started; the engine process is stopped even if an earlier
         step of the shutdown fails."""
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.stop()  # first: a stopped engine must not be replaced
         try:
+            if getattr(self, "evaluation", None) is not None:
+                self.evaluation.close()
             if self.producer is not None:
                 self.producer.stop()
             close_transport = getattr(self.transport, "close", None)

@@ -1,9 +1,19 @@
 """Checkpoints under an fsspec root: a local path by default, or `s3://bucket/prefix`.
 
-A checkpoint is a directory `<root>/<run>/step_<N>/` holding an ordinary HF model directory
-(config.json, model.safetensors, tokenizer files), the optimizer state written with
-torch.distributed.checkpoint (`optimizer/`), `trainer_state.json` and the run's `state.json`
-(step, policy version, data position, RNG, MLflow run id). `<root>/<run>/latest` names the newest.
+A checkpoint is a directory `<root>/<run>/step_<N>/` holding
+- an ordinary HF model directory (config.json, model.safetensors, tokenizer files);
+- `optimizer/`: the AdamW state written with torch.distributed.checkpoint (one shard per rank);
+- `trainer_state.json`: the LR scheduler's state and the trainer's world size;
+- `state.json`: the run state (`RLRuntime.save`): step, policy (= weight) version, sha256 of the
+  engine's weights, the model the run started from, the data position, RNG states (trainer
+  process torch / Python / numpy; an in-process engine's generator), the MLflow run id, the
+  model architecture, the config, and the metrics of its step (re-logged on resume if the
+  process died before it flushed them);
+- `rollout_buffer.json` (async modes, `rollout/buffer_state.py`): the producer's groups
+  completed but not yet trained and those in flight, so a resume trains each exactly once;
+- `trained_samples.json` (`ledger.py`): the sample ids of each step since the previous
+  checkpoint, and that checkpoint's step.
+`<root>/<run>/latest` names the newest (written last: a checkpoint it names is complete).
 Remote roots are staged in a local directory and uploaded; loading downloads first.
 """
 
@@ -44,10 +54,17 @@ class CheckpointStore:
     def uri(self, step: int) -> str:
         return self._url(f"{self.base}/step_{step:06d}")
 
-    def save(self, step: int, write: Callable[[Path], None], state: dict[str, Any]) -> str:
-        """`write(local_dir)` fills a directory; it is then published as step `step`. A save
-        that fails (disk full, credentials, ...) raises CheckpointSaveError and leaves the
-        earlier checkpoints and `latest` as they were (its partial files are removed)."""
+    def save(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        state: dict[str, Any],
+        json_files: dict[str, Any] | None = None,
+    ) -> str:
+        """`write(local_dir)` fills a directory; `state` (state.json) and `json_files` (name →
+        data) are written beside; it is then published as step `step`. A save that fails (disk
+        full, credentials, ...) raises CheckpointSaveError and leaves the earlier checkpoints
+        and `latest` as they were (its partial files are removed)."""
         name = f"step_{step:06d}"
         target = f"{self.base}/{name}"
         local = Path(self.base) / f".{name}.tmp" if self.is_local else self._staging / name
@@ -56,6 +73,8 @@ class CheckpointStore:
                 Path(self.base).mkdir(parents=True, exist_ok=True)
             shutil.rmtree(local, ignore_errors=True)
             write(local)
+            for file_name, data in (json_files or {}).items():
+                _write_json(local / file_name, data)
             _write_json(local / STATE_FILE, state)
             if self.is_local:
                 shutil.rmtree(target, ignore_errors=True)
@@ -64,7 +83,7 @@ class CheckpointStore:
                 if self.fs.exists(target):
                     self.fs.rm(target, recursive=True)
                 self.fs.put(str(local), target, recursive=True)
-            self.fs.pipe_file(f"{self.base}/latest", str(step).encode())
+            self.mark_latest(step)
         except Exception as e:
             shutil.rmtree(local, ignore_errors=True)
             previous = self.latest_step_or_none()
@@ -100,6 +119,29 @@ class CheckpointStore:
             return None
         return int(self.fs.cat_file(marker).decode().strip())
 
+    def steps(self) -> list[int]:
+        """The steps that have a published checkpoint, ascending."""
+        if not self.fs.exists(self.base):
+            return []
+        found = []
+        for path in self.fs.ls(self.base, detail=False):
+            name = str(path).rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("step_") and name[5:].isdigit():
+                found.append(int(name[5:]))
+        return sorted(found)
+
+    def mark_latest(self, step: int) -> None:
+        """Points `latest` at `step`, atomically: a process killed mid-write, or a reader
+        meanwhile, sees the old marker or the new one, never a partial file (local: write
+        beside + rename; object stores replace an object whole)."""
+        marker = f"{self.base}/latest"
+        if not self.is_local:
+            self.fs.pipe_file(marker, str(step).encode())
+            return
+        tmp = Path(f"{self.base}/.latest.tmp")
+        tmp.write_text(str(step))
+        tmp.replace(marker)
+
     def remove_all(self) -> None:
         """Deletes every checkpoint of this run (checkpoint.overwrite on a new run)."""
         if self.fs.exists(self.base):
@@ -119,6 +161,14 @@ class CheckpointStore:
 
     def read_state(self, step: int) -> dict[str, Any]:
         with self.fs.open(f"{self.base}/step_{step:06d}/{STATE_FILE}", "rt") as f:
+            return json.load(f)
+
+    def read_json(self, step: int, file_name: str) -> Any | None:
+        """A JSON file of checkpoint `step` (None if the checkpoint has no such file)."""
+        path = f"{self.base}/step_{step:06d}/{file_name}"
+        if not self.fs.exists(path):
+            return None
+        with self.fs.open(path, "rt") as f:
             return json.load(f)
 
     def close(self) -> None:

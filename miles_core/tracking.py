@@ -35,6 +35,7 @@ MAX_PARAM_VALUE_LENGTH = 6000
 NEWEST_POLICY_ALIAS = "newest"
 
 DEFAULT_CURVE_KEYS = ("rollout/reward_mean",)
+EVAL_CURVE_KEY = "eval/reward_mean"  # plotted too when the run evaluates
 
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
 _ALREADY_EXISTS = ErrorCode.Name(RESOURCE_ALREADY_EXISTS)
@@ -185,7 +186,7 @@ class Tracker:
         """On re-attach, the curve keys' past points come back, so the reward curve of a resumed
         run covers the whole run."""
         for key in latest:
-            if key in DEFAULT_CURVE_KEYS or key.endswith("exact_match"):
+            if key in (*DEFAULT_CURVE_KEYS, EVAL_CURVE_KEY) or key.endswith("exact_match"):
                 points = self.client.get_metric_history(self.run_id, key)
                 self._history[key] = {
                     m.step: m.value for m in sorted(points, key=lambda m: m.timestamp)
@@ -212,7 +213,8 @@ class Tracker:
     ) -> Path:
         """Plot metric histories against step, log the PNG as a run artifact, return its path.
 
-        ``keys`` defaults to ``rollout/reward_mean`` plus every ``*exact_match`` history key.
+        ``keys`` defaults to ``rollout/reward_mean``, ``eval/reward_mean`` (when logged) and every
+        ``*exact_match`` history key.
         ``also_to`` is a directory (the PNG is copied in as ``filename``) or a ``.png`` path.
         """
         import matplotlib
@@ -222,6 +224,8 @@ class Tracker:
 
         if keys is None:
             keys = [*DEFAULT_CURVE_KEYS]
+            if EVAL_CURVE_KEY in self._history:
+                keys.append(EVAL_CURVE_KEY)
             keys += sorted(k for k in self._history if k.endswith("exact_match") and k not in keys)
 
         fig = Figure(figsize=(8, 5))

@@ -3,7 +3,7 @@
 task runs collectives on every trainer rank, and a retry from rank 0 alone would not line up."""
 
 from tasks.checkpoint import save_checkpoint
-from tasks.evaluate import evaluate_policy
+from tasks.evaluate import collect_evaluations, evaluate_policy
 from tasks.rollout import rollout_batch
 from tasks.setup import check_inputs, prepare_model, prepare_runtime, resumed_config, start_tracking
 from tasks.sft import sft_train
@@ -12,6 +12,7 @@ from tasks.weights import update_weights
 
 __all__ = [
     "check_inputs",
+    "collect_evaluations",
     "evaluate_policy",
     "resumed_config",
     "prepare_model",

@@ -12,23 +12,28 @@ from tasks._task import step_task
 
 
 @step_task(name="check_inputs")
-def check_inputs(config: RunConfig, resume: bool = False) -> None:
+def check_inputs(config: RunConfig, resume: bool = False, resume_step: int | None = None) -> None:
     """Dataset rows, SFT answers, the checkpoint to resume: refused here, before anything starts.
     With checkpoint.overwrite, a new run first removes the earlier checkpoints of its name."""
-    preflight(config, resume)
+    preflight(config, resume, resume_step)
     if config.checkpoint.overwrite and not resume:
         clear_previous_checkpoints(config)
 
 
 @step_task(name="resumed_config")
-def resumed_config(config: RunConfig) -> RunConfig:
+def resumed_config(config: RunConfig, resume_step: int | None = None) -> RunConfig:
     """On resume: the config with `model.path` = the model the run started from (e.g. its SFT output)."""
-    return config.with_model_path(latest_state(config).get("init_model") or config.model.path)
+    start = latest_state(config, resume_step).get("init_model")
+    return config.with_model_path(start or config.model.path)
 
 
 @step_task(name="start_tracking")
 def start_tracking(
-    config: RunConfig, run_name: str, parent_run_id: str | None = None, resume: bool = False
+    config: RunConfig,
+    run_name: str,
+    parent_run_id: str | None = None,
+    resume: bool = False,
+    resume_step: int | None = None,
 ) -> Tracker:
     """One MLflow run per training run; params are the flattened config. On resume, the run
     recorded in the latest checkpoint is re-attached, so its curves continue."""
@@ -41,7 +46,7 @@ def start_tracking(
         run_name,
         params=config.model_dump(mode="json"),
         tags=tags,
-        run_id=latest_state(config).get("mlflow_run_id") if resume else None,
+        run_id=latest_state(config, resume_step).get("mlflow_run_id") if resume else None,
         parent_run_id=parent_run_id,
     )
 
@@ -53,15 +58,25 @@ def prepare_model(config: RunConfig, workdir: Path) -> Path:
 
 @step_task(name="prepare_runtime")
 def prepare_runtime(
-    config: RunConfig, model_dir: Path, tracker: Tracker, resume: bool = False
+    config: RunConfig,
+    model_dir: Path,
+    tracker: Tracker,
+    resume: bool = False,
+    resume_step: int | None = None,
 ) -> RLRuntime:
-    """Builds engine, trainer and transport from `model_dir`; with `resume`, continues the run's latest checkpoint."""
+    """Builds engine, trainer and transport from `model_dir`; with `resume`, continues the run's
+    latest checkpoint (or checkpoint `resume_step`)."""
     rt = RLRuntime(config, model_dir, tracker)
     if resume:
-        latest = rt.store.latest_step()
-        if latest is None:
+        step = rt.store.latest_step() if resume_step is None else resume_step
+        if step is None:
+            rt.close()
             raise FileNotFoundError(
                 f"--resume: no checkpoint of run {config.name!r} under {config.checkpoint.root}"
             )
-        rt.resume(latest)
+        try:
+            rt.resume(step)
+        except BaseException:
+            rt.close()  # the engine server it started must not outlive a refused resume
+            raise
     return rt

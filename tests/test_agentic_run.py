@@ -53,10 +53,9 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
     procs = [rt.engine_process, rt.session_process]
     try:
         assert rt.eval_due(0) and not rt.eval_due(1) and rt.eval_due(2)  # first and last
-        rt.start_step = 1  # as after a resume at step 1: no second evaluation of its start,
-        assert not rt.eval_due(1)  # version 0 was the first invocation's
-        rt.start_step = 0
-        before = rt.evaluate()
+        rt.submit_evaluation(0)
+        [(version, before)] = rt.finished_evaluations()
+        assert version == 0 and before["eval/lag_steps"] == 0.0 and before["eval/errors"] == 0.0
         assert before["eval/policy_version"] == 0.0 and before["eval/failed_episodes"] == 0.0
         kinds = {k for k in before if k.startswith("eval/success_rate/")}
         assert kinds == {f"eval/success_rate/{k}" for k in ("create", "count", "fix")}
@@ -74,8 +73,10 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
             metrics = rt.train(result)
             assert metrics["train/grad_norm"] >= 0.0
             rt.update_weights()  # check_equal: the engine holds the trained weights
-        after = rt.evaluate()  # eval sessions are not counted in a step's session metrics
-        assert after["eval/policy_version"] == 2.0 and 0.0 <= after["eval/success_rate"] <= 1.0
+        rt.submit_evaluation(2)  # eval sessions are not counted in a step's session metrics
+        [(version, after)] = rt.finished_evaluations()
+        assert version == 2 and after["eval/policy_version"] == 2.0
+        assert 0.0 <= after["eval/success_rate"] <= 1.0
     finally:
         rt.close()
     for p in procs:

@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
         (["train.off_policy.mode=tis", "train.off_policy.low=3"], r"low \(3.0\) must be below"),
         (["train.off_policy.mode=is"], "train.off_policy.mode"),
         (["weight_sync.transport=carrier-pigeon"], "unknown weight transport 'carrier-pigeon'"),
+        (["rollout.health_timeout_s=1"], r"health_timeout_s \(1.0\) must exceed"),
+        (["rollout.max_engine_restarts=-1"], "rollout.max_engine_restarts"),
     ],
 )
 def test_config_errors_name_the_field(overrides, message):
@@ -220,6 +222,10 @@ def test_empty_prompts_and_a_missing_model_are_refused(tmp_path):
 # shows it (`file::test`). Each ends in a clear error before anything starts, a 4xx from a
 # server that keeps serving, or a FAILED sample while training goes on; nothing saved is lost.
 CATALOGUE = [
+    ("invalid evaluation settings", "the field and the rule", "test_eval.py::test_bad_eval_settings_are_refused_before_anything_starts"),
+    ("evaluation that raises, hangs or gets HTTP 500", "eval/errors + the reason as a run tag; training goes on", "test_eval.py::test_failing_or_hanging_evaluations_never_stop_training"),
+    ("unknown registered policy version", "LookupError naming the version", "test_eval.py::test_dedicated_mode_in_the_flow_then_the_evaluate_flow_scores_a_version"),
+    ("malformed evaluation-service job", "422/400/404; an unreadable checkpoint fails the job with the reason", "test_eval.py::test_the_evaluation_service_refuses_malformed_jobs_with_4xx"),
     ("malformed JSONL row", "row number + 'not valid JSON'", "test_bad_input.py::test_dataset_row_without_prompt_names_the_row"),
     ("row without a prompt", "row number named", "test_bad_input.py::test_dataset_row_without_prompt_names_the_row"),
     ("empty or blank prompt", "row number named", "test_bad_input.py::test_empty_prompts_and_a_missing_model_are_refused"),
@@ -232,6 +238,7 @@ CATALOGUE = [
     ("unknown starting model path", "'not a model directory'", "test_bad_input.py::test_empty_prompts_and_a_missing_model_are_refused"),
     ("model/checkpoint mismatch", "both architectures named", "test_bad_input.py::test_preflight_refuses_a_checkpoint_of_another_model"),
     ("resume past the end, unwritable root", "what to change", "test_bad_input.py::test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root"),
+    ("--resume-step without such a checkpoint, async buffer the config cannot continue", "the saved steps / the setting to use", "test_checkpoint_state.py::test_resume_rules_refuse_before_anything_starts"),
     ("duplicate run name", "--resume / another name / overwrite", "test_bad_input.py::test_a_new_run_with_the_name_of_an_existing_one_is_refused_unless_it_overwrites"),
     ("wrong S3 credentials", "root 'is not writable' + the store's reason", "test_storage.py::test_wrong_s3_credentials_are_refused_before_anything_starts"),
     ("disk full on save", "earlier checkpoints and latest untouched", "test_storage.py::test_a_save_onto_a_full_disk_fails_clearly_and_keeps_the_earlier_checkpoint"),
@@ -249,6 +256,8 @@ CATALOGUE = [
     ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
     ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),
+    ("engine server killed or hung mid-run", "replaced ≤ 10 s, weights pushed, requests re-issued once", "test_engine_recovery.py::test_a_killed_engine_in_fully_async_mode_is_replaced_and_nothing_is_lost"),
+    ("request that fails again after a replacement; restarts used up", "'failed again … re-issued once'; 'max_engine_restarts'", "test_engine_recovery.py::test_a_request_is_reissued_only_once_and_restarts_are_bounded"),
 ]  # fmt: skip
 
 

@@ -4,7 +4,8 @@ SGLang's native API (ours or a real `sglang.launch_server`) with the same client
 `HttpEngine.generate` sends requests concurrently (httpx, pooled, bounded by `concurrency`; with
 `batch_size` > 1 several per call in SGLang's batch form) while a watchdog polls `/health`; a dead or unreachable engine
 raises `EngineUnavailable` naming the URL within a few seconds instead of leaving the rollout
-waiting.
+waiting. With a `supervisor` (rollout/supervisor.py) the supervisor's heartbeat replaces the
+watchdog, and a call the engine's death interrupted is re-issued once on the replacement.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 
 from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, version_number
+from miles_core.rollout.supervisor import EngineSupervisor, reissue_once
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
@@ -115,6 +117,10 @@ class HttpEngine:
         # control calls may load a whole model (disk, last broadcast bucket): long reads, fast
         # connection failures
         self._sync = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0))
+        # set by the owner of a supervised engine server: generate calls that die with the
+        # engine wait for its replacement and are re-issued once (rollout/supervisor.py);
+        # control calls still fail fast
+        self.supervisor: EngineSupervisor | None = None
 
     # ------------------------------------------------------------------ data plane
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
@@ -135,16 +141,23 @@ class HttpEngine:
                     key = chunk[0].routing_key
                     headers = {ROUTING_KEY_HEADER: key} if key else None
                     body = batch_payload(chunk) if len(chunk) > 1 else generate_payload(chunk[0])
-                    try:
-                        r = await client.post("/generate", json=body, headers=headers)
-                    except httpx.HTTPError as e:
-                        raise EngineUnavailable(
-                            f"engine at {self.url} failed during /generate: {e!r}"
-                        ) from e
-                    return self.parse_responses(r)
+
+                    async def call() -> list[GenerateResponse]:
+                        try:
+                            r = await client.post("/generate", json=body, headers=headers)
+                        except httpx.HTTPError as e:
+                            raise EngineUnavailable(
+                                f"engine at {self.url} failed during /generate: {e!r}"
+                            ) from e
+                        return self.parse_responses(r)
+
+                    what = "/generate of " + ", ".join(str(r.rid) for r in chunk)
+                    return await reissue_once(self.supervisor, call, what)
 
             work = asyncio.gather(*(one(c) for c in chunks))
-            watchdog = asyncio.create_task(self._watch(client))
+            # a supervised engine has its own heartbeat, which replaces a dead one
+            watch = self._watch(client) if self.supervisor is None else _forever()
+            watchdog = asyncio.create_task(watch)
             done, _ = await asyncio.wait({work, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if watchdog in done:
                 work.cancel()
@@ -253,6 +266,10 @@ class HttpEngine:
 
     def close(self) -> None:
         self._sync.close()
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
 
 
 def _message(r: httpx.Response) -> str:

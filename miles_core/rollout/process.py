@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from miles_core.rollout.parent_watch import PARENT_ENV
+
 # HTTP keep-alive of our servers: longer than any client's pooled idle time. uvicorn's 5 s
 # default closes idle connections while a client may be reusing one (ReadError at the client).
 KEEP_ALIVE_S = 120
@@ -52,9 +54,9 @@ class ManagedProcess:
 
     def start(self, timeout: float = 120.0):
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            self.command(), stdout=out, stderr=subprocess.STDOUT, env={**os.environ}
-        )
+        # our servers exit when this process dies, even by SIGKILL (rollout/parent_watch.py)
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -34,6 +34,12 @@ import httpx
 from miles_core.config import RolloutConfig
 from miles_core.data import PromptSource
 from miles_core.data.tasks import Task
+from miles_core.rollout.buffer_state import (
+    BUFFER_VERSION,
+    check_buffer,
+    group_from_json,
+    group_to_json,
+)
 from miles_core.rollout.http_engine import (
     EngineUnavailable,
     HttpEngine,
@@ -50,6 +56,7 @@ from miles_core.rollout.rollout_fn import (
     rollout_metrics,
     sampling_params,
 )
+from miles_core.rollout.supervisor import reissue_once
 from miles_core.types import SampleGroup
 
 log = logging.getLogger("miles.producer")
@@ -94,8 +101,11 @@ class RolloutProducer:
         self._next_take = first_group  # pace: next group the trainer takes
         self._tickets: dict[int, _Ticket] = {}  # admitted and not yet taken
         self._retry: collections.deque[_Ticket] = collections.deque()
+        # restored from a checkpoint while they were generating: they start first (`restore`)
+        self._resumed: collections.deque[_Ticket] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
+        self._held = 0  # > 0: no group starts (a shared-mode evaluation uses the engine)
         self._error: BaseException | None = None
         self.counters = collections.Counter()
         self._last_done = time.monotonic()  # when a group last completed (the watchdog's clock)
@@ -154,6 +164,18 @@ class RolloutProducer:
             f"(stale_policy {self.cfg.stale_policy}, max_staleness {self.cfg.max_staleness})"
         )
 
+    @contextlib.contextmanager
+    def held(self):
+        """No new group starts inside this block; groups in flight go on (shared evaluation)."""
+        with self._cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
     def wait_idle(self) -> None:
         """Blocks until no admitted group is still generating."""
         with self._cond:
@@ -161,13 +183,75 @@ class RolloutProducer:
                 self._raise_if_failed()
                 self._cond.wait(1.0)
 
-    def data_state(self) -> dict | None:
-        """The prompt source's state to resume from: just after the groups taken so far."""
+    def snapshot(self) -> dict:
+        """The buffer for a checkpoint (`rollout/buffer_state.py`), consistent under the lock:
+        groups admitted and not yet taken (completed: with their samples; generating: by
+        identity), the retry queue, and the prompt position after all of them (`source_state`,
+        the run's data position while this producer runs)."""
         with self._cond:
-            pending = sorted(self._tickets.values(), key=lambda t: t.index)
-            if pending:
-                return pending[0].source_state
-            return self.source.state()
+            tickets = sorted(self._tickets.values(), key=lambda t: t.index)
+            retry = list(self._retry)
+            done = sorted((t for t in tickets if t.group is not None), key=lambda t: t.done_at)
+            groups = [(t, t.group) for t in tickets] + [(t, None) for t in retry]
+            frozen = {
+                "next_index": self._next_index,
+                "next_take": self._next_take,
+                "source_state": self.source.state(),
+                "counters": dict(self.counters),
+            }
+        order = {t.index: i for i, t in enumerate(done)}
+        return frozen | {
+            "version": BUFFER_VERSION,
+            "prompts_per_step": self.batch,
+            "n_samples_per_prompt": self.n,
+            "groups": [
+                {
+                    "index": t.index,
+                    "data_index": t.data_index,
+                    "admitted_version": t.admitted_version,
+                    "source_state": t.source_state,
+                    "retries": t.retries,
+                    "state": "retry" if i >= len(tickets) else "done" if g else "generating",
+                    "done_order": order.get(t.index) if g else None,
+                    "group": group_to_json(g) if g else None,
+                }
+                for i, (t, g) in enumerate(groups)
+            ],
+        }
+
+    def restore(self, data: dict) -> None:
+        """Before `start`: continues a checkpoint's buffer (`snapshot`). Completed groups are
+        handed to the trainer as they are; generating ones start again first (same rids and
+        seeds), then the retry queue; new prompts continue after the last admitted one."""
+        check_buffer(data, self.batch, self.n)
+        if self._thread.is_alive():
+            raise RuntimeError("RolloutProducer.restore must come before start()")
+        with self._cond:
+            self._next_index = int(data["next_index"])
+            self._next_take = int(data["next_take"])
+            self.source.load_state(data["source_state"])
+            self.counters.update(data.get("counters", {}))
+            now = time.monotonic()
+            for item in data["groups"]:
+                example = self.source.examples[int(item["data_index"])]
+                ticket = _Ticket(
+                    index=int(item["index"]),
+                    data_index=int(item["data_index"]),
+                    example=example,
+                    ids=encode_prompt(self.tokenizer, example.prompt),
+                    admitted_version=int(item["admitted_version"]),
+                    source_state=item["source_state"],
+                    retries=int(item["retries"]),
+                )
+                if item["state"] == "retry":
+                    self._retry.append(ticket)
+                    continue
+                self._tickets[ticket.index] = ticket
+                if item["state"] == "done":
+                    ticket.group = group_from_json(item["group"], example)
+                    ticket.done_at = now + 1e-6 * int(item["done_order"])  # completion order
+                else:
+                    self._resumed.append(ticket)
 
     def stop(self) -> None:
         with self._cond:
@@ -203,9 +287,14 @@ class RolloutProducer:
         return keep[: self.batch] if len(keep) >= self.batch else None
 
     def _may_admit(self) -> bool:
+        if self._held:
+            return False
         if self.cfg.stale_policy == "pace":
             return self.version() >= self._next_index // self.batch - self.cfg.max_staleness
         return len(self._tickets) < (1 + self.cfg.max_staleness) * self.batch
+
+    def _may_resume(self) -> bool:
+        return bool(self._resumed) and not self._held
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -249,10 +338,14 @@ class RolloutProducer:
     def _admit_next(self) -> _Ticket | None:
         """Blocks until a group may start (or the producer stops); draws its prompt."""
         with self._cond:
-            while not self._stop and not self._may_admit():
+            while not self._stop and not self._may_resume() and not self._may_admit():
                 self._cond.wait(1.0)
             if self._stop:
                 return None
+            if self._may_resume():  # admitted before the checkpoint: no pacing again
+                ticket = self._resumed.popleft()
+                ticket.admitted_version = self.version()
+                return ticket
             if self._retry:
                 ticket = self._retry.popleft()
                 ticket.admitted_version = self.version()
@@ -307,11 +400,18 @@ class RolloutProducer:
         self, client: httpx.AsyncClient, requests: list[GenerateRequest]
     ) -> list[GenerateResponse]:
         body = batch_payload(requests) if len(requests) > 1 else generate_payload(requests[0])
-        try:
-            r = await client.post("/generate", json=body)
-        except httpx.HTTPError as e:
-            raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
-        return self.engine.parse_responses(r)
+
+        async def call() -> list[GenerateResponse]:
+            try:
+                r = await client.post("/generate", json=body)
+            except httpx.HTTPError as e:
+                raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
+            return self.engine.parse_responses(r)
+
+        # a call the engine's death interrupted waits for the replacement and is re-issued
+        # once (same rid and seed); a second failure fails the group, and with it the run
+        what = "/generate of " + ", ".join(str(r.rid) for r in requests)
+        return await reissue_once(getattr(self.engine, "supervisor", None), call, what)
 
     async def _one(
         self,

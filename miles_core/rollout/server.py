@@ -522,6 +522,11 @@ def main(argv: list[str] | None = None) -> None:
         help="GEMM and residual dtype (bfloat16: faster decode, log-probs within ~1e-2 of fp32)",
     )
     args = ap.parse_args(argv)
+    from miles_core.rollout.parent_watch import watch_parent
+    from miles_core.weights.shm import unlink_mapped
+
+    # started by a run: exit with it, and drop the shared-memory weight files its trainer wrote
+    watch_parent(on_gone=unlink_mapped)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_hf_dir(args.model)

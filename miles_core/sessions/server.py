@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         "--session-ttl-s", type=float, default=3600.0, help="drop sessions idle this long"
     )
     args = ap.parse_args(argv)
+    from miles_core.rollout.parent_watch import watch_parent
+
+    watch_parent()  # started by a run: exit with it
     app = create_app(
         args.engine_url,
         get_family(args.family),

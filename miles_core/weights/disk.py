@@ -132,6 +132,7 @@ class DiskTransport(RecordsPushes):
 
     def connect(self, engines: list) -> None:
         self.engines = require_remote(engines, "disk")
+        self._base = None  # a freshly connected engine (e.g. a replaced one): the next push is full
 
     def _fits_base(self, tensors: dict[str, torch.Tensor]) -> bool:
         """A delta needs the same names, shapes and dtypes as the last push (else: full)."""
@@ -191,7 +192,8 @@ class DiskTransport(RecordsPushes):
         if self.delta:
             self._base = {n: t.clone() for n, t in tensors.items()}
             self._base_version = version
-        self._written.append(path)
+        if path not in self._written:  # a replaced engine gets the current version again
+            self._written.append(path)
         while len(self._written) > self.keep:
             old = self._written.pop(0)
             fs.rm(fsspec.core.url_to_fs(old, **self.storage_options)[1], recursive=True)

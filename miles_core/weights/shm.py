@@ -116,6 +116,15 @@ def _map(path: str, size: int) -> torch.Tensor:
     return buf
 
 
+def unlink_mapped() -> list[str]:
+    """Removes every bucket file this process mapped; an engine server calls it when the
+    trainer that wrote them died without its own cleanup (SIGKILL). Returns the paths."""
+    paths = sorted({k[0] for k in _MAPPED})
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
+    return paths
+
+
 def read_bucket(description: str) -> SharedBucket:
     """Maps a described bucket: views into the shared file (copy them unless `adopt`)."""
     try:

@@ -1,0 +1,1 @@
+"""Operations around the library: the local production stack (`local_stack`) and the UI check."""

@@ -1,0 +1,209 @@
+"""Detached server processes recorded on disk: start one in its own process group, tell whether a
+recorded PID is still that process (not a reused PID, not a zombie), stop its whole group.
+
+A record is a JSON file `<dir>/<name>.json` holding the PID, the process's start time (from
+`/proc/<pid>/stat`, so a PID reused by the kernel for another program is not mistaken for ours),
+its port, URL, health URL and log path. Linux only (reads `/proc`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+
+class ServiceError(RuntimeError):
+    """A service could not be started or stopped; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    name: str
+    pid: int
+    start_ticks: int
+    port: int
+    url: str
+    health_url: str
+    log: str
+    command: list[str]
+
+    def save(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.name}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.rename(path)
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> ProcessRecord:
+        return cls(**json.loads(path.read_text()))
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (index 0 = state), or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # field 22 of stat: starttime
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def record_alive(record: ProcessRecord) -> bool:
+    return pid_alive(record.pid) and start_ticks(record.pid) == record.start_ticks
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of `pid` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields and fields[0] not in ("Z", "X"):
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        return httpx.get(url, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def spawn(
+    name: str,
+    command: list[str],
+    env: dict[str, str],
+    port: int,
+    url: str,
+    health_url: str,
+    log: Path,
+    cwd: Path | None = None,
+) -> ProcessRecord:
+    """Start `command` detached in a new session (its own process group), output to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    ticks = start_ticks(proc.pid)
+    if ticks is None:
+        raise ServiceError(f"{name} exited at once ({' '.join(command)}); see {log}")
+    return ProcessRecord(name, proc.pid, ticks, port, url, health_url, str(log), command)
+
+
+def wait_healthy(records: list[ProcessRecord], timeout: float) -> dict[str, float]:
+    """Poll every record's health URL until all answer 200; return seconds to healthy per name.
+    Raises ServiceError naming the service (and its log) that died or stayed unhealthy."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    pending = {r.name: r for r in records}
+    took: dict[str, float] = {}
+    while pending:
+        for name, record in list(pending.items()):
+            if not record_alive(record):
+                raise ServiceError(
+                    f"{name} (pid {record.pid}) exited during start-up; last log lines:\n"
+                    + tail(Path(record.log))
+                )
+            if healthy(record.health_url):
+                took[name] = time.monotonic() - t0
+                del pending[name]
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{n} ({r.health_url}, log {r.log})" for n, r in pending.items())
+            raise ServiceError(f"not healthy after {timeout:.0f} s: {names}")
+        if pending:
+            time.sleep(0.25)
+    return took
+
+
+def stop_group(record: ProcessRecord, timeout: float = 20.0) -> str:
+    """SIGTERM the record's process group, SIGKILL what is left after `timeout`. Returns what
+    happened ("stopped", "killed", "not running")."""
+    if not record_alive(record):
+        if pid_alive(record.pid):  # the PID now belongs to another program: not ours to stop
+            return "not running"
+        if not group_members(record.pid):  # leader gone; children of its group may remain
+            return "not running"
+    _signal_group(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not group_members(record.pid):
+            return "stopped"
+        time.sleep(0.1)
+    _signal_group(record.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while group_members(record.pid):
+        if time.monotonic() > deadline:
+            raise ServiceError(
+                f"{record.name}: processes {group_members(record.pid)} survive SIGKILL"
+            )
+        time.sleep(0.1)
+    return "killed"
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return f"(no log at {path})"

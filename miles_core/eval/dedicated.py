@@ -1,0 +1,54 @@
+"""Dedicated evaluation: a separate engine server loaded from the version's checkpoint scores
+it while training keeps going, then stops (by PID, also when the job fails)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from miles_core.eval.evaluators import EvalJob
+from miles_core.eval.scoring import EvalSpec, score_policy
+
+
+class DedicatedRunner:
+    def __init__(
+        self, spec: EvalSpec, storage_options: dict[str, Any] | None = None, threads: int = 1
+    ):
+        self.spec = spec
+        self.storage_options = storage_options or {}
+        self.threads = threads
+        self.logs = Path(tempfile.mkdtemp(prefix="miles-eval-"))
+
+    def __call__(self, job: EvalJob, deadline: float) -> tuple[dict[str, float], str | None]:
+        from transformers import AutoTokenizer
+
+        from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+        from miles_core.storage import fetch_model_dir
+
+        if not job.checkpoint_uri:
+            raise ValueError(f"policy version {job.version} has no checkpoint to evaluate")
+        local = fetch_model_dir(job.checkpoint_uri, self.storage_options)
+        tokenizer = AutoTokenizer.from_pretrained(str(local))
+        args = ["--threads", str(self.threads), "--max-running", str(self.spec.prompts)]
+        process = EngineProcess(local, args=args, log_path=self.logs / f"v{job.version}.log")
+        try:
+            process.start(timeout=_left(deadline))
+            engine = HttpEngine(
+                process.url, concurrency=self.spec.prompts, request_timeout=_left(deadline)
+            )
+            try:
+                checksum = engine.weights_checksum()
+                return score_policy(engine, tokenizer, self.spec), checksum
+            finally:
+                engine.close()
+        finally:
+            process.stop()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the evaluation's time ran out")
+    return left

@@ -1,0 +1,140 @@
+"""Evaluation inside a training run: when a policy version is due, which evaluator scores it,
+and how an outcome becomes `eval/*` points at the version's step.
+
+Every outcome is logged at step = the policy version it measured, with
+`eval/policy_version`, `eval/lag_steps` (policy versions trained since, when the score came
+back: 0 for shared), `eval/errors` (1 for a failed, timed-out or skipped evaluation),
+`eval/time_s` and `eval/weights_match` (the measured weights' sha256 equals the checkpoint's).
+Run tags `eval.v<N>.weights_sha256` / `eval.v<N>.error` keep the checksum and the reason.
+A registered version also gets its scores as tags, and `best-eval` follows the best score.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from miles_core.eval.evaluators import BackgroundEvaluator, EvalJob, EvalOutcome, SharedEvaluator
+from miles_core.eval.scoring import EvalSpec
+
+log = logging.getLogger("miles.eval")
+
+# scores the weights the rollout engine serves now: (eval/* metrics, their sha256)
+SharedScore = Callable[[], tuple[dict[str, float], str | None]]
+
+
+class RunEvaluation:
+    def __init__(
+        self,
+        config,  # RunConfig
+        tracker,  # Tracker | None
+        shared_score: SharedScore,
+        hold: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        current_version: Callable[[], int] = lambda: 0,
+    ):
+        self.config = config
+        self.tracker = tracker
+        self.hold = hold
+        self.current_version = current_version
+        self.mode = "shared" if config.agent.function is not None else config.eval.mode
+        self.every = config.agent.eval_every if config.agent.function else config.eval.every
+        self.checkpoints: dict[int, tuple[str, str | None, str | None]] = {}
+        e = config.eval
+        timeout = e.timeout_s
+        if self.mode == "shared":
+
+            def run_shared(job: EvalJob, deadline: float):
+                with self.hold():  # async producers admit no new group meanwhile
+                    return shared_score()
+
+            self.evaluator: Any = SharedEvaluator(run_shared, timeout, current_version)
+            self._runner = None
+        else:
+            spec = EvalSpec.from_run(config)
+            if self.mode == "dedicated":
+                from miles_core.eval.dedicated import DedicatedRunner
+
+                self._runner = DedicatedRunner(spec, config.checkpoint.storage_options)
+            else:
+                from miles_core.eval.external import ExternalRunner
+
+                assert e.url is not None
+                self._runner = ExternalRunner(e.url, spec, e.poll_s)
+            self.evaluator = BackgroundEvaluator(
+                self._runner, timeout, e.max_in_flight, self.mode, current_version
+            )
+
+    @staticmethod
+    def wanted(config) -> bool:
+        if config.agent.function is not None:
+            return config.agent.eval_episodes > 0
+        return config.eval.mode != "none"
+
+    def due(self, version: int) -> bool:
+        """The starting policy (shared only: the others score checkpoints), every `every`
+        versions, and the last."""
+        if version == 0:
+            return self.mode == "shared"
+        last = self.config.train.num_steps
+        return version == last or bool(self.every and version % self.every == 0)
+
+    def record_checkpoint(
+        self, version: int, uri: str, model_version: str | None, sha256: str | None
+    ) -> None:
+        self.checkpoints[version] = (uri, model_version, sha256)
+
+    def submit(self, version: int, sha256: str | None = None) -> None:
+        uri, model_version, saved_sha = self.checkpoints.get(version, (None, None, None))
+        job = EvalJob(version, saved_sha or sha256, uri, model_version)
+        if self.mode != "shared" and uri is None:
+            reason = f"no checkpoint of policy version {version} to evaluate (its save failed?)"
+            self.evaluator.fail(job, reason)
+            return
+        self.evaluator.submit(job)
+
+    def finished(self, wait: bool = False) -> list[tuple[int, dict[str, float]]]:
+        """(version, metrics) of every evaluation that ended since the last call."""
+        out = []
+        for o in self.evaluator.finished(wait):
+            out.append((o.job.version, self._metrics(o)))
+        return out
+
+    def _metrics(self, o: EvalOutcome) -> dict[str, float]:
+        v = o.job.version
+        metrics = dict(o.metrics) | {
+            "eval/policy_version": float(v),
+            "eval/lag_steps": float(max(0, o.version_at_end - v)),
+            "eval/errors": 1.0 if o.error else 0.0,
+            "eval/time_s": o.seconds,
+        }
+        if o.job.weights_sha256 and o.measured_sha256:
+            metrics["eval/weights_match"] = float(o.job.weights_sha256 == o.measured_sha256)
+            if o.job.weights_sha256 != o.measured_sha256:
+                log.warning(
+                    "evaluation of policy version %d measured weights %s, not the checkpoint's %s",
+                    v,
+                    o.measured_sha256[:12],
+                    o.job.weights_sha256[:12],
+                )
+        if self.tracker is not None:
+            tags = {f"eval.v{v}.weights_sha256": str(o.measured_sha256)}
+            if o.error:
+                tags[f"eval.v{v}.error"] = o.error[:5000]
+            self.tracker.set_tags(tags)
+            if o.job.model_version and not o.error:
+                from miles_core.eval.registry import mark_version
+
+                try:
+                    mark_version(
+                        self.tracker.client, self.config.name, o.job.model_version, metrics
+                    )
+                except Exception as e:  # noqa: BLE001  (the registry is bookkeeping)
+                    log.warning("could not tag model version %s: %r", o.job.model_version, e)
+        return metrics
+
+    def close(self) -> None:
+        if self._runner is not None and hasattr(self._runner, "close"):
+            self._runner.close()
+        self.evaluator.close()

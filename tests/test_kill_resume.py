@@ -1,0 +1,250 @@
+"""kill -9 of `miles train` at a random step, then `miles train --resume` (real subprocesses,
+one real Prefect server for all of them, SQLite MLflow).
+
+- sync (in-process engine, whose sampling generator the checkpoint carries): every metric of
+  the resumed MLflow run equals an uninterrupted run's, bit for bit. Not on an engine server:
+  its log-probs depend on which concurrent requests share a decode batch (~1e-8 between any
+  two runs, resumed or not), which shows in `train/train_rollout_*`;
+- fully_async on an engine server: along the surviving lineage (checkpointed steps + the steps
+  after the resume) every sample id of the run's data is trained exactly once, in the data
+  order, and the groups buffered at the checkpoint are trained as they were generated; no
+  engine server outlives the killed process, nor the shared-memory weight files it mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from miles_core.config import load_config
+from miles_core.ledger import read_lineage
+from miles_core.rollout.buffer_state import BUFFER_FILE
+from miles_core.storage import CheckpointStore
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+# the kill step is drawn from this seed (printed); MILES_KILL_SEED=... tries other steps
+SEED = int(os.environ.get("MILES_KILL_SEED", "20261201"))
+SERVER = [
+    "rollout.engine=server",
+    "rollout.engine_threads=1",
+    "weight_sync.transport=shared_memory",
+]
+# measured times, not results: they differ between any two runs; everything else is compared
+TIMING = ("perf/", "rollout/tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """One Prefect server for every `miles train` subprocess of the module (its URL)."""
+    import prefect.settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield prefect.settings.PREFECT_API_URL.value()
+
+
+def _args(tmp_path: Path, name: str, db: str, extra: list[str]) -> list[str]:
+    overrides = [
+        f"name={name}",
+        "model.preset=tiny",
+        "rollout.prompts_per_step=8",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=8",
+        f"train.num_steps={STEPS}",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=8",
+        "train.lr=3e-3",
+        f"checkpoint.root={tmp_path}/ckpt",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/{db}",
+        "tracking.experiment=kill",
+        *extra,
+    ]
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _train(tmp_path: Path, api: str, args: list[str], *more: str) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_API_URL": api, "PYTHONPATH": str(REPO)}
+    log = open(tmp_path / f"train-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", "--no-progress", *args, *more],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> None:
+    try:
+        rc = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, Path(proc.stdout.name).read_text()[-3000:]  # type: ignore[union-attr]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _kill_after_checkpoint(
+    proc: subprocess.Popen, store: CheckpointStore, at_least: int, deadline_s: float = 180
+) -> tuple[int, list[int]]:
+    """Waits (polling the `latest` marker) until checkpoint `at_least` exists, then SIGKILLs
+    the training process; returns the latest step at the kill and the process's children."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before the kill"
+        latest = store.latest_step()
+        if latest is not None and latest >= at_least:
+            children = _children(proc.pid)
+            proc.kill()  # SIGKILL: no finally, no atexit, no cleanup of any kind
+            proc.wait()
+            return store.latest_step(), children  # type: ignore[return-value]
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint of step {at_least} after {deadline_s} s")
+
+
+def _assert_no_survivors(children: list[int], victim: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in children):
+        time.sleep(0.1)
+    assert not [p for p in children if _alive(p)], "a server outlived the killed run"
+    leftovers = list(Path("/dev/shm").glob(f"miles-weights-{victim}-*"))
+    assert not leftovers, leftovers  # the engine removed the dead trainer's weight files
+
+
+def _newest_per_step(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    """MLflow keeps every point: a killed process may have logged steps after its last
+    checkpoint, and the resumed run logs those steps again. The newest point of each step
+    (latest timestamp) is the one of the surviving lineage."""
+    points = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    return {m.step: m.value for m in points}
+
+
+def _run(client: MlflowClient, name: str):
+    exp = client.get_experiment_by_name("kill")
+    runs = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name == name]
+    assert len(runs) == 1, [r.info.run_name for r in runs]  # the resume re-attached
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_sync_run_killed_at_a_random_step_resumes_bit_identically(tmp_path, prefect_api):
+    kill_at = random.Random(SEED).randint(1, STEPS - 3)
+    print(f"kill -9 once checkpoint step {kill_at} exists")
+    every_step = ["checkpoint.interval=1"]  # the embedded engine
+    reference = _train(tmp_path, prefect_api, _args(tmp_path, "full", "ref.db", every_step))
+    args = _args(tmp_path, "victim", "mlflow.db", every_step)
+    victim = _train(tmp_path, prefect_api, args)
+    store = CheckpointStore(f"{tmp_path}/ckpt", "victim")
+    latest, children = _kill_after_checkpoint(victim, store, kill_at)
+    print(f"killed at checkpoint step {latest}")
+    assert latest < STEPS - 1, "killed too late to test a resume"
+
+    _finish(_train(tmp_path, prefect_api, args, "--resume"))
+    _finish(reference)
+
+    ref_client = MlflowClient(f"sqlite:///{tmp_path}/ref.db")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    ref, run = _run(ref_client, "full"), _run(client, "victim")
+    assert run.info.status == "FINISHED"
+    keys = sorted(k for k in ref.data.metrics if not k.startswith(TIMING))
+    assert set(keys) <= set(run.data.metrics), set(keys) - set(run.data.metrics)
+    assert "train/loss" in keys and "rollout/reward_mean" in keys
+    for key in keys:
+        expected = _newest_per_step(ref_client, ref.info.run_id, key)
+        got = _newest_per_step(client, run.info.run_id, key)
+        assert sorted(got) == sorted(expected) == list(range(STEPS)), key
+        assert got == expected, key  # bit for bit, the steps after the resume included
+    # every checkpoint is one registered policy version, also the one the kill cut short
+    versions = client.search_model_versions("name='victim'")
+    assert sorted(int(mv.tags["step"]) for mv in versions) == list(range(STEPS))
+    newest = client.get_model_version_by_alias("victim", "newest")
+    assert newest.tags["step"] == str(STEPS - 1)
+    store.close()
+
+
+@pytest.mark.slow
+def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_path, prefect_api):
+    kill_at = random.Random(SEED).choice([1, 3])  # checkpoints after steps 1, 3, 5, 7
+    print(f"kill -9 once checkpoint step {kill_at} exists")
+    extra = [*SERVER, "checkpoint.interval=2", "rollout.mode=fully_async"]
+    args = _args(tmp_path, "async", "mlflow.db", extra)
+    victim = _train(tmp_path, prefect_api, args)
+    store = CheckpointStore(f"{tmp_path}/ckpt", "async")
+    latest, children = _kill_after_checkpoint(victim, store, kill_at)
+    print(f"killed at checkpoint step {latest}")
+    assert children, "the run had no engine server to check"
+    _assert_no_survivors(children, victim.pid)
+    assert latest < STEPS - 1, "killed too late to test a resume"
+    buffer = store.read_json(latest, BUFFER_FILE)
+    saved_version = store.read_state(latest)["policy_version"]
+    done = {g["index"]: g["group"] for g in buffer["groups"] if g["state"] == "done"}
+    assert done, "the producer had run ahead: some groups wait in the buffer at the save"
+    print(
+        f"buffer at step {latest}: {len(done)} groups done, "
+        f"{len(buffer['groups']) - len(done)} in flight"
+    )
+
+    _finish(_train(tmp_path, prefect_api, args, "--resume"))
+
+    lineage = read_lineage(store, store.latest_step())
+    assert sorted(lineage) == list(range(STEPS))
+    trained = Counter(i for step in lineage.values() for i in step["sample_ids"])
+    b, n = 8, 4
+    expected = {f"s{i // b}-g{i % b}-{k}" for i in range(STEPS * b) for k in range(n)}
+    assert set(trained) == expected  # nothing lost
+    assert max(trained.values()) == 1  # nothing trained twice
+    # the data order of an uninterrupted run: group i draws the source's i-th prompt
+    config = load_config(None, args[1::2])
+    from miles_core.data import PromptSource, load_examples
+
+    d = config.data
+    source = PromptSource(
+        load_examples(d.task, d.path, d.num_prompts, d.seed), seed=d.seed, shuffle=d.shuffle
+    )
+    order = [idx for idx, _ in source.next_batch(STEPS * b)]
+    for step, record in lineage.items():
+        assert record["data_indices"] == [
+            i for i in order[step * b : (step + 1) * b] for _ in range(n)
+        ]
+    # buffered groups were trained as generated before the kill, not generated again
+    versions = {
+        sid: v
+        for record in lineage.values()
+        for sid, v in zip(record["sample_ids"], record["weight_versions"], strict=True)
+    }
+    for group in done.values():
+        for sample in group["samples"]:
+            assert versions[sample["rollout_id"]] == sample["weight_versions"]
+    old = [
+        s for g in done.values() for s in g["samples"] if min(s["weight_versions"]) < saved_version
+    ]
+    print(f"{len(old)} buffered samples older than the checkpoint's policy version {saved_version}")
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = _run(client, "async")
+    assert run.info.status == "FINISHED"
+    assert sorted(_newest_per_step(client, run.info.run_id, "train/loss")) == list(range(STEPS))
+    store.close()
