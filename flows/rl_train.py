@@ -71,13 +71,15 @@ def rl_train(
             log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
             if rt.eval_due(step + 1):  # the policy after step + 1 training steps
                 evaluate_policy(rt, step + 1)
-            for version, metrics in collect_evaluations(rt):
-                log.evaluation(version, metrics)
+            if rt.evaluation is not None:
+                for version, metrics in collect_evaluations(rt):
+                    log.evaluation(version, metrics)
 
         if rt.last_saved_step != config.train.num_steps - 1:
             save_checkpoint(rt, config.train.num_steps - 1)
-        for version, metrics in collect_evaluations(rt, wait=True):
-            log.evaluation(version, metrics)
+        if rt.evaluation is not None:  # the evaluations still pending
+            for version, metrics in collect_evaluations(rt, wait=True):
+                log.evaluation(version, metrics)
     except BaseException:
         tracker.finish("FAILED")
         raise

@@ -100,6 +100,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def wait_for(check, timeout: float, what: str, poll: float = 0.5):
+    """Polls `check` until it returns something truthy (returned); TimeoutError naming `what`
+    once `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -30,7 +30,7 @@ from urllib.parse import quote
 import httpx
 
 from infra import local_stack
-from infra.processes import descendants, pid_alive, stop_group, tail
+from infra.processes import descendants, pid_alive, stop_group, tail, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "ui-check"
@@ -83,17 +83,6 @@ def tiny_config(name: str, lr: float, client_env: dict[str, str]) -> dict:
         },
         "tracking": {"tracking_uri": client_env["MLFLOW_TRACKING_URI"], "experiment": EXPERIMENT},
     }
-
-
-def wait_for(check, timeout: float, what: str, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 def start_serve(client_env: dict[str, str], workdir: Path) -> subprocess.Popen:
@@ -298,7 +287,7 @@ def main() -> int:
             stats = check_png(path)
             print(f"{path.relative_to(REPO)}: {stats}\n  <- {url}")
         return 0
-    except CheckFailed as e:
+    except (CheckFailed, TimeoutError) as e:
         print(f"ui-check: error: {e}\nserve.py log tail:\n{tail(workdir / 'serve.log', 40)}")
         return 1
     finally:

@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 from mlflow.tracking import MlflowClient
 
+from infra.processes import descendants
 from miles_core.config import load_config
 from miles_core.eval.registry import BEST_EVAL_ALIAS
 from miles_core.eval.scoring import EvalSpec, score_policy
@@ -69,18 +70,14 @@ def _runtime(cfg, tmp_path: Path) -> RLRuntime:
 
 def _engine_children() -> list[int]:
     """PIDs of engine servers started by this process that are still alive."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+
+    def cmdline(pid: int) -> bytes:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text().split()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(stat[3]) == os.getpid() and b"miles_core.rollout.server" in cmd:
-            out.append(int(pid))
-    return out
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            return b""
+
+    return [p for p in descendants(os.getpid()) if b"miles_core.rollout.server" in cmdline(p)]
 
 
 def test_an_evaluation_is_deterministic_and_leaves_training_sampling_as_it_was(tiny):
@@ -113,14 +110,6 @@ def test_shared_mode_scores_each_due_version_without_changing_training(tmp_path)
         assert m["eval/policy_version"] == version and m["eval/lag_steps"] == 0.0
         assert m["eval/errors"] == 0.0 and 0.0 <= m["eval/reward_mean"] <= 1.0
     assert evals[1][1]["eval/weights_match"] == 1.0  # version 2 = the checkpoint of step 1
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.mark.slow

@@ -8,14 +8,6 @@ from mlflow.tracking import MlflowClient
 from miles_core.config import load_config
 
 
-@pytest.fixture(scope="module")
-def prefect_server():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 @pytest.mark.slow
 def test_rl_flow_learns_say_a_and_writes_mlflow(prefect_server, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

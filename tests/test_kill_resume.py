@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from infra.processes import descendants as _children
+from infra.processes import pid_alive as _alive
 from miles_core.config import load_config
 from miles_core.ledger import read_lineage
 from miles_core.rollout.buffer_state import BUFFER_FILE
@@ -43,13 +45,9 @@ TIMING = ("perf/", "rollout/tokens_per_s")
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
-    """One Prefect server for every `miles train` subprocess of the module (its URL)."""
-    import prefect.settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield prefect.settings.PREFECT_API_URL.value()
+def prefect_api(prefect_server):
+    """The session's Prefect server, for every `miles train` subprocess of the module (its URL)."""
+    return prefect_server
 
 
 def _args(tmp_path: Path, name: str, db: str, extra: list[str]) -> list[str]:
@@ -91,20 +89,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> None:
             proc.kill()
             proc.wait()
     assert rc == 0, Path(proc.stdout.name).read_text()[-3000:]  # type: ignore[union-attr]
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 def _kill_after_checkpoint(

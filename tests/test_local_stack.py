@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from infra.processes import descendants, group_members, pid_alive, tail
+from infra.processes import wait_for as _wait_for
 from miles_core.rollout.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,18 +27,6 @@ STACK = [str(REPO / "infra" / "local-stack")]
 EVAL_INTERVAL_S = 10
 MODEL = "stack-e2e"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def _wait_for(check: Callable[[], object], timeout: float, what: str, poll: float = 0.5):
-    """Poll `check` until it returns a truthy value (returned) or `timeout` passes (fails)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 def _stack(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

@@ -13,19 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from infra.processes import pid_alive as _alive
 from miles_core.rollout.parent_watch import PARENT_ENV
 
 SCRIPT = Path(__file__).parent / "scripts" / "spawn_servers.py"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
 
 
 @pytest.mark.slow
