@@ -61,7 +61,7 @@ def build_deployments(
     config_path: str | Path | None = DEFAULT_CONFIG,
     checkpoint_root: str | None = None,
     tracking_uri: str | None = None,
-    eval_prompts: int = 32,
+    eval_prompts: int | None = None,
 ) -> list[RunnerDeployment]:
     """The training deployment and the scheduled evaluation deployment (not yet registered)."""
     from flows.evaluate import evaluate
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML: training form defaults")
     p.add_argument("--checkpoint-root", default=os.environ.get("MILES_CHECKPOINT_ROOT"))
     p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"))
-    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--eval-prompts", type=int, default=None, help="default: the run's eval.prompts")
     p.add_argument("--limit", type=int, default=None, help="most flow runs at once")
     return p
 

@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--version", default=None, help="model version (default: the alias's)")
     ev.add_argument("--alias", default="newest", help="alias used without --version")
     ev.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI")
-    ev.add_argument("--prompts", type=int, default=32, help="fixed evaluation prompts")
+    ev.add_argument(
+        "--prompts", type=int, default=None, help="fixed evaluation prompts (default: the run's)"
+    )
     ev.add_argument("--force", action="store_true", help="score a version scored already")
     service = sub.add_parser("eval", help="evaluation service commands")
     service.add_argument("action", choices=["serve"], help="serve: the external-mode service")

@@ -23,7 +23,7 @@ def evaluate(
     version: str | None = None,
     alias: str = "newest",
     tracking_uri: str | None = None,
-    prompts: int = 32,
+    prompts: int | None = None,  # default: the training run's eval.prompts
     skip_evaluated: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:

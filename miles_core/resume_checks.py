@@ -60,4 +60,5 @@ def check_buffer_resumable(buffer: dict[str, Any] | None, config: RunConfig, ste
             f"an async run ({BUFFER_FILE}) that rollout.mode sync cannot continue: resume with "
             "rollout.mode fully_async or one_step_off"
         )
-    check_buffer(buffer, r.prompts_per_step, r.n_samples_per_prompt)
+    policy = "pace" if r.mode == "one_step_off" else r.stale_policy  # what the producer uses
+    check_buffer(buffer, r.prompts_per_step, r.n_samples_per_prompt, policy)

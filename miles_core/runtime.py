@@ -151,19 +151,24 @@ class RLRuntime:
                 raise
         self.policy_version = 0
         self.engine_version = 0  # the version the engines serve (= policy_version after a push)
-        self._supervise_engine()
-        self.evaluation = self._start_evaluation()
         self.start_step = 0
         self.last_saved_step: int | None = None
         self.ledger = TrainedLedger()  # sample ids trained since the last checkpoint
         self._restored_buffer: dict | None = None  # a resumed checkpoint's async buffer
         self._rollout_step = 0
-        if tracker is not None:
-            origin = (
-                config.model.path
-                or f"random init: preset {config.model.preset}, seed {config.model.seed}"
-            )
-            tracker.set_tags({"miles.init_model": origin})
+        self.evaluation: RunEvaluation | None = None
+        try:  # the threads and servers started so far stop if the rest of the start fails
+            self._supervise_engine()
+            self.evaluation = self._start_evaluation()
+            if tracker is not None:
+                origin = (
+                    config.model.path
+                    or f"random init: preset {config.model.preset}, seed {config.model.seed}"
+                )
+                tracker.set_tags({"miles.init_model": origin})
+        except BaseException:
+            self.close()
+            raise
 
     def _start_engine_server(self, model_dir: Path, seed: int) -> HttpEngine:
         """The serving engine as a subprocess on 127.0.0.1, stopped by PID in `close`."""
@@ -433,12 +438,14 @@ class RLRuntime:
         """Checkpoint of `step` (storage.py lists its files). `metrics`: the step's phase
         metrics, kept so a resume can log them if this process dies before it flushes them."""
         checksum = self.engine_checksum()
+        saved_sha = self._saved_weights_checksum(checksum)  # of the files (differs for bf16)
         generator = getattr(self.engine, "generator", None)  # servers seed every request
         buffer = self.producer.snapshot() if self.producer else None
         state = {
             "step": step,
             "policy_version": self.policy_version,
             "weights_sha256": checksum,
+            "saved_weights_sha256": saved_sha,
             "init_model": self.config.model.path,
             # with a producer: after every admitted group (the buffer holds those not trained)
             "data": buffer["source_state"] if buffer else self.source.state(),
@@ -465,12 +472,20 @@ class RLRuntime:
         if self.tracker:
             if self.config.tracking.register_policy:
                 model_version = self.tracker.log_policy_version(
-                    self.config.name, step, self.policy_version, uri, {"weights_sha256": checksum}
+                    self.config.name, step, self.policy_version, uri, {"weights_sha256": saved_sha}
                 )
             self.tracker.set_tags({"miles.last_checkpoint": uri})
         if self.evaluation is not None:  # dedicated / external modes score checkpoints
-            self.evaluation.record_checkpoint(self.policy_version, uri, model_version, checksum)
+            self.evaluation.record_checkpoint(self.policy_version, uri, model_version, saved_sha)
         return uri
+
+    def _saved_weights_checksum(self, engine_checksum: str) -> str:
+        """sha256 of the weights the checkpoint files hold: the trainer's, which the engine
+        holds as they are unless pushes round them (weight_sync.dtype)."""
+        if self._push_dtype() is None:
+            return engine_checksum
+        with self._weights_lock:
+            return weights_checksum(n_t for b in self.trainer.named_weights(64 << 20) for n_t in b)
 
     def resume(self, step: int) -> None:
         """Loads checkpoint `step` of this run: weights, optimizer, LR schedule, data position,
@@ -491,7 +506,8 @@ class RLRuntime:
                 ", ".join(changed),
             )
         local = self.store.fetch(step)
-        self.trainer.load(str(local))
+        with self._weights_lock:  # a replacement engine never gets half-loaded weights
+            self.trainer.load(str(local))
         self.source.load_state(state["data"])
         if state.get("engine_rng") and hasattr(self.engine, "generator"):
             rng_state.decode_generator(self.engine.generator, state["engine_rng"])
@@ -542,7 +558,7 @@ class RLRuntime:
                     step,
                     int(state["policy_version"]),
                     uri,
-                    {"weights_sha256": state["weights_sha256"]},
+                    {"weights_sha256": state.get("saved_weights_sha256", state["weights_sha256"])},
                 )
                 t.set_tags({"miles.last_checkpoint": uri})
 

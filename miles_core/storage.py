@@ -19,6 +19,7 @@ Remote roots are staged in a local directory and uploaded; loading downloads fir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -185,6 +186,19 @@ def fetch_model_dir(url: str, storage_options: dict[str, Any] | None = None) -> 
     local = Path(tempfile.mkdtemp(prefix="miles-model-"))
     fs.get(path + "/", str(local), recursive=True)
     return local
+
+
+@contextlib.contextmanager
+def local_model_dir(url: str, storage_options: dict[str, Any] | None = None):
+    """`fetch_model_dir` for a block: a downloaded copy is removed afterwards (a local
+    directory is used in place and kept)."""
+    remote = not isinstance(url_to_fs(url, **(storage_options or {}))[0], LocalFileSystem)
+    local = fetch_model_dir(url, storage_options)
+    try:
+        yield local
+    finally:
+        if remote:
+            shutil.rmtree(local, ignore_errors=True)
 
 
 def check_checkpoint_matches(

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from miles_core.eval.registry import PolicyVersion, mark_version, record_evaluation, resolve
 from miles_core.eval.scoring import EvalSpec, score_model_dir
-from miles_core.storage import fetch_model_dir
+from miles_core.storage import local_model_dir
 from miles_core.tracking import resolve_tracking_uri
 from tasks._task import step_task
 
@@ -31,7 +31,7 @@ def resolve_policy_version(
 @step_task(name="score_checkpoint")
 def score_checkpoint(
     target: PolicyVersion,
-    prompts: int,
+    prompts: int | None,
     tracking_uri: str | None,
     storage_options: dict[str, Any] | None,
 ) -> tuple[dict[str, float], str, float]:
@@ -42,8 +42,8 @@ def score_checkpoint(
     if options is None:  # the training run's checkpoint.storage_options
         options = _unflatten(params, "checkpoint.storage_options.")
     t0 = time.perf_counter()
-    local = fetch_model_dir(target.source, options or None)
-    metrics, sha = score_model_dir(local, EvalSpec.from_params(params, prompts))
+    with local_model_dir(target.source, options or None) as local:
+        metrics, sha = score_model_dir(local, EvalSpec.from_params(params, prompts))
     return metrics, sha, time.perf_counter() - t0
 
 

@@ -260,3 +260,13 @@ def test_cli_refuses_a_missing_resume_step_with_exit_2(tmp_path, capsys, monkeyp
     assert rc == 2
     assert "--resume-step 4: run 'r' has no checkpoint of step 4" in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_buffer_filled_under_another_stale_policy_is_refused():
+    from miles_core.rollout.buffer_state import BUFFER_VERSION, check_buffer
+
+    data = {"version": BUFFER_VERSION, "prompts_per_step": 4, "n_samples_per_prompt": 2}
+    check_buffer(data | {"stale_policy": "pace"}, 4, 2, "pace")
+    check_buffer(data, 4, 2, "pace")  # buffers written before the field: not checked
+    with pytest.raises(ValueError, match="resume with rollout.stale_policy=drop"):
+        check_buffer(data | {"stale_policy": "drop"}, 4, 2, "pace")

@@ -278,3 +278,39 @@ def test_the_evaluation_service_refuses_malformed_jobs_with_4xx():
         threading.Event().wait(0.05)
     assert state["status"] == "failed" and "not a model directory" in state["error"]
     assert client.get("/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_dedicated_scores_carry_the_checkpoints_checksum_with_bf16_pushes(tmp_path):
+    """The engine holds bf16-rounded weights, the checkpoint the trainer's: evaluations of the
+    checkpoint are compared with the checksum of what the checkpoint holds."""
+    extra = ("eval.mode=dedicated", "weight_sync.dtype=bfloat16", "train.num_steps=2")
+    rt = _runtime(_config(tmp_path, "bf16", *extra), tmp_path)
+    try:
+        _, evals = _train(rt)
+    finally:
+        rt.close()
+    assert [(v, m["eval/weights_match"], m["eval/errors"]) for v, m in evals] == [(2, 1.0, 0.0)]
+
+
+def test_closing_a_background_evaluator_skips_the_jobs_not_started():
+    from miles_core.eval.evaluators import BackgroundEvaluator, EvalJob
+
+    started, release = threading.Event(), threading.Event()
+
+    def runner(job, deadline):
+        started.set()
+        release.wait(10)
+        return {"eval/reward_mean": 1.0}, "sha"
+
+    ev = BackgroundEvaluator(runner, timeout_s=10, max_in_flight=2, name="t")
+    ev.submit(EvalJob(1))
+    started.wait(10)
+    ev.submit(EvalJob(2))  # queued behind the running one
+    ev.submit(EvalJob(3))  # over max_in_flight: skipped at once
+    release.set()
+    ev.close()
+    outcomes = {o.job.version: o for o in ev.finished()}
+    assert outcomes[1].error is None and outcomes[1].metrics == {"eval/reward_mean": 1.0}
+    assert "max_in_flight" in outcomes[3].error
+    assert outcomes[2].error is None or "run ended" in outcomes[2].error

@@ -3,7 +3,9 @@ it while training keeps going, then stops (by PID, also when the job fails)."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,16 +22,23 @@ class DedicatedRunner:
         self.storage_options = storage_options or {}
         self.threads = threads
         self.logs = Path(tempfile.mkdtemp(prefix="miles-eval-"))
+        self._stop = threading.Event()
 
     def __call__(self, job: EvalJob, deadline: float) -> tuple[dict[str, float], str | None]:
-        from transformers import AutoTokenizer
-
-        from miles_core.rollout.http_engine import EngineProcess, HttpEngine
-        from miles_core.storage import fetch_model_dir
+        from miles_core.storage import local_model_dir
 
         if not job.checkpoint_uri:
             raise ValueError(f"policy version {job.version} has no checkpoint to evaluate")
-        local = fetch_model_dir(job.checkpoint_uri, self.storage_options)
+        if self._stop.is_set():
+            raise RuntimeError("the run is shutting down")
+        with local_model_dir(job.checkpoint_uri, self.storage_options) as local:
+            return self._score(job, local, deadline)
+
+    def _score(self, job: EvalJob, local: Path, deadline: float):
+        from transformers import AutoTokenizer
+
+        from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+
         tokenizer = AutoTokenizer.from_pretrained(str(local))
         args = ["--threads", str(self.threads), "--max-running", str(self.spec.prompts)]
         process = EngineProcess(local, args=args, log_path=self.logs / f"v{job.version}.log")
@@ -45,6 +54,10 @@ class DedicatedRunner:
                 engine.close()
         finally:
             process.stop()
+
+    def close(self) -> None:
+        self._stop.set()
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def _left(deadline: float) -> float:

@@ -1,6 +1,7 @@
 """The three evaluation modes behind one interface: `submit` a job, collect `finished` outcomes.
 
-- shared: the job runs at once on the rollout engine (the caller holds the producer meanwhile);
+- shared: the job runs at once, on the caller's thread, on the rollout engine (the producer is
+  held meanwhile);
 - dedicated: a worker thread starts an engine server from the version's checkpoint, scores it
   and stops it; training keeps going;
 - external: a worker thread POSTs the checkpoint URI and version to an evaluation service and
@@ -81,12 +82,13 @@ class SharedEvaluator:
             self._done.append(EvalOutcome(job, error=reason, version_at_end=self.clock()))
 
     def submit(self, job: EvalJob) -> None:
-        from miles_core.rollout.scoring import call_with_timeout
-
-        def bounded(j: EvalJob, deadline: float):
-            return call_with_timeout(self.runner, (j, deadline), self.timeout_s)
-
-        self._done.append(_run(bounded, job, self.timeout_s, self.clock))
+        """Runs the job here, not on an abandoned thread: a shared evaluation uses the rollout
+        engine (and holds the producer), so it must be over before training goes on. Its
+        requests are bounded by the engine's own timeouts; one that ends past `timeout_s`
+        is still logged as timed out."""
+        outcome = _run(self.runner, job, self.timeout_s, self.clock)
+        with self._cond:
+            self._done.append(outcome)
 
     def finished(self, wait: bool = False) -> list[EvalOutcome]:
         with self._cond:
@@ -151,5 +153,16 @@ class BackgroundEvaluator(SharedEvaluator):
         return done
 
     def close(self) -> None:
+        """Jobs not started yet are recorded as skipped; the one running finishes (runners
+        with a `close` stop early when their owner closes them first)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                with self._cond:
+                    self._pending -= 1
+                self.fail(job, "skipped: the run ended before this evaluation started")
         self._jobs.put(None)
         self._thread.join(timeout=self.timeout_s)

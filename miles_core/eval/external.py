@@ -2,7 +2,8 @@
 
 The contract (served by `miles_core/eval/service.py`, `miles eval serve`):
 
-    POST {url}        {"checkpoint_uri", "policy_version", "step", "weights_sha256", "spec": {...}}
+    POST {url}        {"checkpoint_uri", "policy_version", "step" (of the checkpoint: version − 1),
+                       "weights_sha256", "spec": {...}}
                       → 200/201/202 {"id": "..."}
     GET  {url}/{id}   → {"status": "pending" | "running" | "done" | "failed",
                          "metrics": {"reward_mean": ..., ...}, "weights_sha256": "...",
@@ -34,10 +35,12 @@ class ExternalRunner:
         self._stop = threading.Event()
 
     def __call__(self, job: EvalJob, deadline: float) -> tuple[dict[str, float], str | None]:
+        if self._stop.is_set():
+            raise ExternalEvalFailed("the run is shutting down")
         body = {
             "checkpoint_uri": job.checkpoint_uri,
             "policy_version": job.version,
-            "step": job.version,
+            "step": job.version - 1,  # the checkpoint's training step (version N = step N - 1)
             "weights_sha256": job.weights_sha256,
             "spec": dataclasses.asdict(self.spec),
         }

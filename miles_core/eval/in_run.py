@@ -122,16 +122,16 @@ class RunEvaluation:
             tags = {f"eval.v{v}.weights_sha256": str(o.measured_sha256)}
             if o.error:
                 tags[f"eval.v{v}.error"] = o.error[:5000]
-            self.tracker.set_tags(tags)
-            if o.job.model_version and not o.error:
-                from miles_core.eval.registry import mark_version
+            try:  # bookkeeping: a tracking-server hiccup must not stop training
+                self.tracker.set_tags(tags)
+                if o.job.model_version and not o.error:
+                    from miles_core.eval.registry import mark_version
 
-                try:
                     mark_version(
                         self.tracker.client, self.config.name, o.job.model_version, metrics
                     )
-                except Exception as e:  # noqa: BLE001  (the registry is bookkeeping)
-                    log.warning("could not tag model version %s: %r", o.job.model_version, e)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not record the evaluation of version %d in MLflow: %r", v, e)
         return metrics
 
     def close(self) -> None:

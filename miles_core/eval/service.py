@@ -54,12 +54,13 @@ def create_app() -> FastAPI:
     lock = threading.Lock()
 
     def work(job: JobState, body: JobBody) -> None:
-        from miles_core.storage import fetch_model_dir
+        from miles_core.storage import local_model_dir
 
         job.status = "running"
         try:
             spec = EvalSpec(**body.spec.model_dump())
-            metrics, sha = score_model_dir(fetch_model_dir(body.checkpoint_uri), spec)
+            with local_model_dir(body.checkpoint_uri) as local:
+                metrics, sha = score_model_dir(local, spec)
             job.metrics = {k.removeprefix("eval/"): v for k, v in metrics.items()}
             job.weights_sha256 = sha
             job.status = "done"

@@ -46,7 +46,9 @@ def group_from_json(data: dict[str, Any], example: Example) -> SampleGroup:
     return SampleGroup(group_index=int(data["group_index"]), samples=samples)
 
 
-def check_buffer(data: dict[str, Any], prompts_per_step: int, n_samples: int) -> None:
+def check_buffer(
+    data: dict[str, Any], prompts_per_step: int, n_samples: int, stale_policy: str | None = None
+) -> None:
     """Refuses a buffer this producer cannot continue, naming what differs."""
     if data.get("version") != BUFFER_VERSION:
         raise ValueError(
@@ -60,6 +62,13 @@ def check_buffer(data: dict[str, Any], prompts_per_step: int, n_samples: int) ->
                 f"config has {now}: resume with rollout.{key}={data[key]} (buffered groups "
                 "belong to steps of that shape)"
             )
+    saved = data.get("stale_policy")
+    if stale_policy is not None and saved is not None and saved != stale_policy:
+        # pace takes groups by index; drop / retry skip indices, which pace would wait for
+        raise ValueError(
+            f"the checkpoint's rollout buffer was filled with rollout.stale_policy {saved}, the "
+            f"config has {stale_policy}: resume with rollout.stale_policy={saved}"
+        )
 
 
 def buffered_groups(data: dict[str, Any] | None) -> int:

@@ -204,6 +204,7 @@ class RolloutProducer:
             "version": BUFFER_VERSION,
             "prompts_per_step": self.batch,
             "n_samples_per_prompt": self.n,
+            "stale_policy": self.cfg.stale_policy,
             "groups": [
                 {
                     "index": t.index,
@@ -223,7 +224,7 @@ class RolloutProducer:
         """Before `start`: continues a checkpoint's buffer (`snapshot`). Completed groups are
         handed to the trainer as they are; generating ones start again first (same rids and
         seeds), then the retry queue; new prompts continue after the last admitted one."""
-        check_buffer(data, self.batch, self.n)
+        check_buffer(data, self.batch, self.n, self.cfg.stale_policy)
         if self._thread.is_alive():
             raise RuntimeError("RolloutProducer.restore must come before start()")
         with self._cond:
