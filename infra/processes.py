@@ -113,6 +113,28 @@ def wait_for(check, timeout: float, what: str, poll: float = 0.5):
         time.sleep(poll)
 
 
+def api_call(method: str, url: str, timeout_s: float = 60.0, **kwargs) -> httpx.Response:
+    """One HTTP call to a server of the stack, repeated while it answers 503 or cannot be
+    reached (the Prefect server answers 503 while its SQLite database is busy) for up to
+    `timeout_s`; any other answer is returned as it is."""
+    from tenacity import (
+        retry,
+        retry_if_exception_type,
+        retry_if_result,
+        stop_after_delay,
+        wait_exponential,
+    )
+
+    call = retry(
+        retry=retry_if_result(lambda r: r.status_code == 503)
+        | retry_if_exception_type(httpx.TransportError),
+        stop=stop_after_delay(timeout_s),
+        wait=wait_exponential(multiplier=0.2, max=3),
+        retry_error_callback=lambda state: state.outcome.result(),  # the last answer or error
+    )(httpx.request)
+    return call(method, url, timeout=kwargs.pop("timeout", 30), **kwargs)
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

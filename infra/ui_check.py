@@ -27,10 +27,8 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
-import httpx
-
 from infra import local_stack
-from infra.processes import descendants, pid_alive, stop_group, tail, wait_for
+from infra.processes import api_call, descendants, pid_alive, stop_group, tail, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "ui-check"
@@ -127,21 +125,22 @@ def run_trainings(
     def deployment_id():
         if proc.poll() is not None:
             raise CheckFailed(f"serve.py exited with {proc.returncode}")
-        r = httpx.get(f"{api}/deployments/name/rl-train/train", timeout=10)
+        r = api_call("GET", f"{api}/deployments/name/rl-train/train", timeout=10)
         return r.json()["id"] if r.status_code == 200 else None
 
     dep = wait_for(deployment_id, 120, "serve.py to register rl-train/train")
     ids = {}
     for name, lr in RUNS.items():
         body = {"parameters": {"config": tiny_config(name, lr, client_env)}}
-        r = httpx.post(f"{api}/deployments/{dep}/create_flow_run", json=body, timeout=30)
+        r = api_call("POST", f"{api}/deployments/{dep}/create_flow_run", json=body, timeout=30)
         r.raise_for_status()
         ids[name] = r.json()["id"]
 
     def all_done():
         seen.update(descendants(proc.pid))
         states = {
-            n: httpx.get(f"{api}/flow_runs/{i}", timeout=10).json()["state"] for n, i in ids.items()
+            n: api_call("GET", f"{api}/flow_runs/{i}", timeout=10).json()["state"]
+            for n, i in ids.items()
         }
         return states if all(s["type"] in TERMINAL for s in states.values()) else None
 
@@ -251,7 +250,7 @@ def main() -> int:
         key = "rollout/reward_mean"
         runs_json = json.dumps(run_ids, separators=(",", ":"))
         exps_json = json.dumps([experiment], separators=(",", ":"))
-        run_a = httpx.get(f"{api}/flow_runs/{flow_runs['ui-check-a']}", timeout=10).json()
+        run_a = api_call("GET", f"{api}/flow_runs/{flow_runs['ui-check-a']}", timeout=10).json()
         # (file, URL, texts the rendered page must show); MLflow's URLs as its UI builds them
         pages = [
             (

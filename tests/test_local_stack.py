@@ -14,11 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from infra.processes import descendants, group_members, pid_alive, tail
+from infra.processes import api_call, descendants, group_members, pid_alive, tail
 from infra.processes import wait_for as _wait_for
 from miles_core.rollout.process import free_port
 
@@ -102,7 +101,7 @@ def served(stack, tmp_path_factory):
             assert proc.poll() is None, f"serve.py exited:\n{tail(log_path)}"
             ids = {}
             for name in ("rl-train/train", "evaluate-policy/scheduled"):
-                r = httpx.get(f"{api}/deployments/name/{name}", timeout=10)
+                r = api_call("GET", f"{api}/deployments/name/{name}", timeout=10)
                 if r.status_code != 200:
                     return None
                 ids[name] = r.json()["id"]
@@ -125,12 +124,12 @@ def served(stack, tmp_path_factory):
 
 
 def _flow_run(api: str, run_id: str) -> dict:
-    return httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()
+    return api_call("GET", f"{api}/flow_runs/{run_id}", timeout=10).json()
 
 
 def _runs_of(api: str, deployment_id: str) -> list[dict]:
     body = {"flow_runs": {"deployment_id": {"any_": [deployment_id]}}, "limit": 200}
-    return httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()
+    return api_call("POST", f"{api}/flow_runs/filter", json=body, timeout=10).json()
 
 
 def _tiny_config(s3_url: str, tracking_uri: str) -> dict:
@@ -166,7 +165,8 @@ def test_training_deployment_and_scheduled_evaluation_on_the_local_stack(stack, 
     # trigger the training deployment as the UI's "Custom run" does
     t0 = time.monotonic()
     config = _tiny_config(env["AWS_ENDPOINT_URL"], env["MLFLOW_TRACKING_URI"])
-    created = httpx.post(
+    created = api_call(
+        "POST",
         f"{api}/deployments/{served['ids']['rl-train/train']}/create_flow_run",
         json={"parameters": {"config": config}},
         timeout=30,
