@@ -135,6 +135,23 @@ def api_call(method: str, url: str, timeout_s: float = 60.0, **kwargs) -> httpx.
     return call(method, url, timeout=kwargs.pop("timeout", 30), **kwargs)
 
 
+def stop_serving_process(proc: subprocess.Popen, seen: set[int]) -> None:
+    """Stops a process started in its own session (e.g. `deployments/serve.py`): SIGTERM to its
+    group, SIGKILL after 30 s; then every PID in `seen` (its descendants so far, plus the ones
+    found now) still alive is killed (flow runs live in sessions of their own)."""
+    seen.update(descendants(proc.pid))
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    for pid in seen:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,14 @@ from pathlib import Path
 from urllib.parse import quote
 
 from infra import local_stack
-from infra.processes import api_call, descendants, pid_alive, stop_group, tail, wait_for
+from infra.processes import (
+    api_call,
+    descendants,
+    stop_group,
+    stop_serving_process,
+    tail,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "ui-check"
@@ -104,17 +110,7 @@ def start_serve(client_env: dict[str, str], workdir: Path) -> subprocess.Popen:
 
 
 def stop_serve(proc: subprocess.Popen, seen: set[int]) -> None:
-    seen.update(descendants(proc.pid))
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    for pid in seen:  # flow runs run in sessions of their own
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    stop_serving_process(proc, seen)
 
 
 def run_trainings(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from infra.processes import api_call, descendants, group_members, pid_alive, tail
+from infra.processes import (
+    api_call,
+    descendants,
+    group_members,
+    pid_alive,
+    stop_serving_process,
+    tail,
+)
 from infra.processes import wait_for as _wait_for
 from miles_core.rollout.process import free_port
 
@@ -110,16 +116,7 @@ def served(stack, tmp_path_factory):
         ids = _wait_for(registered, 90, "serve.py to register both deployments")
         yield {"api": api, "ids": ids, "log": log_path, "proc": proc, "seen": seen}
     finally:
-        seen.update(descendants(proc.pid))
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        for pid in seen:  # flow runs live in their own sessions: stop leftovers by PID
-            if pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_serving_process(proc, seen)
         _wait_for(lambda: not any(pid_alive(p) for p in seen), 15, "served flow runs to exit")
 
 
