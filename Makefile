@@ -1,5 +1,5 @@
 # make demo: create .venv, install, run the CPU demo (RL from random init, then SFT → RL).
-# make test: create .venv, install, run the test suite.
+# make test: create .venv, install, check the docs (mkdocs build --strict), run the test suite.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +14,7 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv system demo test lint format bench clean stack-up stack-down stack-status ui-check
+.PHONY: venv system demo test docs docs-check lint format bench clean stack-up stack-down stack-status ui-check
 
 venv: $(STAMP)
 
@@ -37,7 +37,17 @@ demo: venv system
 	$(BIN)/miles train --config examples/say_a.yaml --set checkpoint.overwrite=true
 	$(BIN)/miles train --config examples/reverse_sft_rl.yaml --set checkpoint.overwrite=true
 
-test: venv system
+# the user docs (docs/, mkdocs.yml): `make docs` builds the site into site/; make test checks
+# that they build strictly (broken links, anchors, generated pages) and that the benchmark
+# tables in docs/benchmarks.md match benchmarks/results/*.json
+docs: venv
+	$(BIN)/mkdocs build --strict
+
+docs-check: venv
+	$(BIN)/python benchmarks/render_results.py --check
+	@d=$$(mktemp -d); $(BIN)/mkdocs build --strict --quiet --site-dir $$d; rc=$$?; rm -rf $$d; exit $$rc
+
+test: venv system docs-check
 	$(BIN)/python -m pytest -q
 
 lint: venv
@@ -66,4 +76,4 @@ ui-check: venv
 	$(BIN)/python -m infra.ui_check
 
 clean:
-	rm -rf $(VENV) .prefect mlflow.db mlruns checkpoints *.egg-info
+	rm -rf $(VENV) .prefect mlflow.db mlruns checkpoints *.egg-info site

@@ -114,20 +114,22 @@ def main() -> None:
     print("reward per step (samples consumed = step × samples/step):")
     for name, r in runs.items():
         print(f"  {name:14}" + " ".join(f"{x:.2f}" for x in r["rewards"]))
-    print(
-        json.dumps(
-            {
-                "fully_async_over_sync": round(runs["fully_async"]["steps_per_s"] / base, 3),
-                "one_step_off_over_sync": round(runs["one_step_off"]["steps_per_s"] / base, 3),
-                "mean_staleness": round(runs["fully_async"]["mean_staleness"], 3),
-                "sync_baseline": sync_name,
-                "steps_per_s": {k: round(r["steps_per_s"], 3) for k, r in runs.items()},
-                "reward_last5": {k: round(r["reward_last5"], 3) for k, r in runs.items()},
-                "preset": args.preset,
-                "target": 1.6,
-            }
-        )
-    )
+    result = {
+        "fully_async_over_sync": round(runs["fully_async"]["steps_per_s"] / base, 3),
+        "one_step_off_over_sync": round(runs["one_step_off"]["steps_per_s"] / base, 3),
+        "mean_staleness": round(runs["fully_async"]["mean_staleness"], 3),
+        "sync_baseline": sync_name,
+        "steps_per_s": {k: round(r["steps_per_s"], 3) for k, r in runs.items()},
+        "reward_last5": {k: round(r["reward_last5"], 3) for k, r in runs.items()},
+        "mean_staleness_by_variant": {k: round(r["mean_staleness"], 3) for k, r in runs.items()},
+        "threads": {k: r["threads"] for k, r in runs.items()},
+        "preset": args.preset,
+        "target": 1.6,
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("async_vs_sync", result)
 
 
 if __name__ == "__main__":

@@ -114,27 +114,24 @@ def main() -> None:
     print(f"{'preset':8}" + "".join(f"{n:>20}" for n in names[1:]) + "   (× hf_generate)")
     for p, r in results.items():
         print(f"{p:8}" + "".join(f"{r[n] / r['hf_generate']:>20.2f}" for n in names[1:]))
-    print(
-        json.dumps(
-            {
-                "speedup_vs_hf_generate": {
-                    p: {n: round(r[n] / r["hf_generate"], 3) for n in names[1:]}
-                    for p, r in results.items()
-                },
-                "tokens_per_s": {
-                    p: {k: round(v) for k, v in r.items()} for p, r in results.items()
-                },
-                "workload": {
-                    "batch": BATCH,
-                    "prompt_tokens": PROMPT,
-                    "new_tokens": NEW,
-                    "hf_dtype": "float32",
-                    "threads": torch.get_num_threads(),
-                },
-                "target": 3.0,
-            }
-        )
-    )
+    result = {
+        "speedup_vs_hf_generate": {
+            p: {n: round(r[n] / r["hf_generate"], 3) for n in names[1:]} for p, r in results.items()
+        },
+        "tokens_per_s": {p: {k: round(v) for k, v in r.items()} for p, r in results.items()},
+        "workload": {
+            "batch": BATCH,
+            "prompt_tokens": PROMPT,
+            "new_tokens": NEW,
+            "hf_dtype": "float32",
+            "threads": torch.get_num_threads(),
+        },
+        "target": 3.0,
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("engine_vs_hf", result)
 
 
 if __name__ == "__main__":

@@ -102,20 +102,21 @@ def main() -> None:
     for name, r in (("on", on), ("off", off)):
         print(f"{name:14}{r['hit_rate']:>10.4f}{r['seconds']:>10.2f}{r['prompt_tokens']:>15}")
     print("per-turn hit rate (on): " + " ".join(f"{x:.3f}" for x in on["per_turn"]))
-    print(
-        json.dumps(
-            {
-                "prefix_cache_hit_rate": round(on["hit_rate"], 4),
-                "hit_rate_by_turn": [round(x, 4) for x in on["per_turn"]],
-                "speedup_from_prefix_cache": round(off["seconds"] / on["seconds"], 3),
-                "seconds": {"on": round(on["seconds"], 3), "off": round(off["seconds"], 3)},
-                "sessions": args.sessions,
-                "turns": args.turns,
-                "final_context_tokens": on["final_context"],
-                "preset": args.preset,
-            }
-        )
-    )
+    result = {
+        "prefix_cache_hit_rate": round(on["hit_rate"], 4),
+        "hit_rate_by_turn": [round(x, 4) for x in on["per_turn"]],
+        "speedup_from_prefix_cache": round(off["seconds"] / on["seconds"], 3),
+        "seconds": {"on": round(on["seconds"], 3), "off": round(off["seconds"], 3)},
+        "prompt_tokens": on["prompt_tokens"],
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "final_context_tokens": on["final_context"],
+        "preset": args.preset,
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("prefix_cache", result)
 
 
 if __name__ == "__main__":

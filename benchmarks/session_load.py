@@ -47,7 +47,7 @@ async def one_session(
         async with http.get(f"/sessions/{sid}") as r:
             info = await r.json()
         out["leaves"].append(info["leaves"])
-        out["mismatched"].append(info["mismatched_tokens"])
+        out["mismatched"].append(info["tito_token_edits"])
     except (aiohttp.ClientError, TimeoutError) as e:
         out["errors"].append(repr(e))
 
@@ -104,28 +104,28 @@ def main() -> None:
     )
     for e in out["errors"][:5]:
         print("error:", e)
-    print(
-        json.dumps(
-            {
-                "sessions": args.sessions,
-                "turns": args.turns,
-                "requests": len(lat),
-                "errors": len(out["errors"]),
-                "latency_s": {
-                    "p50": round(pct(0.5), 3),
-                    "p90": round(pct(0.9), 3),
-                    "p99": round(pct(0.99), 3),
-                    "max": round(lat[-1], 3) if lat else None,
-                    "mean": round(statistics.fmean(lat), 3) if lat else None,
-                },
-                "turns_per_s": round(len(lat) / out["seconds"], 2),
-                "wall_s": round(out["seconds"], 2),
-                "branches": metrics.get("branches"),
-                "mismatched_tokens": metrics.get("mismatched_tokens"),
-                "single_leaf_sessions": sum(1 for n in out["leaves"] if n == 1),
-            }
-        )
-    )
+    result = {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "requests": len(lat),
+        "errors": len(out["errors"]),
+        "latency_s": {
+            "p50": round(pct(0.5), 3),
+            "p90": round(pct(0.9), 3),
+            "p99": round(pct(0.99), 3),
+            "max": round(lat[-1], 3) if lat else None,
+            "mean": round(statistics.fmean(lat), 3) if lat else None,
+        },
+        "turns_per_s": round(len(lat) / out["seconds"], 2),
+        "wall_s": round(out["seconds"], 2),
+        "branches": metrics.get("branches"),
+        "tito_token_edits": metrics.get("tito_token_edits"),
+        "single_leaf_sessions": sum(1 for n in out["leaves"] if n == 1),
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("session_load", result)
 
 
 if __name__ == "__main__":

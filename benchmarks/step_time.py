@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 import miles_core  # noqa: F401  (env defaults)
 from miles_core.config import RunConfig, load_config
@@ -78,25 +79,14 @@ def run_plain(config: RunConfig) -> list[dict[str, float]]:
 
 
 def descendants_cpu_seconds() -> float:
-    """utime + stime of this process's live descendants (Linux /proc)."""
-    me = os.getpid()
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    """user + system CPU seconds of this process's live descendants (psutil)."""
     total = 0.0
-    for pid, seconds in cpu.items():
-        p = parent.get(pid, 0)
-        while p not in (0, 1, me) and p in parent:
-            p = parent[p]
-        total += seconds if p == me else 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:  # gone meanwhile
+            continue
+        total += times.user + times.system
     return total
 
 
@@ -166,25 +156,25 @@ def main() -> None:
     def per_preset(key: str) -> dict[str, float]:
         return {p: round(r[key], 4) for p, r in results.items()}
 
-    print(
-        json.dumps(
-            {
-                "orchestration_share": per_preset("orchestration_share"),
-                "step_time_s": per_preset("flow_step_s"),
-                "plain_step_time_s": per_preset("plain_step_s"),
-                "overhead_vs_plain": per_preset("overhead_vs_plain"),
-                "prefect_server_cpu_s_per_step": per_preset("server_cpu_s"),
-                "phase_s": {
-                    p: {
-                        k: round(r[k], 4)
-                        for k in ("rollout_s", "train_s", "weight_sync_s", "orchestration_s")
-                    }
-                    for p, r in results.items()
-                },
-                "steps_measured": args.steps - WARMUP,
+    result = {
+        "orchestration_share": per_preset("orchestration_share"),
+        "step_time_s": per_preset("flow_step_s"),
+        "plain_step_time_s": per_preset("plain_step_s"),
+        "overhead_vs_plain": per_preset("overhead_vs_plain"),
+        "prefect_server_cpu_s_per_step": per_preset("server_cpu_s"),
+        "phase_s": {
+            p: {
+                k: round(r[k], 4)
+                for k in ("rollout_s", "train_s", "weight_sync_s", "orchestration_s")
             }
-        )
-    )
+            for p, r in results.items()
+        },
+        "steps_measured": args.steps - WARMUP,
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("step_time", result)
 
 
 if __name__ == "__main__":

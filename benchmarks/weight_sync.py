@@ -26,11 +26,12 @@ from miles_core.rollout.embedded import EmbeddedEngine
 from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
 from miles_core.weights.disk import DiskTransport
+from miles_core.weights.source import TensorBuckets
 
 TRANSPORTS = ("colocated", "shared_memory", "broadcast", "p2p", "disk")
 
 
-def buckets(named: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20):
+def buckets(named: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20) -> TensorBuckets:
     out, cur, size = [], [], 0
     for name, t in named.items():
         cur.append((name, t))
@@ -38,7 +39,7 @@ def buckets(named: dict[str, torch.Tensor], bucket_bytes: int = 64 << 20):
         if size >= bucket_bytes:
             out.append(cur)
             cur, size = [], 0
-    return out + ([cur] if cur else [])
+    return TensorBuckets(out + ([cur] if cur else []))
 
 
 def bench(preset: str, reps: int) -> dict[str, float]:
@@ -128,17 +129,24 @@ def _dir_bytes(d: Path) -> int:
 
 def p2p_gbps(model_dir: str, server: HttpEngine, nbytes: int, reps: int) -> float:
     from miles_core.config import RunConfig
-    from miles_core.train.fsdp import FSDPBackend
+    from miles_core.train.registry import make_backend
 
     cfg = RunConfig().train
-    trainer = FSDPBackend(model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=1)
+    trainer = make_backend(
+        cfg.backend,
+        model_dir=model_dir,
+        optim=cfg.model_dump(),
+        loss=cfg.model_dump(),
+        total_steps=1,
+        device="cpu",
+    )
     transport = make_transport("p2p")
     transport.connect([server])
     version = [1000]
 
     def push() -> None:
         version[0] += 1
-        transport.push_from(trainer, version[0], pause_mode="retract")
+        transport.push(trainer, version[0], pause_mode="retract")
 
     gbps = nbytes / _median(push, reps) / 1e9
     expected = [x for b in trainer.named_weights(64 << 20) for x in b]
@@ -181,28 +189,27 @@ def main() -> None:
         + "; bf16 at the 10th step: "
         + ", ".join(f"{p} {r['delta_bytes_fraction_step10']:.3f}" for p, r in results.items())
     )
-    print(
-        json.dumps(
-            {
-                "delta_bytes_fraction": {
-                    p: round(r["delta_bytes_fraction"], 3) for p, r in results.items()
-                },
-                "delta_bytes_fraction_fp32": {
-                    p: round(r["delta_bytes_fraction_fp32"], 3) for p, r in results.items()
-                },
-                "delta_bytes_fraction_step10": {
-                    p: round(r["delta_bytes_fraction_step10"], 3) for p, r in results.items()
-                },
-                "fraction_of_memcpy": {
-                    p: {c: round(r[c] / r["memcpy"], 3) for c in TRANSPORTS}
-                    for p, r in results.items()
-                },
-                "gbps": {p: {c: round(r[c], 3) for c in cols} for p, r in results.items()},
-                "bytes": {p: int(r["bytes"]) for p, r in results.items()},
-                "targets": {"shared_memory": 0.5, "broadcast": 0.25, "delta_bytes_fraction": 0.1},
-            }
-        )
-    )
+    result = {
+        "delta_bytes_fraction": {
+            p: round(r["delta_bytes_fraction"], 3) for p, r in results.items()
+        },
+        "delta_bytes_fraction_fp32": {
+            p: round(r["delta_bytes_fraction_fp32"], 3) for p, r in results.items()
+        },
+        "delta_bytes_fraction_step10": {
+            p: round(r["delta_bytes_fraction_step10"], 3) for p, r in results.items()
+        },
+        "fraction_of_memcpy": {
+            p: {c: round(r[c] / r["memcpy"], 3) for c in TRANSPORTS} for p, r in results.items()
+        },
+        "gbps": {p: {c: round(r[c], 3) for c in cols} for p, r in results.items()},
+        "bytes": {p: int(r["bytes"]) for p, r in results.items()},
+        "targets": {"shared_memory": 0.5, "broadcast": 0.25, "delta_bytes_fraction": 0.1},
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("weight_sync", result)
 
 
 if __name__ == "__main__":

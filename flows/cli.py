@@ -6,7 +6,7 @@
     miles sft --config examples/reverse_sft_rl.yaml
     miles engine serve --model checkpoints/say-a/step_000039 --port 30000
     miles sessions serve --engine-url http://127.0.0.1:30000 --family tiny --port 30100
-    miles tito verify --family qwen3
+    miles tito verify --family qwen3   (or --family package.module:Class [--model DIR])
     miles evaluate --model say-a [--version 3 | --alias best-eval] [--force]
     miles eval serve --port 30200      (the reference service of eval.mode: external)
 
@@ -86,7 +86,15 @@ def _parser() -> argparse.ArgumentParser:
     service.add_argument("rest", nargs=argparse.REMAINDER, help="--port P --host H")
     tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
     tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
-    tito.add_argument("--family", required=True, help="tiny, qwen3 or mistral")
+    from miles_core.tito import describe_choices
+
+    tito.add_argument("--family", required=True, help=f"TITO family: {describe_choices()}")
+    tito.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a model directory: also compare every turn with the chat template it ships",
+    )
     tito.add_argument("--conversations", type=int, default=20, help="per conversation kind")
     tito.add_argument("--turns", type=int, default=8, help="assistant turns per conversation")
     tito.add_argument("--seed", type=int, default=0)
@@ -98,18 +106,37 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _relaunch_under_torchrun(world_size: int) -> int:
+def torchrun_command(
+    world_size: int, port_range=None, target: tuple[str, ...] = ("-m", "flows.cli")
+) -> list[str]:
+    """torchrun for this command on one host. Without a port range: `--standalone` (its
+    rendezvous store binds port 0 itself, no race). With `network.port_range`: the static
+    rendezvous on a port of the range (`--master-port`; its store is the one the ranks use, so
+    no other port opens); torchrun binds it, so the port is probed free just before."""
     beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
     torchrun = beside if os.path.exists(beside) else shutil.which("torchrun") or "torchrun"
-    cmd = [
-        torchrun,
-        "--standalone",
-        f"--nproc_per_node={world_size}",
-        "-m",
-        "flows.cli",
-        *sys.argv[1:],
-    ]
-    return subprocess.call(cmd)
+    if port_range is None:
+        rendezvous = ["--standalone"]
+    else:
+        from miles_core.ports import free_port
+
+        port = free_port("127.0.0.1", port_range)  # NoFreePort: a clear error, nothing started
+        rendezvous = [
+            "--nnodes=1",
+            "--node-rank=0",
+            "--rdzv-backend=static",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+        ]
+    return [torchrun, *rendezvous, f"--nproc_per_node={world_size}", *target]
+
+
+def _relaunch_under_torchrun(world_size: int, port_range=None) -> int:
+    try:
+        cmd = torchrun_command(world_size, port_range)
+    except OSError as e:
+        return _fail(f"network.port_range: {e}")
+    return subprocess.call([*cmd, *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tito":
         from flows.tito_verify import run_verify
 
-        return run_verify(args.family, args.conversations, args.turns, args.seed)
+        return run_verify(args.family, args.conversations, args.turns, args.seed, args.model)
     try:
         config = load_config(args.config, args.overrides)
     except ValidationError as e:
@@ -160,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
     world = config.train.world_size
     if world > 1 and distributed.launched_world_size() == 1:
-        return _relaunch_under_torchrun(world)
+        return _relaunch_under_torchrun(world, config.network.ports)
     if int(os.environ.get("RANK", "0")) > 0:
-        distributed.init_distributed()
+        distributed.init_distributed(config.train.device)  # gloo on CPU, nccl on CUDA
         distributed.follow()
         return 0
 
@@ -175,17 +202,17 @@ def main(argv: list[str] | None = None) -> int:
             resume_step=getattr(args, "resume_step", None),
         )
     except (ValueError, OSError) as e:
-        _shutdown(world)
+        _shutdown(world, config.train.device)
         return _fail(str(e))
     return _run(args, config, world)
 
 
-def _shutdown(world: int) -> None:
+def _shutdown(world: int, device: str = "cpu") -> None:
     """Releases the follower ranks (which wait for rank 0 even if it failed before training)."""
     from miles_core.train import distributed
 
     if world > 1:
-        distributed.init_distributed()
+        distributed.init_distributed(device)
     distributed.shutdown()
 
 
@@ -210,7 +237,7 @@ def _run(args, config: RunConfig, world: int) -> int:
 
             result = {"policy": sft(config)}
     finally:
-        _shutdown(world)
+        _shutdown(world, config.train.device)
     print(json.dumps(result))
     return 0
 

@@ -12,6 +12,7 @@ process; GRPO advantages; the trainer runs here (rank 0) and, under torchrun, on
 
 from __future__ import annotations
 
+import shutil
 import time
 
 from prefect import flow
@@ -49,14 +50,13 @@ def rl_train(
         config, config.tracking.run_name or config.name, resume=resume, resume_step=resume_step
     )
     rt = None
+    workdir = new_workdir()  # the starting model (a random init, a download); removed at the end
     try:
         if resume:
             config = resumed_config(config, resume_step)  # the model the run started from
         elif config.sft is not None:
             config = config.with_model_path(sft(config, parent_run_id=tracker.run_id))
-        rt = prepare_runtime(
-            config, prepare_model(config, new_workdir()), tracker, resume, resume_step
-        )
+        rt = prepare_runtime(config, prepare_model(config, workdir), tracker, resume, resume_step)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
         if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
@@ -83,7 +83,10 @@ def rl_train(
     except BaseException:
         tracker.finish("FAILED")
         raise
-    finally:  # engine servers and producer threads stop with the run, also when it fails
-        if rt is not None:
-            rt.close()
+    finally:  # engine servers, producer threads and temp folders go with the run, also if it fails
+        try:
+            if rt is not None:
+                rt.close()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
     return log.finish()

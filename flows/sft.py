@@ -8,6 +8,8 @@ has an `sft:` section.
 
 from __future__ import annotations
 
+import shutil
+
 from prefect import flow
 
 from miles_core.config import RunConfig
@@ -21,5 +23,8 @@ def sft(config: RunConfig, parent_run_id: str | None = None) -> str:
     if config.sft is None:
         raise ValueError("the sft flow needs an `sft:` section in the config")
     tracker = start_tracking(config, f"{config.name}-sft", parent_run_id)
-    model_dir = prepare_model(config, new_workdir())
-    return sft_train(config, model_dir, tracker)
+    workdir = new_workdir()  # the starting model; the result is saved to the checkpoint root
+    try:
+        return sft_train(config, prepare_model(config, workdir), tracker)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

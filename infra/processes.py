@@ -1,9 +1,11 @@
 """Detached server processes recorded on disk: start one in its own process group, tell whether a
 recorded PID is still that process (not a reused PID, not a zombie), stop its whole group.
 
-A record is a JSON file `<dir>/<name>.json` holding the PID, the process's start time (from
-`/proc/<pid>/stat`, so a PID reused by the kernel for another program is not mistaken for ours),
-its port, URL, health URL and log path. Linux only (reads `/proc`).
+A record is a JSON file `<dir>/<name>.json` holding the PID, the process's start time
+(`psutil.Process.create_time()`, so a PID reused by the kernel for another program is not
+mistaken for ours), its port, URL, health URL and log path. PID identity, descendants and process
+groups come from `miles_core/processes.py` (psutil), the one implementation the runtime's
+servers use too; the names tests and ui-check import are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,35 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+import psutil
+
+from miles_core.processes import (
+    ProcessIdentity,
+    descendants,
+    group_members,
+    kill_pids,
+    pid_alive,
+    start_time,
+)
+
+__all__ = [
+    "ProcessRecord",
+    "ServiceError",
+    "api_call",
+    "descendants",
+    "group_members",
+    "healthy",
+    "pid_alive",
+    "port_free",
+    "record_alive",
+    "spawn",
+    "start_time",
+    "stop_group",
+    "stop_serving_process",
+    "tail",
+    "wait_for",
+    "wait_healthy",
+]
 
 
 class ServiceError(RuntimeError):
@@ -28,7 +59,7 @@ class ServiceError(RuntimeError):
 class ProcessRecord:
     name: str
     pid: int
-    start_ticks: int
+    create_time: float  # the process's start time: a reused PID does not match
     port: int
     url: str
     health_url: str
@@ -45,59 +76,20 @@ class ProcessRecord:
 
     @classmethod
     def load(cls, path: Path) -> ProcessRecord:
-        return cls(**json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        if "start_ticks" in data:  # written before psutil: clock ticks after boot
+            ticks = data.pop("start_ticks")
+            data["create_time"] = psutil.boot_time() + ticks / os.sysconf("SC_CLK_TCK")
+        return cls(**data)
 
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/<pid>/stat after the command name (index 0 = state), or None."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def start_ticks(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None  # field 22 of stat: starttime
-
-
-def pid_alive(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
+    @property
+    def identity(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.create_time)
 
 
 def record_alive(record: ProcessRecord) -> bool:
-    return pid_alive(record.pid) and start_ticks(record.pid) == record.start_ticks
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is `pgid`."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(int(entry.name))
-        if fields and fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-def descendants(pid: int) -> list[int]:
-    """Live descendants of `pid` (children, grandchildren, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields and fields[0] not in ("Z", "X"):
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """The recorded process itself still runs (not a zombie, not another program on its PID)."""
+    return record.identity.alive()
 
 
 def wait_for(check, timeout: float, what: str, poll: float = 0.5):
@@ -147,9 +139,7 @@ def stop_serving_process(proc: subprocess.Popen, seen: set[int]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    for pid in seen:
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    kill_pids(seen)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -191,10 +181,10 @@ def spawn(
             cwd=cwd,
             start_new_session=True,
         )
-    ticks = start_ticks(proc.pid)
-    if ticks is None:
+    started = start_time(proc.pid)
+    if started is None:
         raise ServiceError(f"{name} exited at once ({' '.join(command)}); see {log}")
-    return ProcessRecord(name, proc.pid, ticks, port, url, health_url, str(log), command)
+    return ProcessRecord(name, proc.pid, started, port, url, health_url, str(log), command)
 
 
 def wait_healthy(records: list[ProcessRecord], timeout: float) -> dict[str, float]:

@@ -108,6 +108,12 @@ class RolloutConfig(_Strict):
         description="serving engine compute dtype; bfloat16 decodes faster on CPUs with bf16 "
         "units, its log-probs differ from the fp32 trainer's by ~1e-2 (train_rollout_* metrics)",
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where the serving engine (rollout.engine serving or server) keeps its "
+        "weights and KV cache: cpu, cuda, or auto = cuda when available; the embedded engine "
+        "runs on the CPU",
+    )
     prompts_per_step: int = Field(
         16, gt=0, description="prompts sampled per rollout (rollout batch size)"
     )
@@ -123,6 +129,19 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1 disables top-k")
     seed: int = 0
+    token_fields: list[str] = Field(
+        default_factory=list,
+        description="declared per-token fields the engine's responses carry to the trainer "
+        "(import paths pkg.mod:FIELD of miles_core.token_fields.TokenField objects)",
+    )
+
+    @field_validator("token_fields")
+    @classmethod
+    def _token_fields_load(cls, paths: list[str]) -> list[str]:
+        from miles_core.token_fields import load_token_fields
+
+        load_token_fields(paths)  # imports and declares them: a clear error before anything runs
+        return paths
 
     @model_validator(mode="after")
     def _dtype_needs_serving(self) -> RolloutConfig:
@@ -130,6 +149,12 @@ class RolloutConfig(_Strict):
             raise ValueError(f"rollout.mode {self.mode} needs rollout.engine: server")
         if self.dtype != "float32" and self.engine == "embedded":
             raise ValueError(f"rollout.dtype {self.dtype} needs rollout.engine: serving or server")
+        if self.device == "cuda":
+            if self.engine == "embedded":
+                raise ValueError("rollout.device cuda needs rollout.engine: serving or server")
+            from miles_core.train.device import check_device
+
+            check_device(self.device)  # a clear error on a machine without CUDA
         return self
 
     @model_validator(mode="after")
@@ -189,7 +214,21 @@ class OffPolicyConfig(_Strict):
 
 
 class TrainConfig(OptimConfig):
-    backend: Literal["fsdp"] = "fsdp"
+    backend: str = Field(
+        "fsdp",
+        description="trainer backend: a registered name (fsdp; more with "
+        "miles_core.train.registry.register_backend) or 'package.module:Class'",
+    )
+    loss: str = Field(
+        "policy",
+        description="loss of the RL step: a registered name (policy: PPO-clip/GRPO) or "
+        "'package.module:object'",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where the trainer runs: cuda (bf16 compute, fp32 params and gradient "
+        "reduction; nccl between ranks), cpu (fp32, gloo), auto = cuda when available",
+    )
     num_steps: int = Field(50, gt=0, description="rollout → train → weight update iterations")
     global_batch_size: int = Field(
         128,
@@ -214,6 +253,29 @@ class TrainConfig(OptimConfig):
     )
     entropy_coef: float = Field(0.0, ge=0)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        from miles_core.train.registry import check_backend
+
+        return check_backend(v)  # ValueError naming the registered backends
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from miles_core.train.registry import check_loss
+
+        return check_loss(v)
+
+    @field_validator("device")
+    @classmethod
+    def _device_present(cls, v: str) -> str:
+        if v == "cuda":  # only then import torch: validating a config stays cheap
+            from miles_core.train.device import check_device
+
+            check_device(v)
+        return v
 
 
 class SFTConfig(OptimConfig):
@@ -273,9 +335,9 @@ class WeightSyncConfig(_Strict):
     @field_validator("transport")
     @classmethod
     def _known_transport(cls, v: str) -> str:
-        from miles_core.weights import make_transport
+        from miles_core.weights import transport_route
 
-        make_transport(v)  # raises ValueError naming the registered transports
+        transport_route(v)  # raises ValueError naming the registered transports; builds nothing
         return v
 
 
@@ -358,7 +420,11 @@ class AgentConfig(_Strict):
         description="a black-box agent program's argv (e.g. [python, examples/blackbox_harness/"
         "agent.py]), run per episode by agent.function miles_core.agents.blackbox:run_command",
     )
-    family: str = Field("tiny", description="TITO family of the session server")
+    family: str = Field(
+        "tiny",
+        description="TITO family of the session server: a registered name (tiny, qwen3, mistral, "
+        "or one added with miles_core.tito.register_family) or 'package.module:Class'",
+    )
     max_turns: int = Field(3, gt=0, description="model calls per episode")
     max_tokens: int = Field(64, gt=0, description="new tokens per model call")
     timeout_s: float = Field(120.0, gt=0, description="an episode running longer fails")
@@ -389,11 +455,35 @@ class AgentConfig(_Strict):
     @field_validator("family")
     @classmethod
     def _known_family(cls, v: str) -> str:
-        from miles_core.tito import FAMILIES
+        from miles_core.tito import resolve_family
 
-        if v not in FAMILIES:
-            raise ValueError(f"unknown TITO family {v!r}; choose one of {sorted(FAMILIES)}")
+        resolve_family(v)  # ValueError naming the registered families; imports an import path
         return v
+
+
+class NetworkConfig(_Strict):
+    port_range: str | None = Field(
+        None,
+        description="keep every port this run opens inside LOW-HIGH, e.g. '30000-30100': engine "
+        "servers, the session server, the trainer's torchrun rendezvous (default: any free port)",
+        examples=["30000-30100"],
+    )
+
+    @field_validator("port_range")
+    @classmethod
+    def _valid_range(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        from miles_core.ports import PortRange
+
+        return str(PortRange.parse(v))  # ValueError naming the expected form
+
+    @property
+    def ports(self):
+        """The range as a `miles_core.ports.PortRange` (None: any port)."""
+        from miles_core.ports import PortRange
+
+        return PortRange.parse(self.port_range) if self.port_range else None
 
 
 class RunConfig(_Strict):
@@ -413,6 +503,23 @@ class RunConfig(_Strict):
     sft: SFTConfig | None = Field(None, description="supervised warm start before RL")
     agent: AgentConfig = Field(default_factory=AgentConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+
+    def _check_transport_fits_engine(self) -> None:
+        """The transport's weight route must be one the engine takes (both from registries)."""
+        from miles_core.rollout.engines import engine_routes
+        from miles_core.weights import transport_names, transport_route
+
+        r, ws = self.rollout, self.weight_sync
+        need, routes = transport_route(ws.transport), engine_routes(r.engine)
+        if need not in routes:
+            fitting = [n for n in transport_names() if transport_route(n) in routes]
+            hint = "" if r.engine == "server" else " (or set rollout.engine: server)"
+            raise ValueError(
+                f"rollout.engine: {r.engine} needs weight_sync.transport {' | '.join(fitting)}"
+                f"{hint}: {ws.transport} loads weights by {need!r}, the engine takes "
+                f"{sorted(routes)}"
+            )
 
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
@@ -464,17 +571,7 @@ class RunConfig(_Strict):
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"micro_batch_size × world_size ({unit})"
             )
-        remote = self.weight_sync.transport in ("shared_memory", "disk", "broadcast", "p2p")
-        if r.engine == "server" and not remote:
-            raise ValueError(
-                "rollout.engine: server needs weight_sync.transport shared_memory, disk, broadcast or p2p "
-                f"(not {self.weight_sync.transport!r})"
-            )
-        if r.engine != "server" and remote:
-            raise ValueError(
-                f"weight_sync.transport {self.weight_sync.transport} pushes to engine servers: "
-                "set rollout.engine: server (or use transport colocated)"
-            )
+        self._check_transport_fits_engine()
         self._check_eval()
         if self.sft is not None and self.sft.world_size != t.world_size:
             raise ValueError(

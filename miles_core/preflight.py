@@ -141,7 +141,12 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
             sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options
         )
         sft_where = sft.path or f"task {sft.task!r}"
-        scripted = hasattr(get_task(sft.task), "demonstration")  # builds its own samples
+        sft_task = get_task(sft.task, family=config.agent.family)
+        scripted = hasattr(sft_task, "demonstration")  # builds its own samples
+        if scripted and tok is not None and getattr(sft_task, "family", None):
+            from miles_core.tito.check import check_family_matches  # it renders with agent.family
+
+            check_family_matches(config.agent.family, tok)
         missing = next((i for i, ex in enumerate(sft_rows, start=1) if ex.answer is None), None)
         if missing and not scripted:
             raise ValueError(

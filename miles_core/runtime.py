@@ -20,31 +20,29 @@ import torch
 from miles_core import rng_state
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.engine_api import EngineUnavailable
 from miles_core.eval.in_run import RunEvaluation
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.ledger import LEDGER_FILE, TrainedLedger
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.resume_checks import check_buffer_resumable, shape_changes
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.rollout.embedded import EmbeddedEngine
-from miles_core.rollout.http_engine import EngineProcess, EngineUnavailable, HttpEngine
+from miles_core.rollout.engines import EngineSetup, make_engine
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
-from miles_core.rollout.serving import ServingEngine
 from miles_core.rollout.supervisor import EngineSupervisor
 from miles_core.sessions import SessionServerProcess
 from miles_core.storage import CheckpointStore, check_checkpoint_matches, fetch_model_dir
 from miles_core.tracking import Tracker
 from miles_core.train.advantages import grpo_advantages, rollout_slices
+from miles_core.train.backend import TrainerBackend
 from miles_core.train.batch import TrainBatch
-from miles_core.train.fsdp import FSDPBackend
-from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
+from miles_core.train.registry import make_backend
+from miles_core.weights import make_transport, weights_checksum
+from miles_core.weights.group import backend_for
 from miles_core.weights.remote import PushFailed
 
 log = logging.getLogger("miles")
-
-# transports whose connect() can take a fresh engine server (no group to re-form with it)
-RECONNECTABLE_TRANSPORTS = ("shared_memory", "disk")
 
 
 def _exclusive_weights(method):
@@ -62,7 +60,8 @@ def _exclusive_weights(method):
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
     """The HF directory the run starts from: `model.path` if set, else a seeded random init."""
     if config.model.path:
-        return fetch_model_dir(config.model.path, config.checkpoint.storage_options)
+        # a download lands in `workdir`, removed with the run's other temp folders
+        return fetch_model_dir(config.model.path, config.checkpoint.storage_options, workdir)
     model, tok = build_model(config.model.preset, config.model.seed)
     return save_hf_dir(model, tok, workdir / "init_model")
 
@@ -97,36 +96,38 @@ class RLRuntime:
         self.architecture = architecture_of(model.config)
         seed = config.rollout.seed + config.seed
         self.workdir = new_workdir()
-        self.engine_process: EngineProcess | None = None
         self.supervisor: EngineSupervisor | None = None  # replaces a dead engine server
         self._weights_lock = threading.RLock()
         self._trained_since_push = False  # the trainer is one version ahead of policy_version
-        if config.rollout.engine == "server":
-            self.engine = self._start_engine_server(model_dir, seed)
-        elif config.rollout.engine == "serving":
-            batch = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt
-            self.engine = ServingEngine(
-                model,
-                self.tokenizer,
-                seed=seed,
-                max_running=batch,
-                dtype=config.rollout.dtype,
-                scheduler="caller",
-            )
-        else:
-            self.engine = EmbeddedEngine(model, self.tokenizer, seed=seed)
+        setup = EngineSetup(
+            config.rollout,
+            model,
+            self.tokenizer,
+            model_dir,
+            seed,
+            self.workdir,
+            config.network.ports,
+        )
+        built = make_engine(config.rollout.engine, setup)  # rollout/engines.py
+        self.engine = built.engine
+        self.engine_process = built.process  # an engine server to supervise, or None
         try:  # an engine server started above must not outlive a failed start-up
             train = config.train
-            self.trainer = FSDPBackend(
-                str(model_dir),
+            self.trainer: TrainerBackend = make_backend(
+                train.backend,
+                model_dir=str(model_dir),
                 optim=train.model_dump(),
                 loss=train.model_dump(),
                 total_steps=train.num_steps * config.optimizer_steps_per_rollout,
                 seed=config.seed,
+                device=train.device,
             )
             ws = config.weight_sync
             self.transport = make_transport(
                 ws.transport,
+                bucket_bytes=ws.bucket_mb << 20,
+                dtype=ws.dtype,
+                group_backend=backend_for(self.trainer.device),
                 root=ws.disk_root or str(self.workdir / "pushed_weights"),
                 storage_options=config.checkpoint.storage_options,
                 keep=ws.keep_versions,
@@ -139,6 +140,7 @@ class RLRuntime:
         except BaseException:
             if self.engine_process is not None:
                 self.engine_process.stop()
+            shutil.rmtree(self.workdir, ignore_errors=True)
             raise
         self.producer: RolloutProducer | None = None
         self.session_process: SessionServerProcess | None = None
@@ -170,23 +172,6 @@ class RLRuntime:
             self.close()
             raise
 
-    def _start_engine_server(self, model_dir: Path, seed: int) -> HttpEngine:
-        """The serving engine as a subprocess on 127.0.0.1, stopped by PID in `close`."""
-        r = self.config.rollout
-        batch = r.prompts_per_step * r.n_samples_per_prompt
-        # async modes may have 1 + max_staleness steps of groups in flight at once
-        running = batch if r.mode == "sync" else batch * (1 + r.max_staleness)
-        args = ["--max-running", str(running), "--seed", str(seed), "--dtype", r.dtype]
-        if r.engine_threads:
-            args += ["--threads", str(r.engine_threads)]
-        self.engine_process = EngineProcess(
-            model_dir, args=args, log_path=self.workdir / "engine.log"
-        ).start()
-        # our engine server takes SGLang's batch form: one call per group
-        return HttpEngine(
-            self.engine_process.url, concurrency=batch, batch_size=r.n_samples_per_prompt
-        )
-
     def _supervise_engine(self) -> None:
         """Heartbeats for the engine server; a dead or hung one is replaced on the same port and
         gets the trainer's weights before it serves (`_serve_current_weights`)."""
@@ -194,7 +179,7 @@ class RLRuntime:
             return
         r, transport = self.config.rollout, self.config.weight_sync.transport
         restarts = r.max_engine_restarts
-        if transport not in RECONNECTABLE_TRANSPORTS and restarts:
+        if not self.transport.reconnects and restarts:
             log.info(
                 "weight_sync.transport %s cannot reconnect to a replaced engine server: a dead "
                 "engine fails the run (replacement needs shared_memory or disk)",
@@ -258,7 +243,12 @@ class RLRuntime:
             self.engine_process.url,
             agent.family,
             log_path=self.workdir / "sessions.log",
-            args=("--max-tokens", str(agent.max_tokens)),
+            args=(
+                "--max-tokens",
+                str(agent.max_tokens),
+                *(f"--token-field={f}" for f in self.config.rollout.token_fields),
+            ),
+            port_range=self.config.network.ports,
         ).start()
         if agent.generate_function:
             generate = load_plugin(agent.generate_function, "agent.generate_function")
@@ -320,10 +310,8 @@ class RLRuntime:
         return metrics, self.engine_checksum()
 
     def engine_checksum(self) -> str:
-        """sha256 of the weights the engine serves."""
-        if isinstance(self.engine, HttpEngine):
-            return self._surviving("weights checksum", self.engine.weights_checksum)
-        return weights_checksum(self.engine.named_tensors().items())
+        """sha256 of the weights the engine generates with (every engine answers it)."""
+        return self._surviving("weights checksum", self.engine.weights_checksum)
 
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
@@ -365,7 +353,7 @@ class RLRuntime:
         per_step: list[dict[str, float]] = []
         # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
         for start, end in rollout_slices(batch.sample_ids, cfg.train.global_batch_size):
-            per_step.append(self.trainer.train_step(batch.slice(start, end), loss="policy"))
+            per_step.append(self.trainer.train_step(batch.slice(start, end), loss=cfg.train.loss))
         self._trained_since_push = True
         self.ledger.record(self._rollout_step, result.groups)
         keys = per_step[0].keys()
@@ -393,11 +381,8 @@ class RLRuntime:
 
     @_exclusive_weights
     def _push_now(self, version: int, pause_mode: str):
-        dtype = self._push_dtype()
-        if getattr(self.transport, "pushes_from_trainer", False):  # p2p: every rank sends
-            return self.transport.push_from(self.trainer, version, pause_mode, dtype)
-        bucket = self.config.weight_sync.bucket_mb << 20
-        return self.transport.push(self.trainer.named_weights(bucket, dtype), version, pause_mode)
+        # the transport reads the trainer (buckets or shards) with weight_sync's bucket and dtype
+        return self.transport.push(self.trainer, version, pause_mode)
 
     def _push_dtype(self) -> torch.dtype | None:
         name = self.config.weight_sync.dtype
@@ -416,17 +401,9 @@ class RLRuntime:
             for b in self.trainer.named_weights(64 << 20)
             for n, t in b
         ]
-        if isinstance(self.engine, HttpEngine):  # compare checksums over HTTP
-            if self.engine.weights_checksum() != weights_checksum(expected):
-                raise RuntimeError(
-                    f"engine at {self.engine.url} holds weights that differ from the trainer's"
-                )
-            return
-        bad = mismatched_tensors(expected, self.engine.named_tensors())
-        if bad:
-            raise RuntimeError(
-                f"engine weights differ from the trainer's after the push: {bad[:5]}"
-            )
+        if self.engine.weights_checksum() != weights_checksum(expected):
+            where = getattr(self.engine, "url", "in this process")
+            raise RuntimeError(f"engine weights ({where}) differ from the trainer's after the push")
 
     def is_save_step(self, step: int) -> bool:
         """Every checkpoint.interval steps, and the last step."""
@@ -580,30 +557,20 @@ class RLRuntime:
         finally:
             if self.session_process is not None:
                 self.session_process.stop()
-            if isinstance(self.engine, ServingEngine | HttpEngine):
-                self.engine.close()
+            self.engine.close()
             if self.engine_process is not None:
                 self.engine_process.stop()
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def check_family_matches(name: str, tokenizer) -> None:
-    """The session server's TITO family must tokenize like the model: a one-message prompt has
-    to give the same ids either way (else the engine would read ids from another vocabulary)."""
-    from miles_core.tito import get_family
+    """The session server's TITO family must tokenize like the model (miles_core/tito/check.py)."""
+    from miles_core.tito.check import check_family_matches as check
 
-    probe = [{"role": "user", "content": "list the files"}]
-    ours = get_family(name).prompt(probe)
-    model = tokenizer.apply_chat_template(
-        probe, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    model = list(model["input_ids"] if isinstance(model, dict) else model)
-    if ours != model:
-        raise ValueError(
-            f"agent.family {name!r} does not tokenize like the model: {ours[:12]}… against the "
-            f"model tokenizer's {model[:12]}…; choose the family of the model's tokenizer"
-        )
+    check(name, tokenizer)
 
 
 def new_workdir() -> Path:
+    """A new `miles-run-*` temp folder; whoever creates one removes it when the run ends, also
+    when it fails (`RLRuntime.close`, the flows' `finally`)."""
     return Path(tempfile.mkdtemp(prefix="miles-run-"))

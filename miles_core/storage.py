@@ -47,7 +47,15 @@ class CheckpointStore:
         self.fs, base = url_to_fs(self.root, **(storage_options or {}))
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.base = f"{base}/{run_name}"
-        self._staging = Path(tempfile.mkdtemp(prefix="miles-ckpt-"))
+        self._staging_dir: Path | None = None  # made on first use: a local root needs none
+
+    @property
+    def _staging(self) -> Path:
+        """Local staging for uploads to and downloads from a remote root (`miles-ckpt-*`),
+        removed by `close`."""
+        if self._staging_dir is None:
+            self._staging_dir = Path(tempfile.mkdtemp(prefix="miles-ckpt-"))
+        return self._staging_dir
 
     def _url(self, path: str) -> str:
         return path if self.is_local else self.fs.unstrip_protocol(path)
@@ -173,17 +181,23 @@ class CheckpointStore:
             return json.load(f)
 
     def close(self) -> None:
-        shutil.rmtree(self._staging, ignore_errors=True)
+        if self._staging_dir is not None:
+            shutil.rmtree(self._staging_dir, ignore_errors=True)
+            self._staging_dir = None
 
 
-def fetch_model_dir(url: str, storage_options: dict[str, Any] | None = None) -> Path:
-    """A local copy of an HF model directory given as a local path or fsspec URL."""
+def fetch_model_dir(
+    url: str, storage_options: dict[str, Any] | None = None, into: Path | None = None
+) -> Path:
+    """A local copy of an HF model directory given as a local path (used in place) or fsspec URL
+    (downloaded into a new `miles-model-*` folder, under `into` when given: a run passes its
+    work folder, so the copy goes when the run's temp folders do)."""
     fs, path = url_to_fs(url, **(storage_options or {}))
     if not fs.exists(f"{path}/config.json"):
         raise FileNotFoundError(f"{url} is not a model directory (no config.json)")
     if isinstance(fs, LocalFileSystem):
         return Path(path)
-    local = Path(tempfile.mkdtemp(prefix="miles-model-"))
+    local = Path(tempfile.mkdtemp(prefix="miles-model-", dir=into))
     fs.get(path + "/", str(local), recursive=True)
     return local
 

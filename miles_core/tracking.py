@@ -211,7 +211,8 @@ class Tracker:
         filename: str = "reward_curve.png",
         also_to: Path | None = None,
     ) -> Path:
-        """Plot metric histories against step, log the PNG as a run artifact, return its path.
+        """Plot metric histories against step, log the PNG as a run artifact, return its path
+        (a local copy that lasts until `finish`).
 
         ``keys`` defaults to ``rollout/reward_mean``, ``eval/reward_mean`` (when logged) and every
         ``*exact_match`` history key.
@@ -291,5 +292,12 @@ class Tracker:
         return version
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.flush()
-        self.client.set_terminated(self.run_id, status)
+        """Ends the MLflow run; the local copies of logged plots (`miles-mlflow-*`) go with it,
+        also when the final calls to MLflow fail."""
+        try:
+            self.flush()
+            self.client.set_terminated(self.run_id, status)
+        finally:
+            if self._artifact_dir is not None:
+                shutil.rmtree(self._artifact_dir, ignore_errors=True)
+                self._artifact_dir = None

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+import numpy as np
+
+from miles_core.token_fields import check_lengths, fields_from_json, fields_to_json
 
 
 class Status(StrEnum):
@@ -39,9 +44,10 @@ class Sample:
     status: Status = Status.PENDING
     label: Any = None
     response: str = ""
-    routed_experts: Any = None
-    teacher_log_probs: list[float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    # declared per-token fields (miles_core/token_fields.py): name -> array [rows, *shape]
+    # (routed experts, teacher log-probs, ... each a TokenField)
+    token_fields: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def prompt_length(self) -> int:
@@ -71,14 +77,41 @@ class Sample:
             raise ValueError(
                 f"sample {self.index}: rollout_log_probs has {len(self.rollout_log_probs)} entries, response_length is {n}"
             )
-        if self.teacher_log_probs is not None and len(self.teacher_log_probs) != n:
-            raise ValueError(
-                f"sample {self.index}: teacher_log_probs length {len(self.teacher_log_probs)} != {n}"
-            )
+        try:
+            check_lengths(self.token_fields, len(self.tokens), n)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"sample {self.index}: {e}") from None
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"sample {self.index}: loss_mask must hold only 0 and 1")
         if self.status in (Status.COMPLETED, Status.TRUNCATED) and self.reward is None:
             raise ValueError(f"sample {self.index}: status {self.status.value} but no reward")
+
+
+_LEGACY_FIELDS = ("routed_experts", "teacher_log_probs")
+
+
+def sample_to_json(sample: Sample, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A Sample as JSON values (token fields as exact bytes); `skip` leaves fields out."""
+    data = {
+        f.name: getattr(sample, f.name) for f in dataclasses.fields(sample) if f.name not in skip
+    }
+    data["status"] = sample.status.value
+    if "token_fields" in data:
+        data["token_fields"] = fields_to_json(sample.token_fields)
+    return data
+
+
+def sample_from_json(data: dict[str, Any], **override: Any) -> Sample:
+    """The Sample `sample_to_json` wrote (fields it skipped come from `override`)."""
+    fields = dict(data, **override)
+    for legacy in _LEGACY_FIELDS:  # written by builds before token fields, always None there
+        if fields.pop(legacy, None) is not None:
+            raise ValueError(
+                f"sample {fields.get('index')}: {legacy} is now a declared token field"
+            )
+    fields["status"] = Status(fields["status"])
+    fields["token_fields"] = fields_from_json(fields.get("token_fields"))
+    return Sample(**fields)
 
 
 @dataclass

@@ -68,7 +68,7 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
             assert result.metrics["rollout/reward_hook_failures"] == 0.0
             assert 0.0 <= result.metrics["rollout/success_rate"] <= 1.0
             assert result.metrics["agent/turns_mean"] >= 1.0
-            assert result.metrics["rollout/session/tito_mismatched_tokens"] == 0.0
+            assert result.metrics["rollout/session/tito_token_edits"] == 0.0
             assert result.metrics["rollout/session/branches"] == 0.0  # the agent appends only
             metrics = rt.train(result)
             assert metrics["train/grad_norm"] >= 0.0
@@ -125,7 +125,7 @@ def test_a_black_box_harness_trains_from_its_config(tmp_path):
         assert result.metrics["rollout/failed_episodes"] == 0.0
         assert result.metrics["rollout/samples_per_episode"] == 3.0
         assert result.metrics["rollout/session/branches"] == 8.0  # 2 per episode
-        assert result.metrics["rollout/session/tito_mismatched_tokens"] == 0.0
+        assert result.metrics["rollout/session/tito_token_edits"] == 0.0
         for group in result.groups:
             assert len({s.rollout_id for s in group.samples}) == 2 and len(group.samples) == 6
         metrics = rt.train(result)  # one optimizer step: 4 rollouts = 12 leaves

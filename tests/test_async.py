@@ -16,6 +16,7 @@ from miles_core.rollout.producer import RolloutProducer
 from miles_core.runtime import RLRuntime, prepare_model_dir
 from miles_core.types import Status
 from miles_core.weights import make_transport
+from miles_core.weights.source import TensorBuckets
 
 
 def _config(tmp_path, *extra):
@@ -110,7 +111,7 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
             (n, p.detach() + 0.01 * torch.randn(p.shape, generator=g))
             for n, p in model.named_parameters()
         ]
-        transport.push([new], version=start + 1, pause_mode=mode)
+        transport.push(TensorBuckets([new]), version=start + 1, pause_mode=mode)
         engine.resume()  # our own freeze (in_place pushes need no pause of their own)
         version[0] = start + 1
         producer.notify_version()

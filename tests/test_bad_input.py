@@ -256,6 +256,7 @@ CATALOGUE = [
     ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
     ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),
+    ("per-token field that does not load, clashes, or arrives misaligned", "refused in config validation / the sample and field named", "test_token_fields.py::test_a_run_declares_its_fields_in_the_config_and_a_bad_one_is_refused_up_front"),
     ("engine server killed or hung mid-run", "replaced ≤ 10 s, weights pushed, requests re-issued once", "test_engine_recovery.py::test_a_killed_engine_in_fully_async_mode_is_replaced_and_nothing_is_lost"),
     ("request that fails again after a replacement; restarts used up", "'failed again … re-issued once'; 'max_engine_restarts'", "test_engine_recovery.py::test_a_request_is_reissued_only_once_and_restarts_are_bounded"),
 ]  # fmt: skip

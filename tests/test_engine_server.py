@@ -319,3 +319,68 @@ def test_an_idle_keep_alive_connection_outlives_a_paused_client(server):
     conn.request("GET", "/health")
     assert conn.getresponse().status == 200 and conn.sock is sock  # the same connection
     conn.close()
+
+
+def test_the_weights_check_covers_the_packed_copies_that_generate(tiny):
+    """The checksum is of what generates: a packed copy the runner decodes with that no longer
+    matches the engine's tensors fails the check (in-process and over /weights_checker)."""
+    from fastapi.testclient import TestClient
+
+    from miles_core.rollout.server import create_app
+    from miles_core.rollout.serving import PackedWeightsDiffer
+    from miles_core.weights import weights_checksum
+
+    model, tok = tiny
+    engine = ServingEngine(copy.deepcopy(model), tok)
+    try:
+        engine.generate([_req(tok, "say a", max_new_tokens=2)])  # packs the weights
+        good = engine.weights_checksum()
+        assert good == weights_checksum(engine.named_tensors().items())
+        runner = engine.runner
+        o_proj = engine.named_tensors()["model.layers.0.self_attn.o_proj.weight"]
+        runner._w.layers[0].o = runner._pack(o_proj + 1e-3)  # the named tensors are unchanged
+        with pytest.raises(PackedWeightsDiffer, match=r"\['layers.0.o'\]"):
+            engine.weights_checksum()
+        with TestClient(create_app(engine)) as http:
+            r = http.post("/weights_checker", json={"action": "checksum"})
+            assert r.status_code == 400 and "layers.0.o" in r.json()["message"]
+            r = http.post("/weights_checker", json={"action": "snapshot"})
+            r = http.post("/weights_checker", json={"action": "compare"})
+            assert r.status_code == 400 and "layers.0.o" in r.json()["message"]
+        engine.update_weights_from_tensor(list(engine.named_tensors().items()))  # repacks
+        assert engine.weights_checksum() == good
+    finally:
+        engine.close()
+
+
+def test_the_server_declares_its_weight_routes_and_device(server):
+    from miles_core.engine_api import SERVER_ROUTES
+    from miles_core.rollout.sglang_engine import attach
+
+    (engine,) = attach([server.url])
+    assert engine.weight_routes == SERVER_ROUTES
+    assert engine.server_info()["device"] == "cpu"
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_serving_engine_on_cuda_matches_the_cpu_engine(tiny):
+    """Weights, packed copies and the KV cache on the GPU; the same seeded samples as on the
+    CPU (uniforms are drawn on the CPU), log-probs within fp32 reordering."""
+    model, tok = tiny
+    reqs = [_req(tok, t, max_new_tokens=8, sampling_seed=3 + i) for i, t in enumerate(["ab", "c"])]
+    cpu = ServingEngine(copy.deepcopy(model), tok)
+    gpu = ServingEngine(copy.deepcopy(model), tok, device="cuda")
+    try:
+        assert all(t.is_cuda for t in gpu.named_tensors().values())
+        assert all(kv.is_cuda for kv in gpu.runner.cache.kv)
+        for c, g in zip(cpu.generate(reqs), gpu.generate(reqs), strict=True):
+            assert c.output_ids == g.output_ids
+            assert torch.allclose(
+                torch.tensor(c.output_log_probs), torch.tensor(g.output_log_probs), atol=1e-4
+            )
+        assert gpu.weights_checksum() == cpu.weights_checksum()
+    finally:
+        cpu.close()
+        gpu.close()

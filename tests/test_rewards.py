@@ -261,7 +261,7 @@ def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_pa
 
     @counters.get("/metrics")
     async def metrics():
-        return {"mismatched_tokens": 0, "branches": 0}
+        return {"tito_token_edits": 0, "branches": 0}
 
     async def generate(inp):
         return GenerateOutput([_sample(inp.rollout_id)], 1.0, {"turns": 1.0})

@@ -8,6 +8,9 @@ import pytest
 from openai import OpenAI
 
 from miles_core.tito import get_family
+from tests.plugins.family import HeadersFamily, save_model_dir
+
+PLUGIN = "tests.plugins.family:HeadersFamily"
 
 TOOLS = [
     {
@@ -58,7 +61,7 @@ def test_a_twenty_turn_session_trains_on_exactly_the_engine_tokens(servers, http
             messages.append({"role": "user", "content": f"turn {turn}"})
     info = http.get(f"/sessions/{sid}").json()
     assert info["turns"] == 20 and info["leaves"] == 1 and info["branches"] == 0
-    assert info["mismatched_tokens"] == 0  # an append-only harness
+    assert info["tito_token_edits"] == 0 and info["tito_divergences"] == []  # append-only
     data = http.post(f"/sessions/{sid}/samples", json={"reward": 0.5}).json()
     (sample,) = data["samples"]
     prompt = sample["tokens"][: len(sample["tokens"]) - sample["response_length"]]
@@ -210,3 +213,125 @@ def test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502():
             metrics = c.get("/metrics").json()
             assert metrics["expired_sessions"] == 1 and metrics["sessions"] == 2
             assert metrics["errors_5xx"] == 1
+
+
+def test_a_reply_sent_back_differently_is_reported_by_where_it_parts_and_its_edits():
+    """The engine wrote `{"cmd": "ls"}`; the harness sends the call back as `{"cmd":"ls"}` (the
+    same JSON value: the turn extends the session) and its canonical render lacks one space:
+    one token edit, first divergence at that space, not every later, shifted position.
+    In-process session server in front of a real HTTP "engine" that answers that tool call."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from test_agents import _Server
+
+    from miles_core.sessions.server import create_app
+
+    family = get_family("tiny")
+
+    def call(arguments: str) -> dict:
+        function = {"name": "run", "arguments": arguments}
+        return {"id": "call_0", "type": "function", "function": function}
+
+    spaced = {"role": "assistant", "content": "", "tool_calls": [call('{"cmd": "ls"}')]}
+    reply = family.completion(spaced)  # <tool_call>\n{"name": "run", "arguments": {"cmd": ...
+    scripted = FastAPI()
+
+    @scripted.post("/generate")
+    async def generate(body: dict):
+        return {
+            "text": family.decode(reply),
+            "output_ids": reply,
+            "meta_info": {
+                "finish_reason": {"type": "stop", "matched": reply[-1]},
+                "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(reply),
+                "weight_version": "3",
+                "output_token_logprobs": [[-0.5, t, None] for t in reply],
+            },
+        }
+
+    with _Server(scripted) as url, TestClient(create_app(url.removesuffix("/v1"), family)) as c:
+        sid = c.post("/sessions").json()["session_id"]
+        chat = f"/sessions/{sid}/v1/chat/completions"
+        first = [{"role": "user", "content": "list"}]
+        message = c.post(chat, json={"messages": first}).json()["choices"][0]["message"]
+        assert message["tool_calls"][0]["function"]["arguments"] == '{"cmd": "ls"}'
+        compact = {"role": "assistant", "content": "", "tool_calls": [call('{"cmd":"ls"}')]}
+        tool = {"role": "tool", "tool_call_id": "call_0", "content": "a.txt"}
+        c.post(chat, json={"messages": [*first, compact, tool]}).raise_for_status()
+        info = c.get(f"/sessions/{sid}").json()
+        assert (info["turns"], info["branches"]) == (2, 0)  # the harness extended the session
+        assert info["tito_token_edits"] == 1  # a position-wise count said 9
+        # <tool_call> \n {"name": "run", "arguments": {"cmd":  then the space: position 38
+        assert info["tito_divergences"] == [{"turn": 0, "first_divergence": 38}]
+        c.delete(f"/sessions/{sid}")
+        metrics = c.get("/metrics").json()  # the totals keep a deleted session's counts
+        assert metrics["tito_token_edits"] == 1 and metrics["tito_diverged_replies"] == 1
+        assert metrics["tito_first_divergence_sum"] == 38
+
+
+@pytest.fixture(scope="module")
+def headers_engine(tmp_path_factory):
+    """An engine server whose model speaks the test tree's family (tests/plugins/family.py)."""
+    from miles_core.rollout.http_engine import EngineProcess
+
+    logs = tmp_path_factory.mktemp("headers")
+    model_dir = save_model_dir(logs / "model", max_positions=2048)
+    args = ["--threads", "1", "--max-running", "4"]
+    engine = EngineProcess(model_dir, args=args, log_path=logs / "engine.log")
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_a_family_from_the_test_tree_serves_a_three_turn_session(headers_engine, tmp_path):
+    from miles_core.sessions import SessionServerProcess
+
+    family = HeadersFamily()
+    server = SessionServerProcess(headers_engine.url, PLUGIN, log_path=tmp_path / "s.log")
+    with server, httpx.Client(base_url=server.url, timeout=60) as http:
+        sid = http.post("/sessions").json()["session_id"]
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "go"}]
+        generated = []
+        for turn in range(3):
+            r = http.post(
+                f"/sessions/{sid}/v1/chat/completions",
+                json={"messages": messages, "tools": TOOLS, "max_tokens": 6, "seed": turn},
+            ).json()
+            generated.append(r["miles"]["output_ids"])
+            reply = {k: v for k, v in r["choices"][0]["message"].items() if v is not None}
+            messages += [{**reply, "content": reply.get("content") or ""}]  # echoed as returned
+            messages += [{"role": "tool", "tool_call_id": "call_0", "content": f"out {turn}"}]
+        info = http.get(f"/sessions/{sid}").json()
+        assert (info["turns"], info["leaves"], info["branches"]) == (3, 1, 0)
+        assert info["tito_token_edits"] == 0  # each reply renders back to the engine's ids
+        (sample,) = http.post(f"/sessions/{sid}/samples", json={"reward": 1.0}).json()["samples"]
+    prompt_length = len(sample["tokens"]) - sample["response_length"]
+    assert sample["tokens"][:prompt_length] == family.prompt(messages[:2], TOOLS)
+    assert family.decode(sample["tokens"]).startswith("### Tools\n")  # the family's own format
+    response = sample["tokens"][prompt_length:]
+    trained = [t for t, m in zip(response, sample["loss_mask"], strict=True) if m]
+    assert trained == [t for ids in generated for t in ids]
+    # the session's ids are the family's render of the conversation (append-only)
+    closed = sample["tokens"] + ([] if generated[-1][-1] in family.stop_ids else family.stop_ids)
+    assert closed + family.append(messages[-1:], TOOLS) == family.prompt(messages, TOOLS)
+
+
+def test_a_session_server_whose_family_does_not_match_the_engine_model_refuses_to_start(
+    headers_engine,
+):
+    """`tiny` renders ChatML; the engine's model speaks the headers format: without the check
+    every turn would answer 200 with ids of the wrong format. (The server's `main`, in-process:
+    it exits before serving.)"""
+    from miles_core.sessions.server import main
+
+    argv = ["--engine-url", headers_engine.url, "--family", "tiny", "--port", "0"]
+    with pytest.raises(SystemExit) as refused:
+        main(argv)
+    message = str(refused.value.code)
+    assert "--family 'tiny' does not tokenize like the engine's model" in message, message
+    assert "choose the family of the model's tokenizer" in message
+    with pytest.raises(SystemExit, match="unknown TITO family 'gpt2'"):
+        main([*argv[:3], "gpt2", "--port", "0"])

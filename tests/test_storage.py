@@ -119,6 +119,7 @@ def test_disk_weight_pushes_through_s3_reach_an_engine_server(
     from miles_core.rollout.http_engine import EngineProcess, HttpEngine
     from miles_core.weights import weights_checksum
     from miles_core.weights.disk import DiskTransport
+    from miles_core.weights.source import TensorBuckets
 
     for var, value in {
         "AWS_ACCESS_KEY_ID": s3_server["key"],
@@ -140,7 +141,7 @@ def test_disk_weight_pushes_through_s3_reach_an_engine_server(
         for version in (1, 2):
             name = sorted(weights)[version]  # change one tensor per push
             weights[name] = weights[name] + 0.01
-            sizes.append(transport.push([list(weights.items())], version=version).bytes)
+            sizes.append(transport.push(TensorBuckets(weights), version=version).bytes)
             assert engine.weights_checksum() == weights_checksum(weights.items())
             assert engine.weight_version == version
         fs = fsspec.filesystem("s3", **s3_server)

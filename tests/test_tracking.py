@@ -163,6 +163,10 @@ def test_log_reward_curve(make_tracker, tmp_path: Path) -> None:
     artifacts = [a.path for a in tracker.client.list_artifacts(tracker.run_id)]
     assert "summary.json" in artifacts
 
+    assert path.parent.name.startswith("miles-mlflow-")
+    tracker.finish()  # the local copy of the plot goes with the run
+    assert not path.parent.exists()
+
 
 def test_nested_run_and_finish(make_tracker) -> None:
     parent = make_tracker(run_name="parent")

@@ -74,9 +74,9 @@ def test_step_zero_is_exactly_on_policy_then_weights_move_and_sync_bitwise(tiny_
     assert m["train_rollout_logprob_abs_diff"] < 1e-5
     assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-3)
 
-    transport = make_transport("colocated")
+    transport = make_transport("colocated", bucket_bytes=1 << 16)
     transport.connect([engine])
-    stats = transport.push(trainer.named_weights(bucket_bytes=1 << 16), version=1)
+    stats = transport.push(trainer, version=1)
     assert engine.weight_version == 1 and stats.bytes > 0
     expected = [x for b in trainer.named_weights() for x in b]
     assert {n for n, _ in expected} == set(engine.named_tensors())

@@ -2,6 +2,7 @@
 versions, and bad pushes that change nothing."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from miles_core.models import load_hf_dir
 from miles_core.rollout.http_engine import EngineProcess, EngineRequestRejected, HttpEngine
 from miles_core.weights import make_transport, weights_checksum
 from miles_core.weights.disk import DiskTransport, version_dir
+from miles_core.weights.group import open_group
 from miles_core.weights.remote import PushFailed
 from miles_core.weights.shm import ShmBucketWriter
+from miles_core.weights.source import Placement, TensorBuckets, TensorPlan, dim_chunks, dtype_name
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +39,7 @@ def _new_weights(tiny_dir, seed):
 
 
 def _buckets(weights, per=5):
-    items = list(weights.items())
-    return [items[i : i + per] for i in range(0, len(items), per)]
+    return TensorBuckets(weights, per=per)
 
 
 @pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
@@ -198,3 +200,131 @@ def test_disk_deltas_carry_only_changed_tensors_and_are_refused_out_of_order_or_
     with pytest.raises(EngineRequestRejected, match="corrupt|checksum mismatch"):
         server.update_weights_from_disk(str(root / "weight_v000042"), version=42)
     assert server.weights_checksum() == before and server.weight_version == 41
+
+
+def test_a_broadcast_refused_mid_push_leaves_nothing_staged_for_the_next(server, tiny_dir):
+    """A push whose second bucket the engine refuses (a name it lacks) fails after the first
+    bucket was received; the next push loads exactly its own tensors, not a mix with the
+    first bucket of the failed one."""
+    transport = make_transport("broadcast")
+    transport.connect([server])
+    try:
+        base = _new_weights(tiny_dir, 11)
+        transport.push(_buckets(base), version=50)
+        assert server.weights_checksum() == weights_checksum(base.items())
+        names = sorted(base)
+        first = names[:3]  # staged by the failed push, and left out of the next one
+        failed = {n: base[n] + 1.0 for n in first}
+        bad = [[(n, failed[n]) for n in first], [("model.nope.weight", torch.zeros(4))]]
+        with pytest.raises(PushFailed, match="no parameter named 'model.nope.weight'"):
+            transport.push(TensorBuckets(bad), version=51)
+        assert server.weights_checksum() == weights_checksum(base.items())
+        assert server.weight_version == 50
+        new = _new_weights(tiny_dir, 12)
+        partial = {n: t for n, t in new.items() if n not in first}
+        transport.push(_buckets(partial), version=52)
+        expected = {**base, **partial}  # the first three keep version 50's values
+        assert server.weights_checksum() == weights_checksum(expected.items())
+        assert server.weight_version == 52
+    finally:
+        transport.close()
+
+
+class _TwoRankShards:
+    """A trainer of two ranks (threads of this process) that shards every matrix along dim 1
+    and every vector along dim 0: the engine must assemble tensors from the plan it is sent,
+    not from an implicit dim-0 chunking."""
+
+    world = 2
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.groups = [None, None]
+
+    def shard_plan(self, dtype=None):
+        plan = []
+        for name, t in self.weights.items():
+            dim = 1 if t.dim() > 1 else 0
+            pieces = [
+                Placement(r, dim, start, length)
+                for r, (start, length) in enumerate(dim_chunks(t.shape[dim], self.world))
+            ]
+            plan.append(TensorPlan(name, list(t.shape), dtype_name(t.dtype), pieces))
+        return plan
+
+    def _both(self, fn):
+        out, errors = [None, None], []
+
+        def run(rank):
+            try:
+                out[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.world)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return out
+
+    def join_group(self, group):
+        def join(rank):
+            self.groups[rank] = open_group(
+                group["host"], group["port"], rank, group["world"], 60, group["backend"]
+            )
+
+        self._both(join)
+
+    def send_shards(self, engine_ranks, dtype=None):
+        plan = self.shard_plan(dtype)
+
+        def send(rank):
+            pg, sent = self.groups[rank][1], 0
+            for tag, t in enumerate(plan):
+                for p in t.pieces:
+                    if p.rank != rank or p.length == 0:
+                        continue
+                    piece = self.weights[t.name].narrow(p.dim, p.start, p.length).contiguous()
+                    for dst in engine_ranks:
+                        pg.send([piece], dst, tag).wait()
+                        sent += piece.numel() * piece.element_size()
+            return sent
+
+        return self._both(send)[0]
+
+
+def test_p2p_assembles_each_tensor_from_the_placement_plan(server, tiny_dir):
+    transport = make_transport("p2p")
+    transport.connect([server])
+    try:
+        with pytest.raises(TypeError, match="p2p needs a trainer backend"):
+            transport.push(_buckets(_new_weights(tiny_dir, 13)), version=60)
+        trainer = _TwoRankShards({})
+        for version, seed in ((61, 14), (62, 15)):  # the group is formed once, then reused
+            weights = trainer.weights = _new_weights(tiny_dir, seed)
+            stats = transport.push(trainer, version=version)
+            assert server.weights_checksum() == weights_checksum(weights.items())
+            assert server.weight_version == version and stats.bytes > 0
+    finally:
+        transport.close()
+
+
+def test_a_transport_refuses_an_engine_without_its_weight_route(tiny):
+    from miles_core.rollout.embedded import EmbeddedEngine
+    from miles_core.rollout.sglang_engine import SGLANG_ROUTES
+
+    sglang_like = HttpEngine("http://127.0.0.1:9", weight_routes=SGLANG_ROUTES)
+    with pytest.raises(
+        ValueError,
+        match=r"take weights by 'shared_memory'; engine http://127.0.0.1:9 takes \['disk',",
+    ):
+        make_transport("shared_memory").connect([sglang_like])
+    make_transport("disk").connect([sglang_like])  # a route SGLang takes: accepted
+    model, tok = tiny
+    with pytest.raises(ValueError, match="'colocated' needs engines that take weights by 'tensor'"):
+        make_transport("colocated").connect([sglang_like])
+    make_transport("colocated").connect([EmbeddedEngine(model, tok)])
+    sglang_like.close()

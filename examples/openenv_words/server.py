@@ -4,7 +4,7 @@ the message is the word (then the episode is done), else asks again, for up to `
 
     python examples/openenv_words/server.py --port 8031
 
-Train against it with `miles_core.envs.openenv_agent:run_agent` (README, "OpenEnv environments").
+Train against it with `miles_core.envs.openenv_agent:run_agent` (docs/agents-and-sessions.md, "OpenEnv environments").
 """
 
 from __future__ import annotations

@@ -147,19 +147,30 @@ class AgenticRollout:
         return await hooks.apply(outputs, tasks, n)
 
     async def _session_counters(self) -> dict[str, float]:
-        """This step's TITO mismatches and branches, from the session server's totals."""
+        """This step's TITO divergences and branches, from the session server's totals:
+        `tito_token_edits` (single-token edits between the engine's replies and the harness's
+        re-rendered ones), `tito_diverged_replies`, and where a step has some,
+        `tito_first_divergence_mean` (mean position in a reply where it first differs)."""
         import httpx
 
         async with httpx.AsyncClient(base_url=self.setup.session_url, timeout=30) as http:
             totals = (await http.get("/metrics")).json()
-        out = {}
-        for key, name in (
-            ("mismatched_tokens", "tito_mismatched_tokens"),
-            ("branches", "branches"),
-        ):
+        step = {}
+        for key in ("tito_token_edits", "tito_diverged_replies", "tito_first_divergence_sum"):
             now = float(totals.get(key, 0))
-            out[f"rollout/session/{name}"] = now - self._seen.get(key, 0.0)
+            step[key] = now - self._seen.get(key, 0.0)
             self._seen[key] = now
+        now = float(totals.get("branches", 0))
+        out = {
+            "rollout/session/tito_token_edits": step["tito_token_edits"],
+            "rollout/session/tito_diverged_replies": step["tito_diverged_replies"],
+            "rollout/session/branches": now - self._seen.get("branches", 0.0),
+        }
+        self._seen["branches"] = now
+        if step["tito_diverged_replies"]:
+            out["rollout/session/tito_first_divergence_mean"] = (
+                step["tito_first_divergence_sum"] / step["tito_diverged_replies"]
+            )
         return out
 
 

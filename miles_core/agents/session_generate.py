@@ -14,11 +14,7 @@ import functools
 import httpx
 
 from miles_core.agents.layers import AgentFn, AgentResult, GenerateInput, GenerateOutput
-from miles_core.types import Sample, Status
-
-
-def sample_from_json(data: dict) -> Sample:
-    return Sample(**{**data, "status": Status(data["status"])})
+from miles_core.types import Status, sample_from_json
 
 
 async def session_generate(

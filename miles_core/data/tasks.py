@@ -97,12 +97,15 @@ class Add:
 
 
 _REGISTRY: dict[str, Task] = {t.name: t for t in (SayA(), Reverse(), Add())}
+_TERMINAL: dict[str, Task] = {}  # per TITO family
 
 
-def _terminal() -> Task:
-    from miles_core.envs.terminal_task import TerminalTasks  # sandbox + TITO: import on use
+def _terminal(family: str) -> Task:
+    if family not in _TERMINAL:
+        from miles_core.envs.terminal_task import TerminalTasks  # sandbox + TITO: import on use
 
-    return TerminalTasks()
+        _TERMINAL[family] = TerminalTasks(family)
+    return _TERMINAL[family]
 
 
 def register_task(task: Task) -> None:
@@ -113,13 +116,16 @@ def task_names() -> list[str]:
     return sorted({*_REGISTRY, "terminal"})
 
 
-def get_task(name: str) -> Task:
-    """A built-in task by name, or any object by import path `package.module:object`."""
+def get_task(name: str, family: str | None = None) -> Task:
+    """A built-in task by name, or any object by import path `package.module:object`.
+
+    `family`: the run's TITO family (`agent.family`, a name or import path) for a task that
+    tokenizes chat itself: the terminal task's SFT demonstrations are rendered with it, so they
+    hold the model's own ids (default `tiny`, the tiny model's family)."""
     if name in _REGISTRY:
         return _REGISTRY[name]
     if name == "terminal":
-        _REGISTRY[name] = _terminal()
-        return _REGISTRY[name]
+        return _terminal(family or "tiny")
     if ":" in name:
         module, _, attr = name.partition(":")
         try:

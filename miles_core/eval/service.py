@@ -18,6 +18,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_core.eval.scoring import EvalSpec, score_model_dir
+from miles_core.ports import add_port_arguments, bind_from_args
 from miles_core.rollout.process import KEEP_ALIVE_S, ManagedProcess
 
 
@@ -101,9 +102,10 @@ class EvalServiceProcess(ManagedProcess):
     """The service as a subprocess on 127.0.0.1, stopped by PID; `eval.url` is `.evaluations`."""
 
     what = "evaluation service"
+    reports_port = True  # binds port 0 (or in `port_range`) itself and reports it
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "miles_core.eval.service", "--port", str(self.port)]
+        return [sys.executable, "-m", "miles_core.eval.service", *self.port_args()]
 
     @property
     def evaluations(self) -> str:
@@ -112,16 +114,17 @@ class EvalServiceProcess(ManagedProcess):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="miles eval serve", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30200)
+    add_port_arguments(p, default_port=30200)
     args = p.parse_args(argv)
-    uvicorn.run(
+    sock = bind_from_args(args, "evaluation service")
+    config = uvicorn.Config(
         create_app(),
         host=args.host,
-        port=args.port,
+        port=sock.getsockname()[1],
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

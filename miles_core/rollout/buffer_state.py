@@ -1,12 +1,13 @@
 """The async producer's buffer as JSON (`rollout_buffer.json` in a checkpoint).
 
 `RolloutProducer.snapshot()` writes, under its lock, every group admitted and not yet taken by
-the trainer: completed ones with their samples (tokens, log-probs, rewards, weight versions),
-those still generating by identity (group index over the run, dataset row, the prompt source's
-state before the row was drawn, admission version), the retry queue, the admission counters and
-the prompt source's position after all of them. `RolloutProducer.restore()` takes it back:
-completed groups are handed to the trainer as they are, the others are generated again with
-their own sampling seeds, and new prompts continue after the last admitted one.
+the trainer: completed ones with their samples (tokens, log-probs, rewards, weight versions,
+declared per-token fields as exact bytes), those still generating by identity (group index over
+the run, dataset row, the prompt source's state before the row was drawn, admission version),
+the retry queue, the admission counters and the prompt source's position after all of them.
+`RolloutProducer.restore()` takes it back: completed groups are handed to the trainer as they
+are, the others are generated again with their own sampling seeds, and new prompts continue
+after the last admitted one.
 
 A sample's prompt and label are not stored: they are the dataset row's (`data_index`), which the
 restoring producer looks up, so a task's labels need not be JSON.
@@ -14,33 +15,25 @@ restoring producer looks up, so a task's labels need not be JSON.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from miles_core.data.tasks import Example
-from miles_core.types import Sample, SampleGroup, Status
+from miles_core.types import SampleGroup, sample_from_json, sample_to_json
 
 BUFFER_FILE = "rollout_buffer.json"
-BUFFER_VERSION = 1
+BUFFER_VERSION = 1  # samples may carry `token_fields` (absent in older buffers: none)
 _FROM_ROW = ("prompt", "label")
 
 
 def group_to_json(group: SampleGroup) -> dict[str, Any]:
-    samples = []
-    for s in group.samples:
-        data = {
-            f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in _FROM_ROW
-        }
-        data["status"] = s.status.value
-        samples.append(data)
+    samples = [sample_to_json(s, skip=_FROM_ROW) for s in group.samples]
     return {"group_index": group.group_index, "samples": samples}
 
 
 def group_from_json(data: dict[str, Any], example: Example) -> SampleGroup:
     samples = []
     for raw in data["samples"]:
-        fields = dict(raw, status=Status(raw["status"]), prompt=example.prompt, label=example.label)
-        sample = Sample(**fields)
+        sample = sample_from_json(raw, prompt=example.prompt, label=example.label)
         sample.validate()
         samples.append(sample)
     return SampleGroup(group_index=int(data["group_index"]), samples=samples)

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
-from miles_core.rollout.engine import load_named_tensors
+from miles_core.engine_api import TENSOR
+from miles_core.rollout.engine import load_named_tensors, tensors_checksum
 from miles_core.rollout.protocol import (
     FinishReason,
     GenerateRequest,
@@ -25,6 +26,8 @@ from miles_core.rollout.sampler import sample_next
 
 
 class EmbeddedEngine:
+    weight_routes = frozenset({TENSOR})
+
     def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0, max_batch_size: int = 512):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -63,6 +66,13 @@ class EmbeddedEngine:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self._params.items()}
+
+    def weights_checksum(self) -> str:
+        """sha256 of the tensors it generates with (the model's own parameters)."""
+        return tensors_checksum(self.named_tensors())
+
+    def close(self) -> None:
+        """Nothing to stop: it runs only inside `generate`."""
 
     # ---------------------------------------------------------------- generation
     def validate(self, req: GenerateRequest) -> None:

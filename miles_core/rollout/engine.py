@@ -1,38 +1,25 @@
-"""The rollout-engine protocol every engine (embedded, HTTP, SGLang) implements."""
+"""The engine protocol (defined in `miles_core/engine_api.py`, re-exported here) and what the
+in-process engines share: all-or-nothing weight loading by HF name, and their checksum."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
 
 import torch
 
-from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
+from miles_core.engine_api import (  # noqa: F401  (re-exported)
+    IN_PROCESS_ROUTES,
+    SERVER_ROUTES,
+    RolloutEngine,
+    ServerEngine,
+    TensorEngine,
+)
+from miles_core.weights.checker import weights_checksum
 
 
-class RolloutEngine(Protocol):
-    @property
-    def weight_version(self) -> int: ...
-
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]: ...
-
-    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Loads tensors by HF name; returns the bytes copied."""
-        ...
-
-    def set_weight_version(self, version: int) -> None: ...
-
-    def load_counters(self) -> dict[str, float]:
-        """Cumulative counters: `steps` (forward steps), `running_sum` and `waiting_sum` (the
-        requests decoding / queued, summed over steps); {} if the engine does not report them.
-        Differences across a rollout give its mean active requests and queue depth."""
-        ...
-
-    def named_tensors(self) -> dict[str, torch.Tensor]: ...
-
-    def pause(self, mode: str = "abort") -> None: ...
-
-    def resume(self) -> None: ...
+def tensors_checksum(named: dict[str, torch.Tensor]) -> str:
+    """The checksum an in-process engine answers `weights_checksum()` with (its own tensors)."""
+    return weights_checksum(named.items())
 
 
 def load_named_tensors(
@@ -56,8 +43,8 @@ def load_named_tensors(
             )
     with torch.no_grad():
         for name, tensor in pairs:
-            if adopt:  # another dtype: owned memory, so no parameter still views an old push
-                params[name].data = tensor.to(params[name].dtype)
+            if adopt:  # another dtype or device: owned memory, no parameter views an old push
+                params[name].data = tensor.to(device=params[name].device, dtype=params[name].dtype)
             else:
                 params[name].copy_(tensor)
     return sum(t.numel() * t.element_size() for _, t in pairs)

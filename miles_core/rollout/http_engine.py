@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from miles_core.engine_api import SERVER_ROUTES, EngineRequestRejected
+from miles_core.ports import PortRange
 from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, version_number
 from miles_core.rollout.supervisor import EngineSupervisor, reissue_once
@@ -59,16 +61,14 @@ def batches(requests: list[GenerateRequest], size: int) -> list[list[GenerateReq
 
 
 EngineUnavailable = ProcessUnavailable  # the engine process died, hangs, or cannot be reached
-
-
-class EngineRequestRejected(ValueError):
-    """The engine answered 4xx: the request itself is wrong."""
+__all__ = ["EngineProcess", "EngineRequestRejected", "EngineUnavailable", "HttpEngine"]
 
 
 class EngineProcess(ManagedProcess):
     """One `miles_core.rollout.server` subprocess on 127.0.0.1, stopped by PID."""
 
     what = "engine"
+    reports_port = True  # binds port 0 (or in `port_range`) itself and reports it
 
     def __init__(
         self,
@@ -76,8 +76,9 @@ class EngineProcess(ManagedProcess):
         port: int | None = None,
         args: list[str] | None = None,
         log_path: str | Path | None = None,
+        port_range: PortRange | str | None = None,
     ):
-        super().__init__(port=port, log_path=log_path)
+        super().__init__(port=port, log_path=log_path, port_range=port_range)
         self.model_dir = str(model_dir)
         self.args = args or []
 
@@ -88,14 +89,14 @@ class EngineProcess(ManagedProcess):
             "miles_core.rollout.server",
             "--model",
             self.model_dir,
-            "--port",
-            str(self.port),
+            *self.port_args(),
             *self.args,
         ]
 
 
 class HttpEngine:
-    """The client side of the engine protocol over HTTP."""
+    """The client side of the engine protocol over HTTP. `weight_routes`: how the server takes
+    weights (ours: shared memory, disk, a group; SGLang: disk and a group, see `attach`)."""
 
     def __init__(
         self,
@@ -105,8 +106,10 @@ class HttpEngine:
         request_timeout: float = 600.0,
         health_interval: float = 1.0,
         health_failures: int = 3,
+        weight_routes: frozenset[str] = SERVER_ROUTES,
     ):
         self.url = url.rstrip("/")
+        self.weight_routes = frozenset(weight_routes)
         self.concurrency = concurrency
         # requests per HTTP call: fewer calls keep the client cheap; 1 for routers, which take
         # only single requests

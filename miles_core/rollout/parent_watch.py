@@ -21,25 +21,21 @@ import threading
 import time
 from collections.abc import Callable
 
+from miles_core.processes import ProcessIdentity
+
 PARENT_ENV = "MILES_PARENT_PID"
 POLL_S = 0.5
 GRACE_S = 15.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def parent_alive(pid: int, direct: bool) -> bool:
+def parent_alive(pid: int, direct: bool, identity: ProcessIdentity | None = None) -> bool:
     """A direct child sees its parent die as a change of `getppid()` (it is re-parented to init
-    or a subreaper), which a reused PID cannot fake; otherwise the PID itself is probed."""
-    return os.getppid() == pid if direct else _alive(pid)
+    or a subreaper), which a reused PID cannot fake; otherwise the process is probed by its
+    identity (PID and start time, taken when the watch began), so a reused PID is not taken for
+    the parent."""
+    if direct:
+        return os.getppid() == pid
+    return identity is not None and identity.alive()
 
 
 def watch_parent(
@@ -56,9 +52,10 @@ def watch_parent(
         return None
     pid = int(raw)
     direct = os.getppid() == pid
+    identity = None if direct else ProcessIdentity.of(pid)
 
     def run() -> None:
-        while parent_alive(pid, direct):
+        while parent_alive(pid, direct, identity):
             time.sleep(poll_s)
         print(
             f"parent process {pid} is gone: shutting down (pid {os.getpid()})",

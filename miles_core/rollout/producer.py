@@ -15,7 +15,9 @@ prompt order and sampling seeds as a sync run. Admission is paced, not filtered:
 
 A weight push pauses the engine (`pause_mode`); with `retract` or `in_place` running requests
 continue after it, with `abort` the producer continues each interrupted request from its tokens
-in a new generation call. Every sample records the version of each of its calls.
+in a new generation call (with a sampling seed derived from the request's seed and the tokens so
+far, and its declared per-token fields joined). Every sample records the version of each of its
+calls.
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateR
 from miles_core.rollout.rollout_fn import (
     RolloutResult,
     build_group,
+    continuation_seed,
     encode_prompt,
     group_requests,
     rollout_metrics,
     sampling_params,
 )
 from miles_core.rollout.supervisor import reissue_once
+from miles_core.token_fields import join_fields
 from miles_core.types import SampleGroup
 
 log = logging.getLogger("miles.producer")
@@ -75,6 +79,25 @@ class _Ticket:
     retries: int = 0
     done_at: float = 0.0
     versions: list[list[int]] = field(default_factory=list)
+
+
+def continuation_request(req: GenerateRequest, out_ids: list[int], rid: str) -> GenerateRequest:
+    """`req` continued from its prompt + the `out_ids` generated before a pause-abort: the
+    tokens left, and a sampling seed of its own (`continuation_seed`), so the continuation does
+    not replay the uniforms its first tokens were drawn with."""
+    sp = req.sampling_params
+    return req.model_copy(
+        update={
+            "input_ids": req.input_ids + out_ids,
+            "sampling_params": sp.model_copy(
+                update={
+                    "max_new_tokens": sp.max_new_tokens - len(out_ids),
+                    "sampling_seed": continuation_seed(sp.sampling_seed, len(out_ids)),
+                }
+            ),
+            "rid": rid,
+        }
+    )
 
 
 class RolloutProducer:
@@ -425,6 +448,7 @@ class RolloutProducer:
         pause-abort."""
         out_ids: list[int] = []
         logprobs: list[tuple] = []
+        fields: dict = {}  # declared per-token fields, joined across calls
         versions: list[int] = []
         current, resp = req, first
         for _ in range(MAX_CONTINUATIONS):
@@ -439,6 +463,7 @@ class RolloutProducer:
                     versions.append(v)
             out_ids += resp.output_ids
             logprobs += resp.meta_info.output_token_logprobs or []
+            fields = join_fields(fields, resp.token_fields)
             reason = resp.meta_info.finish_reason
             left = req.sampling_params.max_new_tokens - len(out_ids)
             interrupted = reason.type == "abort" and reason.message is None and not self._stop
@@ -446,15 +471,7 @@ class RolloutProducer:
                 break
             self.counters["continued_requests"] += 1
             resp = None
-            current = req.model_copy(
-                update={
-                    "input_ids": req.input_ids + out_ids,
-                    "sampling_params": req.sampling_params.model_copy(
-                        update={"max_new_tokens": left}
-                    ),
-                    "rid": f"{req.rid}-c{len(versions)}",
-                }
-            )
+            current = continuation_request(req, out_ids, f"{req.rid}-c{len(versions)}")
         if len(out_ids) >= req.sampling_params.max_new_tokens and reason.type == "abort":
             reason = FinishReason(type="length", length=len(out_ids))
         meta = last.meta_info.model_copy(
@@ -466,7 +483,10 @@ class RolloutProducer:
             }
         )
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-        return GenerateResponse(text=text, output_ids=out_ids, meta_info=meta), versions
+        response = GenerateResponse(
+            text=text, output_ids=out_ids, meta_info=meta, token_fields=fields
+        )
+        return response, versions
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, picked: list[_Ticket], current: int, waited: float) -> dict[str, float]:

@@ -7,9 +7,11 @@ the same payloads.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from miles_core.token_fields import check_lengths, decode_meta
 
 TOP_K_OFF = 1 << 30  # SGLang's "no top-k" value
 
@@ -69,6 +71,9 @@ def version_number(weight_version: str) -> int:
 
 
 class MetaInfo(BaseModel):
+    # extra keys are kept: declared per-token fields arrive under their wire keys
+    model_config = ConfigDict(extra="allow")
+
     id: str | None = None
     finish_reason: FinishReason
     prompt_tokens: int
@@ -88,6 +93,20 @@ class GenerateResponse(BaseModel):
     text: str = ""
     output_ids: list[int]
     meta_info: MetaInfo
+    # declared per-token fields (miles_core/token_fields.py), decoded from meta_info by wire key;
+    # never serialised (an engine sends them in meta_info)
+    token_fields: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
+
+    @model_validator(mode="after")
+    def _decode_token_fields(self) -> GenerateResponse:
+        decoded = decode_meta(self.meta_info.model_extra or {})
+        self.token_fields = decoded | self.token_fields  # given arrays win (joined calls)
+        check_lengths(
+            self.token_fields,
+            self.meta_info.prompt_tokens + len(self.output_ids),
+            len(self.output_ids),
+        )
+        return self
 
     @property
     def output_log_probs(self) -> list[float]:

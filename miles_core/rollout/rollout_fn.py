@@ -6,6 +6,7 @@ and keeps the engine's ids as they are (the response text is decoded only for th
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from miles_core.config import RolloutConfig
@@ -40,6 +41,18 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
 def request_seed(base: int, step: int, index: int) -> int:
     """A sampling seed per (run seed, step, sample): the same tokens whatever the batching."""
     return ((base * 1_000_003 + step) * 1_000_033 + index) % (1 << 62)
+
+
+def continuation_seed(seed: int | None, generated: int) -> int | None:
+    """The sampling seed of a request continued after `generated` tokens (a pause-abort): a
+    deterministic function of (seed, generated), so a re-issued continuation draws the same
+    tokens, but a fresh stream: the continuation does not redraw the uniforms of the original's
+    first tokens. A hash, not seed + generated: request seeds of one step are consecutive, and
+    seed + k would replay sibling k's stream."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (1 << 62)
 
 
 def sampling_params(cfg: RolloutConfig, tokenizer) -> SamplingParams:
@@ -108,6 +121,7 @@ def build_group(
             status=Status.FAILED if error else status,
             label=ex.label,
             response=resp.text,
+            token_fields=dict(resp.token_fields),
             metadata={
                 "data_index": data_index,
                 "metrics": score.metrics,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from miles_core.ports import PortRange
 from miles_core.rollout.http_engine import ROUTING_KEY_HEADER
 from miles_core.rollout.process import ManagedProcess
 
@@ -41,8 +42,11 @@ class RouterProcess(ManagedProcess):
         health_interval_s: int = 1,
         health_failures: int = 2,
         log_path: str | Path | None = None,
+        port_range: PortRange | str | None = None,
     ):
-        super().__init__(port=port, log_path=log_path)
+        # sglang-router binds the port it is given and cannot report one it picked: the port
+        # is probed here (ports.free_port, inside `port_range` when set)
+        super().__init__(port=port, log_path=log_path, port_range=port_range)
         self.worker_urls = list(worker_urls)
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures

@@ -17,7 +17,8 @@ with fewer, fused ops, because a decode step on small models is bound by per-op 
   is faster on CPUs with bf16 units, at a log-prob deviation of ≈1e-2 against an fp32 scorer
   (the low-precision contract: the trainer recomputes log-probs in fp32, the mismatch is logged).
 In fp32 the engine's log-probs match the trainer's recompute to ~1e-6. Packed copies are rebuilt
-lazily after every weight change (`invalidate`).
+lazily after every weight change (`invalidate`); `verify_packed` checks them against the model's
+tensors bitwise, so a weights check covers what actually generates.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ def _rotate_matrix(head_dim: int) -> torch.Tensor:
     p[idx + half, idx] = -1.0
     p[idx, idx + half] = 1.0
     return p
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two (possibly oneDNN-packed) weights."""
+    a = a.to_dense() if a.is_mkldnn else a
+    b = b.to_dense() if b.is_mkldnn else b
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 class Qwen3Runner:
@@ -107,8 +117,29 @@ class Qwen3Runner:
         return w
 
     def _weights(self) -> _Weights:
-        if self._w is not None:
-            return self._w
+        if self._w is None:
+            self._w = self._build()
+        return self._w
+
+    def verify_packed(self) -> list[str]:
+        """The packed copies the runner decodes with, compared bitwise with a fresh pack of the
+        model's current tensors; returns the names of those that differ ([] if all agree). With
+        nothing packed yet it packs now (the next step would, from the same tensors)."""
+        if self._w is None:
+            self._weights()
+            return []
+        fresh, held = self._build(), self._w
+        bad = []
+        for i, (f, h) in enumerate(zip(fresh.layers, held.layers, strict=True)):
+            for name in ("qkv", "qk_norm", "o", "gate", "up", "down"):
+                if not _same(getattr(f, name), getattr(h, name)):
+                    bad.append(f"layers.{i}.{name}")
+        for name in ("embed", "lm_head"):
+            if not _same(getattr(fresh, name), getattr(held, name)):
+                bad.append(name)
+        return bad
+
+    def _build(self) -> _Weights:
         if self.rot is None:  # [I | P]ᵀ, fp32 like the q/k path it multiplies
             hd = self.head_dim
             rot = torch.cat((torch.eye(hd), _rotate_matrix(hd)), dim=1).t().to(self.device)
@@ -135,12 +166,11 @@ class Qwen3Runner:
                     down=self._pack(mlp.down_proj.weight),
                 )
             )
-        self._w = _Weights(
+        return _Weights(
             embed=m.embed_tokens.weight.detach().to(self.dtype),
             layers=layers,
             lm_head=self._pack(self.model.lm_head.weight * m.norm.weight),
         )
-        return self._w
 
     # ------------------------------------------------------------------ GEMMs (+ epilogues)
     def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles_core.engine_api import SERVER_ROUTES
 from miles_core.rollout.process import KEEP_ALIVE_S
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
-from miles_core.rollout.serving import PAUSE_MODES, ServingEngine
-from miles_core.weights.checker import mismatched_tensors, weights_checksum
+from miles_core.rollout.serving import PAUSE_MODES, PackedWeightsDiffer, ServingEngine
+from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.disk import load_weight_dir
-from miles_core.weights.group import flat_layout, open_group, receive_bucket, receive_shards
+from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
 from miles_core.weights.shm import read_bucket
 
 MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
@@ -93,7 +94,9 @@ class DistributedBody(_Body):
     group_name: str = "weight_update_group"
     weight_version: str | None = None
     flush_cache: bool = True
-    load_format: str | None = None  # "p2p_shards/N": N trainer ranks send their own shards
+    load_format: str | None = None  # "p2p_shards": trainer ranks send their own shards
+    plan: list[dict] | None = None  # p2p: each tensor's pieces per trainer rank (source.py)
+    senders: int | None = None  # p2p: trainer ranks in the group
 
 
 class DestroyGroupBody(_Body):
@@ -217,6 +220,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             "tokenizer_path": model_path,
             "is_generation": True,
             "weight_version": str(engine.weight_version),
+            "weight_routes": sorted(SERVER_ROUTES),
         }
 
     @app.get("/get_server_info")
@@ -228,6 +232,7 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             "max_running_requests": engine.max_running,
             "context_length": engine.max_context,
             "dtype": engine.dtype,
+            "device": str(engine.device),
             "paused": engine.paused,
             "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),
             **engine.load_state(),
@@ -339,66 +344,60 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             engine.set_weight_version(version)
         return {"success": True, "message": f"loaded {len(tensors)} tensors"}
 
-    groups: dict[str, Any] = {}  # group name → (store, process group)
-    staged: dict[str, list] = {}  # group name → tensors received, loaded at the versioned call
+    receiver = GroupReceiver(
+        engine.named_tensors,
+        lambda tensors, flush: engine.update_weights_from_tensor(tensors, flush, True),
+        device=engine.device,
+    )
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: GroupBody):
-        """Joins the trainer's weight-broadcast group (gloo on CPU) as rank `rank_offset`."""
-        if body.backend != "gloo":
-            return _error(400, f"backend {body.backend!r} is not available here; use gloo (CPU)")
-        if body.group_name in groups:
-            return _error(400, f"weight update group {body.group_name!r} already exists")
+        """Joins the trainer's weight group (gloo on CPU, nccl on CUDA) as rank `rank_offset`."""
         try:
-            groups[body.group_name] = await asyncio.to_thread(
-                open_group,
+            await asyncio.to_thread(
+                receiver.join,
+                body.group_name,
                 body.master_address,
                 body.master_port,
                 body.rank_offset,
                 body.world_size,
+                body.backend,
             )
-        except Exception as e:  # noqa: BLE001  (rendezvous failures: timeout, refused)
-            return _error(400, f"could not join weight update group {body.group_name!r}: {e}")
-        staged[body.group_name] = []
+        except ReceiveRefused as e:
+            return _error(400, str(e))
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(body: DistributedBody):
-        """Receives one bucket by broadcast (one flat buffer per dtype). Buckets are staged and
-        loaded together, all or nothing, by the call that carries `weight_version`."""
-        if body.group_name not in groups:
-            return _error(400, f"no weight update group {body.group_name!r}; init it first")
+        """One broadcast bucket, or every trainer rank's p2p shards (weights/receiver.py);
+        loaded all or nothing by the call that carries `weight_version`."""
         version = parse_version(body.weight_version) if body.weight_version is not None else None
         try:
-            flat_layout(body.names, body.dtypes, body.shapes)  # before the sender blocks on us
-        except ValueError as e:
-            return _error(400, str(e))
-        pg = groups[body.group_name][1]
-        spec = (pg, body.names, body.dtypes, body.shapes)
-        if body.load_format and body.load_format.startswith("p2p_shards/"):
-            # p2p: trainer ranks 0..N-1 each send their own dim-0 shard of every tensor
-            senders = int(body.load_format.split("/", 1)[1])
-            received = await asyncio.to_thread(receive_shards, *spec, senders)
-        else:
-            received = await asyncio.to_thread(receive_bucket, *spec)
-        staged[body.group_name] += received
-        if version is None:
-            return {"success": True, "message": f"staged {len(body.names)} tensors"}
-        tensors, staged[body.group_name] = staged[body.group_name], []
-        try:
-            await asyncio.to_thread(
-                engine.update_weights_from_tensor, tensors, body.flush_cache, True
+            n = await asyncio.to_thread(
+                receiver.receive,
+                body.group_name,
+                body.names,
+                body.dtypes,
+                body.shapes,
+                version is not None,
+                body.flush_cache,
+                body.load_format,
+                body.plan,
+                body.senders,
             )
-        except (KeyError, ValueError) as e:
-            return _error(400, f"weights do not fit this model: {e}")
+        except ReceiveRefused as e:
+            return _error(400, str(e))
+        if version is None:
+            return {"success": True, "message": f"staged {n} tensors"}
         engine.set_weight_version(version)
-        return {"success": True, "message": f"loaded {len(tensors)} tensors"}
+        return {"success": True, "message": f"loaded {n} tensors"}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: DestroyGroupBody):
-        if groups.pop(body.group_name, None) is None:
-            return _error(400, f"no weight update group {body.group_name!r}")
-        staged.pop(body.group_name, None)
+        try:
+            receiver.leave(body.group_name)
+        except ReceiveRefused as e:
+            return _error(400, str(e))
         return {"success": True, "message": f"left {body.group_name}"}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
@@ -428,11 +427,22 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
             if not snapshot:
                 return _error(400, "no snapshot to compare against; call action=snapshot first")
             bad = mismatched_tensors(snapshot.items(), engine.named_tensors())
-            if bad:  # as SGLang: a failed check is HTTP 400
-                return _error(400, f"{len(bad)} tensors differ from the snapshot: {bad[:5]}")
+            stale = await asyncio.to_thread(engine.runner.verify_packed)
+            if bad or stale:  # as SGLang: a failed check is HTTP 400
+                return _error(
+                    400,
+                    f"{len(bad)} tensors differ from the snapshot: {bad[:5]}; "
+                    f"packed copies that differ from the tensors: {stale[:5]}",
+                )
             return {"success": True, "message": "equal"}
-        if body.action == "checksum":
-            return {"success": True, "message": weights_checksum(engine.named_tensors().items())}
+        if body.action == "checksum":  # of what generates: packed copies verified first
+            try:
+                return {
+                    "success": True,
+                    "message": await asyncio.to_thread(engine.weights_checksum),
+                }
+            except PackedWeightsDiffer as e:
+                return _error(400, str(e))
         return _error(400, f"unknown weights_checker action {body.action!r}")
 
     return app
@@ -501,11 +511,11 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from miles_core.models import load_hf_dir
+    from miles_core.ports import add_port_arguments, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles engine serve")
     ap.add_argument("--model", required=True, help="HF model directory")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30000)
+    add_port_arguments(ap, default_port=30000)
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
@@ -521,12 +531,21 @@ def main(argv: list[str] | None = None) -> None:
         choices=["float32", "bfloat16"],
         help="GEMM and residual dtype (bfloat16: faster decode, log-probs within ~1e-2 of fp32)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["auto", "cpu", "cuda"],
+        help="where weights and the KV cache live (auto: cuda when available)",
+    )
     args = ap.parse_args(argv)
     from miles_core.rollout.parent_watch import watch_parent
     from miles_core.weights.shm import unlink_mapped
 
     # started by a run: exit with it, and drop the shared-memory weight files its trainer wrote
     watch_parent(on_gone=unlink_mapped)
+    # bound (and the port reported) before the model loads: a taken port fails at once
+    sock = bind_from_args(args, "engine server")
+    port = sock.getsockname()[1]
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_hf_dir(args.model)
@@ -539,13 +558,14 @@ def main(argv: list[str] | None = None) -> None:
         max_len=args.context_length,
         dtype=args.dtype,
         scheduler="main",
+        device=args.device,
     )
     app = create_app(engine, args.model)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
             host=args.host,
-            port=args.port,
+            port=port,
             log_level="warning",
             timeout_keep_alive=KEEP_ALIVE_S,
         )
@@ -555,8 +575,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def serve() -> None:  # HTTP in a thread, the engine's compute on the main thread
         try:
-            server.run()
-        except BaseException as e:  # noqa: BLE001  (uvicorn exits with SystemExit, e.g. port taken)
+            server.run(sockets=[sock])
+        except BaseException as e:  # noqa: BLE001  (uvicorn exits with SystemExit)
             failed.append(e)
         finally:
             engine.request_stop()
@@ -573,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
     server.should_exit = True
     http.join(timeout=10)
     if failed or not server.started:
-        sys.exit(f"engine server on {args.host}:{args.port} failed: {failed[0]!r}" if failed else 1)
+        sys.exit(f"engine server on {args.host}:{port} failed: {failed[0]!r}" if failed else 1)
 
 
 if __name__ == "__main__":

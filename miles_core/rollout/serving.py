@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from miles_core.rollout.engine import load_named_tensors
+from miles_core.engine_api import TENSOR
+from miles_core.rollout.engine import load_named_tensors, tensors_checksum
 from miles_core.rollout.protocol import (
     EngineRequestError,
     FinishReason,
@@ -37,6 +38,7 @@ from miles_core.rollout.protocol import (
 from miles_core.rollout.runner import Qwen3Runner
 from miles_core.rollout.sampler import sample_next
 from miles_core.rollout.slots import Slot, SlotState, SlotTable
+from miles_core.train.device import resolve_device
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # thread: a scheduler thread steps the engine (requests from any thread, streaming handles);
@@ -45,6 +47,10 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 SCHEDULERS = ("thread", "caller", "main")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger("miles.engine")
+
+
+class PackedWeightsDiffer(RuntimeError):
+    """The copies the runner generates with are not the engine's weights (a weights check)."""
 
 
 @dataclass(eq=False)  # identity semantics: list/deque membership must not compare fields
@@ -94,6 +100,8 @@ class RequestHandle:
 
 
 class ServingEngine:
+    weight_routes = frozenset({TENSOR})  # in-process; behind the HTTP server: the server's
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -105,8 +113,12 @@ class ServingEngine:
         prefix_cache: bool = True,
         dtype: str = "float32",
         scheduler: str = "thread",
+        device: str | torch.device = "cpu",
     ):
-        self.model = model.eval()
+        # auto | cpu | cuda: weights, packed copies and the KV cache live there; sampling
+        # uniforms are drawn on the CPU either way (the same random stream on every device)
+        self.device = resolve_device(device)
+        self.model = model.eval().to(self.device)
         self.tokenizer = tokenizer
         self.vocab_size = int(model.config.vocab_size)
         self.max_running = max_running
@@ -160,6 +172,17 @@ class ServingEngine:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self._params.items()}
+
+    def weights_checksum(self) -> str:
+        """sha256 of the weights that generate: the packed copies the runner decodes with are
+        first checked bitwise against the named tensors (a stale or corrupt pack fails loudly)."""
+        with self.between_steps():
+            stale = self.runner.verify_packed()
+            if stale:
+                raise PackedWeightsDiffer(
+                    f"the runner's packed weights differ from the engine's tensors: {stale[:5]}"
+                )
+            return tensors_checksum(self.named_tensors())
 
     def validate(self, req: GenerateRequest) -> None:
         validate_request(req, self.vocab_size, self.max_context)
@@ -325,7 +348,7 @@ class ServingEngine:
                 self._weights_released = {}
                 for n, p in self._params.items():
                     self._weights_released[n] = (p.shape, p.dtype)
-                    p.data = torch.empty(0, dtype=p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
                 self.runner.invalidate()
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
@@ -335,7 +358,7 @@ class ServingEngine:
                 self.runner.cache.allocate()
             if "weights" in tags and self._weights_released is not None:
                 for n, (shape, dtype) in self._weights_released.items():
-                    self._params[n].data = torch.zeros(shape, dtype=dtype)
+                    self._params[n].data = torch.zeros(shape, dtype=dtype, device=self.device)
                 self._weights_released = None
                 self.runner.invalidate()
 
@@ -501,14 +524,17 @@ class ServingEngine:
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
         sps = [r.req.sampling_params for r in reqs]
-        temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
-        top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
-        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
+        dev = logits.device
+        temperature = torch.tensor(
+            [sp.effective_temperature() for sp in sps], dtype=torch.float32, device=dev
+        )
+        top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long, device=dev)
+        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev)
         uniforms = torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
         for i, r in enumerate(reqs):
             if r.generator is not None:  # a seeded request draws from its own stream
                 uniforms[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
-        tokens, lps = sample_next(logits, temperature, top_k, top_p, uniforms)
+        tokens, lps = sample_next(logits, temperature, top_k, top_p, uniforms.to(dev))
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
             r.output.append(t)
             r.logprobs.append(lp)

@@ -5,7 +5,8 @@ its own environment, which is how Miles uses it too. `SGLangLaunch` maps our eng
 `python -m sglang.launch_server` flags (checked against SGLang's ServerArgs field names in
 tests/contract); `SGLangProcess` starts it with that interpreter on 127.0.0.1, waits for
 `/health_generate` and stops it by PID. Either way the runtime talks to it with `HttpEngine`,
-exactly as to our own engine server.
+exactly as to our own engine server; `attach` declares the weight routes the server takes (ours
+lists them in `/get_model_info`; SGLang: disk and a distributed group).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from miles_core.engine_api import DISK, DISTRIBUTED
+from miles_core.ports import PortRange
 from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine
 from miles_core.rollout.process import ManagedProcess
 
@@ -69,8 +72,16 @@ class SGLangProcess(ManagedProcess):
     health_path = "/health_generate"
     health_poll_s = 1.0
 
-    def __init__(self, launch: SGLangLaunch, log_path: str | Path | None = None):
-        super().__init__(port=launch.port or None, log_path=log_path, host=launch.host)
+    def __init__(
+        self,
+        launch: SGLangLaunch,
+        log_path: str | Path | None = None,
+        port_range: PortRange | str | None = None,
+    ):
+        # SGLang binds the port it is given: probed here (inside `port_range` when set)
+        super().__init__(
+            port=launch.port or None, log_path=log_path, host=launch.host, port_range=port_range
+        )
         launch.port = self.port
         self.launch = launch
 
@@ -98,5 +109,16 @@ def attach(
             raise ValueError(
                 f"engine at {url} serves {info.get('model_path')!r}, expected {expected_model!r}"
             )
-        engines.append(HttpEngine(url))
+        engines.append(HttpEngine(url, weight_routes=server_routes(info)))
     return engines
+
+
+# SGLang loads from disk and over a group; /dev/shm buckets are our engine server's route
+SGLANG_ROUTES = frozenset({DISK, DISTRIBUTED})
+
+
+def server_routes(model_info: dict) -> frozenset[str]:
+    """The weight routes a server declares in `/get_model_info` (ours lists `weight_routes`);
+    SGLang's when it declares none."""
+    declared = model_info.get("weight_routes")
+    return frozenset(declared) if declared else SGLANG_ROUTES

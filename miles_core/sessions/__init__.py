@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from miles_core.ports import PortRange
 from miles_core.rollout.process import ManagedProcess
 
 
@@ -13,6 +14,7 @@ class SessionServerProcess(ManagedProcess):
     """`miles_core.sessions.server` as a subprocess on 127.0.0.1, stopped by PID."""
 
     what = "session server"
+    reports_port = True  # binds port 0 (or in `port_range`) itself and reports it
 
     def __init__(
         self,
@@ -21,8 +23,9 @@ class SessionServerProcess(ManagedProcess):
         port: int | None = None,
         log_path: str | Path | None = None,
         args: tuple[str, ...] = (),
+        port_range: PortRange | str | None = None,
     ):
-        super().__init__(port, log_path)
+        super().__init__(port, log_path, port_range=port_range)
         self.engine_url = engine_url
         self.family = family
         self.args = list(args)
@@ -36,7 +39,6 @@ class SessionServerProcess(ManagedProcess):
             self.engine_url,
             "--family",
             self.family,
-            "--port",
-            str(self.port),
+            *self.port_args(),
             *self.args,
         ]

@@ -1,7 +1,7 @@
 """The session server: OpenAI-compatible chat completions per session, token-faithful.
 
     POST   /sessions                              {rollout_id?, metadata?} → {session_id, base_url}
-    GET    /sessions/{id}                         turns, leaves, branches, mismatched tokens
+    GET    /sessions/{id}                         turns, leaves, branches, TITO divergences
     DELETE /sessions/{id}
     POST   /sessions/{id}/v1/chat/completions     OpenAI chat completion (tools, reasoning)
     GET    /sessions/{id}/v1/models
@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -41,9 +42,12 @@ from pydantic import BaseModel, ValidationError
 from miles_core.rollout.http_engine import error_message, generate_payload
 from miles_core.rollout.process import KEEP_ALIVE_S
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
 from miles_core.sessions.trajectory import Trajectory
-from miles_core.tito import TitoFamily, get_family
+from miles_core.tito import TitoFamily, describe_choices, get_family
+from miles_core.token_fields import load_token_fields
+from miles_core.types import sample_to_json
 
 
 class CreateBody(BaseModel):
@@ -62,6 +66,16 @@ class Session:
     metadata: dict[str, Any]
     last_used: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+# `/metrics` totals of the TITO comparison (trajectory.count_mismatches): single-token edits
+# between the engine's replies and the re-rendered ones the harness sent back, the replies that
+# differed, and the sum of where each first differed (a window's mean = Δsum / Δreplies)
+TITO: tuple[tuple[str, Callable[[Trajectory], int]], ...] = (
+    ("tito_token_edits", lambda t: t.token_edits),
+    ("tito_diverged_replies", lambda t: len(t.divergences)),
+    ("tito_first_divergence_sum", lambda t: sum(i for _, i in t.divergences)),
+)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -118,13 +132,13 @@ def create_app(
             "sessions": len(sessions),
             **{k: v for k, v in counters.items() if not k.startswith("closed_")},
             "branches": counters["closed_branches"] + sum(s.trajectory.branches for s in live),
-            "mismatched_tokens": counters["closed_mismatched_tokens"]
-            + sum(s.trajectory.mismatched_tokens for s in live),
+            **{k: counters[f"closed_{k}"] + sum(v(s.trajectory) for s in live) for k, v in TITO},
         }
 
     def _retire(s: Session) -> None:  # its counters join the totals of closed sessions
         counters["closed_branches"] += s.trajectory.branches
-        counters["closed_mismatched_tokens"] += s.trajectory.mismatched_tokens
+        for key, value in TITO:
+            counters[f"closed_{key}"] += value(s.trajectory)
 
     def _expire_idle() -> None:
         now = clock()
@@ -165,7 +179,8 @@ def create_app(
             "turns": len(t.nodes),
             "leaves": len(t.leaves()),
             "branches": t.branches,
-            "mismatched_tokens": t.mismatched_tokens,
+            "tito_token_edits": t.token_edits,
+            "tito_divergences": [{"turn": n, "first_divergence": i} for n, i in t.divergences],
         }
 
     @app.delete("/sessions/{sid}")
@@ -257,7 +272,15 @@ def create_app(
             counters[f"replies_{how}"] += 1
         version = out.meta_info.version
         node = t.record(
-            turn, messages, tools, reply, out.output_ids, out.output_log_probs, version, reason
+            turn,
+            messages,
+            tools,
+            reply,
+            out.output_ids,
+            out.output_log_probs,
+            version,
+            reason,
+            out.token_fields,
         )
         counters["turns"] += 1
         return completion_response(
@@ -286,38 +309,62 @@ def create_app(
 
 
 def _sample_json(sample) -> dict:
-    data = asdict(sample)
-    data["status"] = str(sample.status)
-    return data
+    return sample_to_json(sample)  # token fields as exact bytes
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    from miles_core.ports import add_port_arguments, bind_from_args
+
     ap = argparse.ArgumentParser(prog="miles sessions serve")
     ap.add_argument("--engine-url", required=True, help="the engine (or router) /generate base")
-    ap.add_argument("--family", default="tiny", help="TITO family: tiny, qwen3, mistral")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=30100)
+    ap.add_argument("--family", default="tiny", help=f"TITO family: {describe_choices()}")
+    ap.add_argument(
+        "--no-family-check",
+        action="store_true",
+        help="skip the start-up check that the family tokenizes like the engine's model (for "
+        "an engine whose tokenizer cannot be loaded here)",
+    )
+    add_port_arguments(ap, default_port=30100)
     ap.add_argument("--model-name", default="miles")
     ap.add_argument("--max-tokens", type=int, default=256, help="default max completion tokens")
     ap.add_argument(
         "--session-ttl-s", type=float, default=3600.0, help="drop sessions idle this long"
     )
+    ap.add_argument(
+        "--token-field",
+        action="append",
+        default=[],
+        help="a declared per-token field to record (import path pkg.mod:FIELD; repeatable)",
+    )
     args = ap.parse_args(argv)
     from miles_core.rollout.parent_watch import watch_parent
 
     watch_parent()  # started by a run: exit with it
+    sock = bind_from_args(args, "session server")  # the port is reported before anything loads
+    try:
+        load_token_fields(args.token_field)
+        family = get_family(args.family)
+        if not args.no_family_check:  # a wrong family would answer 200 with garbage
+            check_engine_family(args.engine_url, family, args.family)
+    except ValueError as e:
+        sys.exit(f"miles sessions serve: error: {e}")
     app = create_app(
         args.engine_url,
-        get_family(args.family),
+        family,
         args.model_name,
         args.max_tokens,
         session_ttl_s=args.session_ttl_s,
     )
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=sock.getsockname()[1],
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ so the trainer sees exactly what the engine saw and produced.
 Each leaf becomes one Sample: the ids after the branch's first prompt are the response, with
 loss mask 1 on generated tokens and 0 on appended ones; all leaves share the session's rollout
 id (per-rollout loss normalisation weighs a session once, whatever its number of leaves).
+Declared per-token fields follow the ids: each turn's rows are appended to its parent's, with
+the field's fill value on the appended ids (`TokenField.join`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from miles_core.tito import Message, TitoFamily
+from miles_core.tito.diff import token_diff
+from miles_core.token_fields import join_fields
 from miles_core.types import FINISH_REASON_TO_STATUS, Sample, Status
 
 MAX_NODES = 1024
@@ -60,6 +66,8 @@ class Node:
     finish_reason: str
     children: list[int] = field(default_factory=list)
     checked: bool = False  # its reply has been compared with what the harness sent back
+    # declared per-token fields along the path (token_fields.join: fill rows where appended)
+    fields: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,6 +81,7 @@ class Turn:
     log_probs: list[float]
     versions: list[int]
     appended: int  # ids added for the new messages (0 on a fresh branch)
+    fields: dict[str, np.ndarray] = field(default_factory=dict)  # the parent's
 
 
 class Trajectory:
@@ -81,7 +90,10 @@ class Trajectory:
         self.rollout_id = rollout_id
         self.nodes: list[Node] = []
         self.branches = 0  # requests that did not extend an existing node
-        self.mismatched_tokens = 0  # harness assistant turns whose canonical ids differ
+        # replies whose canonical render (of what the harness sent back) differs from the
+        # engine's ids: (node id, first differing position in the reply), and the edits
+        self.divergences: list[tuple[int, int]] = []
+        self.token_edits = 0  # single-token edits (Levenshtein) over those replies
 
     def attach(self, messages: list[Message], tools: list[dict] | None) -> Turn:
         """The node this request extends (deepest match), or a fresh branch."""
@@ -103,6 +115,7 @@ class Trajectory:
             parent.log_probs + [0.0] * len(added),
             list(parent.versions),
             len(added),
+            parent.fields,
         )
 
     def _deepest_match(self, messages, tools) -> Node | None:
@@ -128,7 +141,10 @@ class Trajectory:
         log_probs: list[float],
         version: int,
         finish_reason: str,
+        token_fields: dict[str, np.ndarray] | None = None,
     ) -> Node:
+        """The node for the engine's completion of `turn`; `token_fields` are the declared
+        per-token fields of that completion (`GenerateResponse.token_fields`)."""
         node = Node(
             id=len(self.nodes),
             parent=turn.parent.id if turn.parent else None,
@@ -140,6 +156,7 @@ class Trajectory:
             log_probs=turn.log_probs + list(log_probs),
             versions=turn.versions + [version],
             finish_reason=finish_reason,
+            fields=join_fields(turn.fields, token_fields or {}, turn.appended),
         )
         if turn.parent is not None:
             turn.parent.children.append(node.id)
@@ -147,10 +164,11 @@ class Trajectory:
         return node
 
     def count_mismatches(self, turn: Turn, messages: list[Message]) -> int:
-        """Tokens where the harness's assistant messages, rendered canonically, differ from the
-        engine's ids for the replies they repeat, along the path `turn` extends (0 for an
-        append-only harness whose model output is canonical). The session keeps the engine's
-        ids either way; this measures what a re-tokenizing trainer would have got wrong."""
+        """Single-token edits between the engine's ids and the canonical render of the
+        harness's assistant messages for the replies they repeat, along the path `turn` extends
+        (0 for an append-only harness whose model output is canonical); each differing reply is
+        recorded in `divergences` with where it first parts (tito/diff.py). The session keeps
+        the engine's ids either way; this measures what a re-tokenizing trainer would get wrong."""
         bad = 0
         node = turn.parent
         while node is not None and not node.checked:  # each reply is compared once
@@ -160,10 +178,12 @@ class Trajectory:
             if node.finish_reason == "length":
                 generated = generated + self.family.stop_ids[:1]
             canonical = self.family.completion(sent, node.tools)
-            bad += sum(a != b for a, b in zip(generated, canonical, strict=False))
-            bad += abs(len(generated) - len(canonical))
+            diff = token_diff(generated, canonical)
+            if not diff.equal:
+                self.divergences.append((node.id, diff.first_divergence))
+                bad += diff.edits
             node = self.nodes[node.parent] if node.parent is not None else None
-        self.mismatched_tokens += bad
+        self.token_edits += bad
         return bad
 
     def _completion_ids(self, node: Node) -> list[int]:
@@ -193,6 +213,7 @@ class Trajectory:
                 weight_versions=sorted(set(leaf.versions)),
                 reward=reward,
                 status=status,
+                token_fields=dict(leaf.fields),
                 metadata={"node": leaf.id, "turns": len(leaf.versions), "leaves": 0},
             )
             out.append(sample)

@@ -1,42 +1,29 @@
-"""Token-in-token-out tokenization per model family (see family.py). Adding a family = one file
-with a `TitoFamily` subclass + one line in FAMILIES; `miles tito verify --family NAME` checks it."""
+"""Token-in-token-out tokenization per model family (see family.py).
+
+A family is a `TitoFamily` subclass in any module; name it by import path
+(`agent.family: package.module:Class`, `miles tito verify --family package.module:Class`) or
+register it under a short name with `register_family` (registry.py), as the built-ins below do.
+`miles tito verify --family NAME [--model DIR]` checks it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from miles_core.tito import mistral, qwen3, tiny  # noqa: F401  (built-ins register themselves)
 from miles_core.tito.family import Message, NotAppendOnly, TitoFamily
+from miles_core.tito.registry import (
+    describe_choices,
+    family_names,
+    get_family,
+    register_family,
+    resolve_family,
+)
 
-
-def _tiny() -> TitoFamily:
-    from miles_core.tito.tiny import TinyFamily
-
-    return TinyFamily()
-
-
-def _qwen3() -> TitoFamily:
-    from miles_core.tito.qwen3 import Qwen3Family
-
-    return Qwen3Family()
-
-
-def _mistral() -> TitoFamily:
-    from miles_core.tito.mistral import MistralFamily
-
-    return MistralFamily()
-
-
-FAMILIES: dict[str, Callable[[], TitoFamily]] = {
-    "tiny": _tiny,
-    "qwen3": _qwen3,
-    "mistral": _mistral,
-}
-
-
-def get_family(name: str) -> TitoFamily:
-    if name not in FAMILIES:
-        raise ValueError(f"unknown TITO family {name!r}; choose one of {sorted(FAMILIES)}")
-    return FAMILIES[name]()
-
-
-__all__ = ["FAMILIES", "Message", "NotAppendOnly", "TitoFamily", "get_family"]
+__all__ = [
+    "Message",
+    "NotAppendOnly",
+    "TitoFamily",
+    "describe_choices",
+    "family_names",
+    "get_family",
+    "register_family",
+    "resolve_family",
+]

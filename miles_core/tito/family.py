@@ -13,6 +13,9 @@ A session's ids are built as
 history differently from how it was generated (e.g. Qwen3 drops the reasoning of earlier turns),
 the session's ids and a full re-render differ; each family lists such places in `limits`, and
 `miles tito verify` reports them.
+
+A family is a subclass in any module, named by import path (`agent.family: pkg.mod:Class`) or
+registered by name (registry.py); nothing in miles_core changes for a new one.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 
 from miles_core.tito.family import Message, TitoFamily
+from miles_core.tito.registry import register_family
 
 
+@register_family("mistral")
 class MistralFamily(TitoFamily):
     name = "mistral"
     limits = (

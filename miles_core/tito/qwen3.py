@@ -13,6 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from miles_core.tito.chatml import ChatMLFamily
+from miles_core.tito.registry import register_family
 
 N_SPECIAL = 26  # <|endoftext|> … </think>: Qwen2.5/Qwen3's added tokens, in order from 151643
 
@@ -46,6 +47,7 @@ def build_qwen3_tokenizer():
     return tok
 
 
+@register_family("qwen3")
 class Qwen3Family(ChatMLFamily):
     name = "qwen3"
     limits = (

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from miles_core.models.tokenizer import build_tokenizer
 from miles_core.tito.chatml import ChatMLFamily
+from miles_core.tito.registry import register_family
 
 
+@register_family("tiny")
 class TinyFamily(ChatMLFamily):
     name = "tiny"
     limits = ("characters outside printable ASCII become <|unk|>",)

@@ -1,18 +1,28 @@
-"""`miles tito verify --family NAME`: renders seeded N-turn conversations (plain chat, tool calls
-with a system prompt, reasoning) and checks, at every turn, that the session's ids (prompt +
-completions + appended messages) equal a full render of the conversation so far, and that each
-completion parses back to its message. Families declare the variants their template cannot
-render append-only (`expected_append_only`); mismatches elsewhere fail the check, mismatches there
-are reported with where the ids part."""
+"""`miles tito verify --family NAME [--model DIR]`: renders seeded N-turn conversations (plain
+chat, tool calls with a system prompt, reasoning) and checks, at every turn, that the session's ids
+(prompt + completions + appended messages) equal a full render of the conversation so far, and
+that each completion parses back to its message. The last turn is compared too: the conversation
+is continued by a closing user message, so its completion is checked as a later render holds it.
+
+Given a model directory that ships a chat template, every turn is also compared with that
+template's render (the ids a user rendering with the model's own tokenizer would get), so a family
+is checked against the model, not only against itself. Families declare the variants their
+template cannot render append-only (`expected_append_only`); mismatches elsewhere fail the check,
+mismatches there are reported with where the ids part."""
 
 from __future__ import annotations
 
 import json
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from miles_core.tito.check import template_ids
 from miles_core.tito.family import Message, TitoFamily
+
+Template = Callable[[list[Message], list[dict] | None], list[int]]
 
 VARIANTS = ("plain", "tools", "reasoning")
 TOOLS = [
@@ -41,6 +51,8 @@ TOOLS = [
         },
     },
 ]
+# after a conversation's last assistant turn: its completion is compared as the next render holds it
+CLOSING: Message = {"role": "user", "content": "thanks"}
 _WORDS = "list the files count lines fix the failing test grep for TODO print hello".split()
 _UNICODE = ["naïve café", "数据 文件", "emoji 🚀 ok", "tabs\tand\nnewlines", "code: x = [1, 2]"]
 
@@ -103,13 +115,29 @@ class VariantReport:
     variant: str
     expected: bool  # the family's template should be append-only here
     turns: int = 0
-    matched: int = 0
+    matched: int = 0  # turns whose session ids equal the family's full render
     parsed: int = 0
     first_mismatches: list[str] = field(default_factory=list)
+    template_matched: int | None = None  # turns equal to the model template's render (if any)
+    template_mismatches: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.expected or (self.matched == self.turns and self.parsed == self.turns)
+        if not self.expected:
+            return True
+        template_ok = self.template_matched is None or self.template_matched == self.turns
+        return self.matched == self.turns and self.parsed == self.turns and template_ok
+
+
+def model_template(model_dir: str | Path) -> Template | None:
+    """The chat-template render of a model directory's tokenizer (tokenizer_config.json or
+    chat_template.jinja), ending in the generation prompt; None if it ships no template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda messages, tools: template_ids(tokenizer, messages, tools)
 
 
 def _same(parsed: Message, original: Message, family: TitoFamily) -> bool:
@@ -130,21 +158,28 @@ def _same(parsed: Message, original: Message, family: TitoFamily) -> bool:
     return want == got
 
 
-def _where(family: TitoFamily, held: list[int], full: list[int]) -> str:
+def _where(family: TitoFamily, held: list[int], full: list[int], what: str = "render") -> str:
     i = next((k for k, (a, b) in enumerate(zip(held, full, strict=False)) if a != b), None)
     i = min(len(held), len(full)) if i is None else i
     return (
-        f"ids part at position {i} (session {len(held)} ids, full render {len(full)}): "
+        f"ids part at position {i} (session {len(held)} ids, {what} {len(full)}): "
         f"session …{family.decode(held[max(0, i - 8) : i + 12])!r} vs "
-        f"render …{family.decode(full[max(0, i - 8) : i + 12])!r}"
+        f"{what} …{family.decode(full[max(0, i - 8) : i + 12])!r}"
     )
 
 
 def verify_variant(
-    family: TitoFamily, variant: str, conversations: int, turns: int, seed: int
+    family: TitoFamily,
+    variant: str,
+    conversations: int,
+    turns: int,
+    seed: int,
+    template: Template | None = None,
 ) -> VariantReport:
     rng = random.Random(f"{family.name}-{variant}-{seed}")
     report = VariantReport(variant, variant in family.expected_append_only)
+    if template is not None:
+        report.template_matched = 0
     ascii_only = getattr(family, "ascii_only", False)
     for _ in range(conversations):
         messages, tools = conversation(
@@ -155,21 +190,40 @@ def verify_variant(
         for k, at in enumerate(turn_at):
             completion = family.completion(messages[at], tools)
             report.parsed += _same(family.parse(completion), messages[at], family)
-            held = held + completion
             end = turn_at[k + 1] if k + 1 < len(turn_at) else len(messages)
-            if end == at + 1:  # the conversation ends with this turn
-                report.turns += 1
-                report.matched += 1  # nothing appended: the ids are the engine's own
-                continue
-            held = held + family.append(messages[at + 1 : end], tools)
-            full = family.prompt(messages[:end], tools)
+            added = messages[at + 1 : end] or [CLOSING]  # the last turn: a closing user message
+            so_far = messages[: at + 1] + added
+            held = held + completion + family.append(added, tools)
             report.turns += 1
+            full = family.prompt(so_far, tools)
             if held == full:
                 report.matched += 1
             elif len(report.first_mismatches) < 3:
                 report.first_mismatches.append(f"turn {k + 1}: {_where(family, held, full)}")
+            if template is not None:
+                _compare_template(report, family, template, so_far, tools, held, k)
     return report
 
 
-def verify(family: TitoFamily, conversations: int = 20, turns: int = 8, seed: int = 0):
-    return [verify_variant(family, v, conversations, turns, seed) for v in VARIANTS]
+def _compare_template(report, family, template, messages, tools, held, k) -> None:
+    try:
+        rendered = template(messages, tools)
+    except Exception as e:  # noqa: BLE001  (a template refusing the messages: they differ)
+        where = f"the model template cannot render them: {e}"
+    else:
+        if rendered == held:
+            report.template_matched += 1
+            return
+        where = _where(family, held, rendered, "template")
+    if len(report.template_mismatches) < 3:
+        report.template_mismatches.append(f"turn {k + 1}: {where}")
+
+
+def verify(
+    family: TitoFamily,
+    conversations: int = 20,
+    turns: int = 8,
+    seed: int = 0,
+    template: Template | None = None,
+) -> list[VariantReport]:
+    return [verify_variant(family, v, conversations, turns, seed, template) for v in VARIANTS]

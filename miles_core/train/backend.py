@@ -1,29 +1,57 @@
-"""The trainer-backend protocol (FSDP2 now; Megatron-core later behind the same calls)."""
+"""The trainer-backend protocol (FSDP2 now; Megatron-core later behind the same calls).
+
+A backend is built by name or import path (`miles_core.train.registry.make_backend`, chosen by
+`train.backend`) from keyword arguments every backend takes:
+`model_dir, optim (settings), loss (settings, None for SFT), total_steps, seed, device`.
+
+Its public calls run on rank 0; under torchrun the other ranks replay them (SPMD: each public
+call announces itself; `distributed.follow` rebuilds the same backend class from the "init"
+announcement and calls `_<name>` with the same arguments). The generic step loop
+(`miles_core.train.step`) and the losses (`miles_core.train.losses`, by registered name) are
+shared; a backend supplies the micro-batch level (`StepBackend`: forward → per-token log-probs and
+entropy, backward, optimizer step) and how weights leave it (`TrainerWeights`, defined with the
+transports in `miles_core.weights.source`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from miles_core.train.batch import TrainBatch
+from miles_core.train.step import StepBackend
+from miles_core.weights.source import TrainerWeights
 
 
-class TrainerBackend(Protocol):
+class BackendFactory(Protocol):
+    def __call__(
+        self,
+        model_dir: str,
+        optim: dict[str, Any],
+        loss: dict[str, Any] | None = None,
+        total_steps: int = 1,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> TrainerBackend: ...
+
+
+class TrainerBackend(StepBackend, TrainerWeights, Protocol):
+    rank: int
+    world: int
+    device: torch.device
+
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         """Per-sample response log-probs under the current weights (rank 0 gets all)."""
         ...
 
     def train_step(self, batch: TrainBatch, loss: str = "policy") -> dict[str, float]:
-        """One optimizer step over the global batch; `loss` is 'policy' (RL) or 'sft'."""
+        """One optimizer step over the global batch with the loss registered as `loss`
+        (`policy`, `sft`, or an import path); metrics reduced over the ranks."""
         ...
 
-    def named_weights(
-        self, bucket_bytes: int, dtype: torch.dtype | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) tensors with HF names, in buckets of about `bucket_bytes`, cast to
-        `dtype` if given (a push in the engines' dtype)."""
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0: every tensor unsharded, HF names, tied duplicates dropped (checkpoints)."""
         ...
 
     def save(self, directory: str) -> None: ...

@@ -1,11 +1,19 @@
-"""The trainer's input: samples flattened into token lists plus per-sample advantages."""
+"""The trainer's input: samples flattened into token lists plus per-sample advantages.
+
+Declared per-token fields (miles_core/token_fields.py) ride along: `TrainBatch.token_fields`
+holds one array per row, `PaddedBatch.fields` the padded tensors aligned with the tokens
+(`response` fields with `targets` [B, R, *shape], `sequence` fields with `input_ids`
+[B, T, *shape]), padded with each field's declared value.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
+from miles_core.token_fields import get_token_field
 from miles_core.types import Sample
 
 
@@ -21,6 +29,8 @@ class TrainBatch:
     sample_ids: list[str] = field(default_factory=list)  # rollout ids: siblings share one
     # per row: the loss-mask total of its whole rollout (loss_agg rollout_mean_token_mean)
     rollout_tokens: list[float] | None = None
+    # declared per-token fields: name -> one array per row ([rows, *shape], token_fields.py)
+    token_fields: dict[str, list[np.ndarray]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,6 +49,7 @@ class TrainBatch:
             old_log_probs=cut(self.old_log_probs),
             sample_ids=self.sample_ids[start:end],
             rollout_tokens=cut(self.rollout_tokens),
+            token_fields={k: v[start:end] for k, v in self.token_fields.items()},
         )
 
     def with_rollout_tokens(self) -> tuple[TrainBatch, int]:
@@ -61,7 +72,32 @@ class TrainBatch:
             rollout_log_probs=[s.rollout_log_probs for s in samples],
             temperature=temperature,
             sample_ids=[f"{s.rollout_id}" for s in samples],
+            token_fields=_field_rows(samples),
         )
+
+
+def _field_rows(samples: list[Sample]) -> dict[str, list[np.ndarray]]:
+    """Each declared field any sample carries, one array per sample. A sample without it is
+    refused, unless it trains on nothing (all-zero loss mask: a failed episode's placeholder),
+    which gets pad rows."""
+    names = sorted({name for s in samples for name in s.token_fields})
+    out: dict[str, list[np.ndarray]] = {}
+    for name in names:
+        f = get_token_field(name)
+        rows = []
+        for s in samples:
+            arr = s.token_fields.get(name)
+            if arr is None:
+                if any(s.loss_mask):
+                    raise ValueError(
+                        f"sample {s.rollout_id} (index {s.index}) lacks token field {name} "
+                        "that other samples of the batch carry"
+                    )
+                n = f.rows(len(s.tokens), s.response_length)
+                arr = np.full((n, *f.shape), f.pad, dtype=f.np_dtype)
+            rows.append(arr)
+        out[name] = rows
+    return out
 
 
 @dataclass
@@ -72,6 +108,8 @@ class PaddedBatch:
     targets_index: torch.Tensor  # [B, R]: position in logits predicting each response token
     targets: torch.Tensor  # [B, R]: the response token ids
     mask: torch.Tensor  # [B, R]: loss mask (0 on padding)
+    # declared per-token fields: [B, R, *shape] (response-aligned) or [B, T, *shape] (sequence)
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, batch: TrainBatch, pad_id: int) -> PaddedBatch:
@@ -91,7 +129,10 @@ class PaddedBatch:
                 index[i, :n] = torch.arange(p - 1, p - 1 + n)
                 targets[i, :n] = torch.tensor(toks[p:])
                 mask[i, :n] = torch.tensor(lm, dtype=torch.float32)
-        return cls(input_ids, index, targets, mask)
+        fields = {
+            name: _pad_field(name, rows, resp, width) for name, rows in batch.token_fields.items()
+        }
+        return cls(input_ids, index, targets, mask, fields)
 
     def per_token(self, rows: list[list[float]]) -> torch.Tensor:
         out = torch.zeros_like(self.mask)
@@ -102,3 +143,24 @@ class PaddedBatch:
 
     def unpad(self, values: torch.Tensor, lengths: list[int]) -> list[list[float]]:
         return [values[i, :n].tolist() for i, n in enumerate(lengths)]
+
+    def to(self, device: torch.device | str) -> PaddedBatch:
+        """This micro-batch on `device` (fields included)."""
+        return PaddedBatch(
+            self.input_ids.to(device),
+            self.targets_index.to(device),
+            self.targets.to(device),
+            self.mask.to(device),
+            {k: v.to(device) for k, v in self.fields.items()},
+        )
+
+
+def _pad_field(name: str, rows: list[np.ndarray], resp: int, width: int) -> torch.Tensor:
+    f = get_token_field(name)
+    length = resp if f.align == "response" else width
+    dtype = torch.from_numpy(f.empty()).dtype
+    out = torch.full((len(rows), length, *f.shape), f.pad, dtype=dtype)
+    for i, arr in enumerate(rows):
+        if len(arr):
+            out[i, : len(arr)] = torch.from_numpy(np.ascontiguousarray(arr))
+    return out

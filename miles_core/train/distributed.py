@@ -1,7 +1,9 @@
-"""torch.distributed for the trainer: one gloo process by default, N ranks under torchrun.
+"""torch.distributed for the trainer: one process by default, N ranks under torchrun.
 
-Under torchrun, rank 0 runs the flow and drives the trainer; the other ranks run `follow()`,
-which replays every trainer call rank 0 announces (SPMD), so collectives line up.
+The group's backend follows the trainer's device (gloo on CPU, nccl on CUDA: `device.py`); the
+control channel is always gloo. Under torchrun, rank 0 runs the flow and drives the trainer; the
+other ranks run `follow()`, which builds the backend class rank 0 announced and replays every
+trainer call rank 0 announces (SPMD), so collectives line up.
 """
 
 from __future__ import annotations
@@ -11,19 +13,28 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from miles_core.train.device import dist_backend, resolve_device
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MILES_DIST_TIMEOUT_S", "600")))
 
 
-def init_distributed() -> tuple[int, int]:
-    """Joins the torchrun group if launched by torchrun, else makes a one-rank gloo group."""
+def init_distributed(device: str | torch.device = "cpu") -> tuple[int, int]:
+    """Joins the torchrun group if launched by torchrun, else makes a one-rank group; gloo for
+    a CPU trainer, nccl for CUDA (each rank on the GPU of its LOCAL_RANK). A group that exists
+    already is kept."""
     if not dist.is_initialized():
+        dev = resolve_device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        backend = dist_backend(dev)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group("gloo", timeout=TIMEOUT)
+            dist.init_process_group(backend, timeout=TIMEOUT)
         else:
             dist.init_process_group(
-                "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=TIMEOUT
             )
     if dist.get_world_size() > 1:
         _control()  # every rank creates the control group at the same point
@@ -53,6 +64,12 @@ def announce(name: str, payload: Any) -> None:
         dist.broadcast_object_list([(name, payload)], src=0, group=_control())
 
 
+def announce_init(backend: str, kwargs: dict[str, Any]) -> None:
+    """Rank 0 building a backend: followers build the same one (its import path) with the same
+    keyword arguments."""
+    announce("init", {"backend": backend, "kwargs": kwargs})
+
+
 def receive() -> tuple[str, Any]:
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0, group=_control())
@@ -61,16 +78,16 @@ def receive() -> tuple[str, Any]:
 
 def follow() -> None:
     """The loop of ranks > 0: build the trainer rank 0 builds, replay its calls, until 'exit'."""
-    from miles_core.train.fsdp import FSDPBackend
+    from miles_core.train.registry import make_backend
 
-    backend: FSDPBackend | None = None
+    backend: Any = None
     while True:
         name, payload = receive()
         if name == "exit":
             _teardown()
             return
         if name == "init":
-            backend = FSDPBackend(**payload)
+            backend = make_backend(payload["backend"], **payload["kwargs"])
         elif name == "close":
             backend = None
         else:

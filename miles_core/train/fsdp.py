@@ -1,8 +1,12 @@
-"""FSDP2 trainer backend: `fully_shard` per decoder layer and at the root, AdamW, GRPO/PPO or SFT loss.
+"""FSDP2 trainer backend: `fully_shard` per decoder layer and at the root, AdamW.
 
-The global batch is split evenly over the ranks and into micro-batches; losses are masked sums
-divided by the *global* token (or sequence) count, times the world size because FSDP2 averages
-gradients over ranks, so N ranks compute the same update as one.
+The step loop (sharding, micro-batches, global denominators, metric reduction) is
+`miles_core.train.step`, the losses are `miles_core.train.losses`; this file holds what is FSDP2's
+own: building and sharding the model on its device, forward to per-token log-probs, backward, the
+optimizer step, checkpoints and how the weights leave (the block at the end of the class).
+
+On CUDA, parameters stay fp32 (the optimizer's copy) and FSDP2 computes in bf16 and reduces
+gradients in fp32 (`MixedPrecisionPolicy`); on CPU everything is fp32.
 """
 
 from __future__ import annotations
@@ -25,21 +29,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
 from miles_core.train import distributed as spmd
-from miles_core.train.batch import PaddedBatch, TrainBatch
-from miles_core.train.corrections import correction_weights
-from miles_core.train.losses import (
-    aggregate,
-    entropy_from_logits,
-    k3_kl,
-    ppo_clip_loss,
-    token_log_probs,
-)
+from miles_core.train import step as steps
+from miles_core.train.batch import TrainBatch
+from miles_core.train.device import resolve_device
+from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
+from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_scheduler
+from miles_core.train.registry import backend_path, get_loss
+from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
 
 
 class FSDPBackend:
@@ -50,11 +52,20 @@ class FSDPBackend:
         loss: dict[str, Any] | None = None,
         total_steps: int = 1,
         seed: int = 0,
+        device: str = "cpu",
     ):
-        self.rank, self.world = spmd.init_distributed()
-        spmd.announce(
-            "init",
-            dict(model_dir=model_dir, optim=optim, loss=loss, total_steps=total_steps, seed=seed),
+        self.device = resolve_device(device)
+        self.rank, self.world = spmd.init_distributed(self.device)
+        spmd.announce_init(
+            backend_path(type(self)),
+            dict(
+                model_dir=model_dir,
+                optim=optim,
+                loss=loss,
+                total_steps=total_steps,
+                seed=seed,
+                device=device,
+            ),
         )
         if optim.get("threads"):
             torch.set_num_threads(int(optim["threads"]))
@@ -64,13 +75,23 @@ class FSDPBackend:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.config = model.config
         self.pad_id = int(model.config.pad_token_id or 0)
+        on_cuda = self.device.type == "cuda"
         self.ref_model = None
-        if self.loss_cfg.get("kl_coef", 0.0) > 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        mesh = init_device_mesh("cpu", (self.world,))
+        if self._needs_reference():
+            ref = copy.deepcopy(model).eval().requires_grad_(False)
+            # on CUDA the reference computes in bf16 like the FSDP2 policy it is compared with
+            self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
+        if on_cuda:
+            model.to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = {}
+        if on_cuda:  # bf16 compute, fp32 gradient reduction; the sharded fp32 params stay
+            mp["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
         self.model = model
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -89,6 +110,13 @@ class FSDPBackend:
         )
         self.micro_batch_size = int(optim["micro_batch_size"])
 
+    def _needs_reference(self) -> bool:
+        """The run's RL loss (`loss.loss`, default policy) asks for reference log-probs."""
+        if not self.loss_cfg:
+            return False
+        fn = get_loss(self.loss_cfg.get("loss") or "policy")
+        return fn.needs(fn.config(self.loss_cfg)).reference
+
     # ------------------------------------------------------------------ public calls (rank 0)
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         spmd.announce("compute_log_probs", (batch,))
@@ -97,32 +125,6 @@ class FSDPBackend:
     def train_step(self, batch: TrainBatch, loss: str = "policy") -> dict[str, float]:
         spmd.announce("train_step", (batch, loss))
         return self._train_step(batch, loss)
-
-    def named_weights(
-        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        spmd.announce("named_weights", (bucket_bytes, dtype))
-        return self._named_weights(bucket_bytes, dtype)
-
-    def param_specs(self, dtype: torch.dtype | None = None) -> list[tuple[str, list[int], str]]:
-        """(HF name, full shape, dtype sent) of every parameter, in the order `send_shards`
-        sends them."""
-        return [
-            (n, list(p.shape), str(dtype or p.dtype).removeprefix("torch."))
-            for n, p in self.model.named_parameters()
-        ]
-
-    def join_group(self, group: dict) -> None:
-        """Every rank joins the weight-transfer group {host, port, world} as its own rank."""
-        spmd.announce("join_group", (group,))
-        self._join_group(group)
-
-    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
-        """p2p push: every rank sends its own dim-0 shard of each parameter (cast to `dtype` if
-        given) to each engine rank of the joined group (no gather). Returns the bytes this rank
-        sent."""
-        spmd.announce("send_shards", (engine_ranks, dtype))
-        return self._send_shards(engine_ranks, dtype)
 
     def save(self, directory: str) -> None:
         spmd.announce("save", (directory,))
@@ -136,62 +138,47 @@ class FSDPBackend:
         spmd.announce("close", None)
 
     # ------------------------------------------------------------------ implementations (all ranks)
-    def _local(self, batch: TrainBatch) -> TrainBatch:
-        n = len(batch)
-        if n % self.world:
-            raise ValueError(f"batch of {n} samples does not split over {self.world} ranks")
-        per = n // self.world
-        return batch.slice(self.rank * per, (self.rank + 1) * per)
+    def _compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
+        return steps.compute_log_probs(self, batch)
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
-        for start in range(0, len(batch), self.micro_batch_size):
-            yield batch.slice(start, start + self.micro_batch_size)
+    def _train_step(self, batch: TrainBatch, loss: str) -> dict[str, float]:
+        return steps.train_step(self, batch, loss, self.loss_cfg)
 
-    def _forward(
-        self, model, padded: PaddedBatch, temperature: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # ------------------------------------------------------------------ the step loop's calls
+    def micro_batch(self, batch: TrainBatch) -> MicroBatch:
+        return MicroBatch.build(batch, self.pad_id, self.device)
+
+    def forward(self, mb: MicroBatch, needs: LossNeeds) -> TokenOutputs:
+        lp, resp_logits = self._log_probs(self.model, mb)
+        entropy = None
+        if needs.entropy != "none":
+            logits = resp_logits if needs.entropy == "grad" else resp_logits.detach()
+            entropy = entropy_from_logits(logits, mb.temperature)
+        ref = None
+        if needs.reference:
+            if self.ref_model is None:
+                raise ValueError(
+                    "this loss needs reference log-probs, but the backend was built without a "
+                    "reference model (its loss settings asked for none: kl_coef 0)"
+                )
+            with torch.no_grad():
+                ref, _ = self._log_probs(self.ref_model, mb)
+        return TokenOutputs(lp, entropy, ref)
+
+    def _log_probs(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = mb.padded
         logits = model(input_ids=padded.input_ids).logits
         idx = padded.targets_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
         resp_logits = logits.gather(1, idx)
-        return token_log_probs(resp_logits, padded.targets, temperature), resp_logits
+        return token_log_probs(resp_logits, padded.targets, mb.temperature), resp_logits
 
-    def _compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        local = self._local(batch)
-        rows: list[list[float]] = []
-        with torch.no_grad():
-            for mb in self._micro_batches(local):
-                padded = PaddedBatch.build(mb, self.pad_id)
-                lp, _ = self._forward(self.model, padded, batch.temperature)
-                rows.extend(padded.unpad(lp, mb.response_lengths))
-        return self._gather_rows(rows)
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
-    def _gather_rows(self, rows: list[list[float]]) -> list[list[float]]:
-        if self.world == 1:
-            return rows
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, rows)
-        return [r for part in parts for r in part]
+    def set_training(self, training: bool) -> None:
+        self.model.train(training)
 
-    def _train_step(self, batch: TrainBatch, loss: str) -> dict[str, float]:
-        self.model.train()
-        local = self._local(batch)
-        agg = self.loss_cfg.get("loss_agg", "token_mean") if loss == "policy" else "token_mean"
-        global_tokens = float(sum(sum(m) for m in batch.loss_masks))
-        denom = max(global_tokens, 1.0) if agg == "token_mean" else float(len(batch))
-        if agg == "rollout_mean_token_mean":  # totals over the global batch, then shard
-            batch, rollouts = batch.with_rollout_tokens()
-            local, denom = self._local(batch), float(rollouts)
-        sums: dict[str, float] = {}
-        for mb in self._micro_batches(local):
-            padded = PaddedBatch.build(mb, self.pad_id)
-            lp, resp_logits = self._forward(self.model, padded, batch.temperature)
-            if loss == "sft":
-                mb_loss, stats = self._sft_loss(lp, padded, denom)
-            else:
-                mb_loss, stats = self._policy_loss(lp, resp_logits, padded, mb, agg, denom)
-            (mb_loss * self.world).backward()
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
+    def optimizer_step(self) -> dict[str, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.optim_cfg["grad_clip"]
         )
@@ -201,94 +188,111 @@ class FSDPBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.model.eval()
-        metrics = self._reduce(sums, global_tokens)
-        metrics.update({"grad_norm": float(grad_norm), "lr": lr})
-        return metrics
+        return {"grad_norm": float(grad_norm), "lr": lr}
 
-    def _sft_loss(self, lp: torch.Tensor, padded: PaddedBatch, denom: float):
-        nll = aggregate(-lp, padded.mask, "token_mean", denom)
-        return nll, {"loss": float(nll.detach())}
-
-    def _policy_loss(
-        self, lp, resp_logits, padded: PaddedBatch, mb: TrainBatch, agg: str, denom: float
-    ):
-        if mb.old_log_probs is None or mb.advantages is None:
-            raise ValueError("policy loss needs old_log_probs (compute_log_probs) and advantages")
-        mask = padded.mask
-        rows = None if mb.rollout_tokens is None else torch.tensor(mb.rollout_tokens)
-        old = padded.per_token(mb.old_log_probs)
-        adv = torch.tensor(mb.advantages, dtype=torch.float32).unsqueeze(1).expand_as(mask)
-        cfg = self.loss_cfg
-        eps_high = cfg.get("eps_clip_high") or cfg["eps_clip"]
-        pg, clipped, approx_kl = ppo_clip_loss(lp, old, adv, cfg["eps_clip"], eps_high)
-        off = dict(cfg.get("off_policy") or {})
-        correction = None
-        if off.get("mode", "none") != "none":
-            if mb.rollout_log_probs is None:
-                raise ValueError(
-                    "train.off_policy needs the engine's log-probs (samples without "
-                    "rollout_log_probs)"
-                )
-            rollout = padded.per_token(mb.rollout_log_probs)
-            correction = correction_weights(old, rollout, mask, **off)
-            pg = pg * correction.weights  # the numerator only: `denom` keeps every token
-        pg_loss = aggregate(pg, mask, agg, denom, rows)
-        total = pg_loss
-        logits_for_entropy = resp_logits if cfg.get("entropy_coef") else resp_logits.detach()
-        entropy = entropy_from_logits(logits_for_entropy, mb.temperature)
-        if cfg.get("entropy_coef"):
-            total = total - cfg["entropy_coef"] * aggregate(entropy, mask, agg, denom, rows)
-        stats = {
-            "pg_loss": float(pg_loss.detach()),
-            "_pg_clipfrac": float((clipped * mask).sum()),
-            "_ppo_kl": float((approx_kl.detach() * mask).sum()),
-            "_entropy": float((entropy.detach() * mask).sum()),
-        }
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_lp, _ = self._forward(self.ref_model, padded, mb.temperature)
-            kl = k3_kl(lp, ref_lp)
-            kl_loss = aggregate(kl, mask, agg, denom, rows)
-            total = total + cfg["kl_coef"] * kl_loss
-            stats["kl_loss"] = float(kl_loss.detach())
-        if mb.rollout_log_probs is not None:
-            rollout = padded.per_token(mb.rollout_log_probs)
-            diff = old - rollout
-            stats["_train_rollout_logprob_abs_diff"] = float((diff.abs() * mask).sum())
-            stats["_train_rollout_kl"] = float((k3_kl(rollout, old) * mask).sum())
-        if correction is not None:
-            stats.update(correction.stats)
-        stats["loss"] = float(total.detach())
-        return total, stats
-
-    def _reduce(self, sums: dict[str, float], global_tokens: float) -> dict[str, float]:
-        keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    # ------------------------------------------------------------------ checkpoints (all ranks)
+    def _save(self, directory: str) -> None:
+        path = Path(directory)
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.config.save_pretrained(str(path))
+            save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+            with open(path / "trainer_state.json", "w") as f:
+                json.dump({"scheduler": self.scheduler.state_dict(), "world_size": self.world}, f)
+        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
         if self.world > 1:
-            dist.all_reduce(t)
-        out = {}
-        for k, v in zip(keys, t.tolist(), strict=True):
-            if k.startswith("_"):
-                out[k[1:]] = v / max(global_tokens, 1.0)
+            dist.barrier()
+
+    def _load(self, directory: str) -> None:
+        path = Path(directory)
+        sd = load_file(str(path / "model.safetensors")) if self.rank == 0 else {}
+        if getattr(self.config, "tie_word_embeddings", False) and self.rank == 0:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        set_model_state_dict(
+            self.model,
+            sd,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+        )
+        if (path / "optimizer").exists():
+            osd = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+            set_optimizer_state_dict(self.model, self.optimizer, osd)
+        state_file = path / "trainer_state.json"
+        if state_file.exists():
+            with open(state_file) as f:
+                self.scheduler.load_state_dict(json.load(f)["scheduler"])
+
+    # ------------------------------------------------------------------ how weights leave
+    # (miles_core.weights.source.TrainerWeights; this block is the weight-sync stream's)
+    def named_weights(
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        spmd.announce("named_weights", (bucket_bytes, dtype))
+        return self._named_weights(bucket_bytes, dtype)
+
+    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+        """For every parameter, in `send_shards` order: its HF name, full shape, the dtype sent
+        and the slice each rank holds. FSDP2 shards along the dim of its `Shard` placement
+        (dim 0) in torch.chunk pieces; an unsharded parameter is sent whole by rank 0."""
+        plan = []
+        for name, p in self.model.named_parameters():
+            shape = list(p.shape)
+            sent = dtype_name(dtype or p.dtype)
+            placement = p.placements[0] if isinstance(p, DTensor) else None
+            if isinstance(placement, Shard) and shape:
+                pieces = [
+                    Placement(r, placement.dim, start, length)
+                    for r, (start, length) in enumerate(
+                        dim_chunks(shape[placement.dim], self.world)
+                    )
+                ]
+                mine = pieces[self.rank].length
+                if p.to_local().shape[placement.dim] != mine:  # the plan is what this rank holds
+                    raise RuntimeError(f"{name}: local shard {p.to_local().shape} != plan {mine}")
             else:
-                out[k] = v  # already normalised by the global denominator
-        return out
+                pieces = [Placement(0, 0, 0, shape[0] if shape else 1)]
+            plan.append(TensorPlan(name, shape, sent, pieces))
+        return plan
+
+    def join_group(self, group: dict) -> None:
+        """Every rank joins the weight-transfer group {host, port, world, backend} as its own
+        rank."""
+        spmd.announce("join_group", (group,))
+        self._join_group(group)
+
+    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+        """p2p push: every rank sends its pieces of `shard_plan` (cast to `dtype` if given) to
+        each engine rank of the joined group (no gather). Returns the bytes this rank sent."""
+        spmd.announce("send_shards", (engine_ranks, dtype))
+        return self._send_shards(engine_ranks, dtype)
 
     def _join_group(self, group: dict) -> None:
         from miles_core.weights.group import open_group
 
-        self._transfer_group = open_group(group["host"], group["port"], self.rank, group["world"])
+        backend = group.get("backend", "gloo")
+        self._transfer_group = open_group(
+            group["host"], group["port"], self.rank, group["world"], backend=backend
+        )
 
     def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
         pg = self._transfer_group[1]
+        plan = self.shard_plan(dtype)
         sent = 0
         with torch.no_grad():
-            for tag, (_, param) in enumerate(self.model.named_parameters()):
-                local = param.to_local() if isinstance(param, DTensor) else param
-                local = local.detach().to(dtype or local.dtype).contiguous()
-                if local.numel() == 0:
+            params = self.model.named_parameters()
+            for tag, ((_, param), t) in enumerate(zip(params, plan, strict=True)):
+                mine = [p for p in t.pieces if p.rank == self.rank and p.length > 0]
+                if not mine:
                     continue
+                piece = mine[0]
+                if isinstance(param, DTensor):
+                    local = param.to_local()
+                else:
+                    local = param.detach().reshape(-1) if not t.shape else param.detach()
+                    local = local.narrow(piece.dim, piece.start, piece.length)
+                local = local.detach().to(dtype or local.dtype).contiguous()
                 for dst in engine_ranks:
                     pg.send([local], dst, tag).wait()
                     sent += local.numel() * local.element_size()
@@ -334,36 +338,3 @@ class FSDPBackend:
         if getattr(self.config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)
         return {k: v.contiguous() for k, v in sd.items()}
-
-    def _save(self, directory: str) -> None:
-        path = Path(directory)
-        sd = self.full_state_dict()
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            self.config.save_pretrained(str(path))
-            save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
-            with open(path / "trainer_state.json", "w") as f:
-                json.dump({"scheduler": self.scheduler.state_dict(), "world_size": self.world}, f)
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
-        if self.world > 1:
-            dist.barrier()
-
-    def _load(self, directory: str) -> None:
-        path = Path(directory)
-        sd = load_file(str(path / "model.safetensors")) if self.rank == 0 else {}
-        if getattr(self.config, "tie_word_embeddings", False) and self.rank == 0:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        set_model_state_dict(
-            self.model,
-            sd,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
-        )
-        if (path / "optimizer").exists():
-            osd = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
-            set_optimizer_state_dict(self.model, self.optimizer, osd)
-        state_file = path / "trainer_state.json"
-        if state_file.exists():
-            with open(state_file) as f:
-                self.scheduler.load_state_dict(json.load(f)["scheduler"])

@@ -1,6 +1,7 @@
 """Supervised fine-tuning data: chat-rendered prompt + reference answer, loss only on the answer.
 
-The loss itself is the masked cross-entropy in `FSDPBackend.train_step(batch, loss="sft")`.
+The loss itself is the registered `sft` loss (masked cross-entropy, `train/losses/sft.py`), run
+by the trainer backend `train.backend` chooses: `trainer.train_step(batch, loss="sft")`.
 """
 
 from __future__ import annotations
@@ -61,17 +62,24 @@ def run_sft(config, model_dir, tracker) -> str:
     from miles_core.models import load_hf_dir
     from miles_core.progress import reporter
     from miles_core.storage import CheckpointStore
-    from miles_core.train.fsdp import FSDPBackend
+    from miles_core.train.registry import make_backend
 
     sft = config.sft
     _, tokenizer = load_hf_dir(model_dir)
     examples = load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
-    trainer = FSDPBackend(
-        str(model_dir), optim=sft.model_dump(), total_steps=sft.num_steps, seed=config.seed
+    trainer = make_backend(
+        config.train.backend,
+        model_dir=str(model_dir),
+        optim=sft.model_dump(),
+        loss=None,
+        total_steps=sft.num_steps,
+        seed=config.seed,
+        device=config.train.device,
     )
     from miles_core.data import get_task
 
-    batches = sft_batches(tokenizer, examples, sft.batch_size, sft.seed, get_task(sft.task))
+    task = get_task(sft.task, family=config.agent.family)  # demonstrations: the run's family
+    batches = sft_batches(tokenizer, examples, sft.batch_size, sft.seed, task)
     report = reporter()
     report.start(sft.num_steps, "sft")
     try:

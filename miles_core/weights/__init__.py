@@ -9,6 +9,8 @@ from miles_core.weights.transport import (
     WeightTransport,
     make_transport,
     register_transport,
+    transport_names,
+    transport_route,
 )
 
 __all__ = [
@@ -17,5 +19,7 @@ __all__ = [
     "make_transport",
     "mismatched_tensors",
     "register_transport",
+    "transport_names",
+    "transport_route",
     "weights_checksum",
 ]

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 
-from miles_core.rollout.engine import RolloutEngine
-from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
+from miles_core.engine_api import TENSOR
+from miles_core.weights.source import TrainerWeights
+from miles_core.weights.transport import PushStats, TransportBase, register_transport
 
 
-class ColocatedTransport(RecordsPushes):
-    def __init__(self, **_options) -> None:
-        self.engines: list[RolloutEngine] = []
+class ColocatedTransport(TransportBase):
+    route = TENSOR
+    name = "colocated"
 
-    def connect(self, engines: list[RolloutEngine]) -> None:
-        self.engines = list(engines)
-
-    def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
+    def push(self, source: TrainerWeights, version: int, pause_mode: str = "abort") -> PushStats:
         t0 = time.perf_counter()
         for e in self.engines:
             e.pause(pause_mode)
         try:
             copied = 0
-            for bucket in buckets:
+            for bucket in source.named_weights(self.bucket_bytes, self.dtype):
                 for e in self.engines:
                     copied += e.update_weights_from_tensor(bucket)
             for e in self.engines:

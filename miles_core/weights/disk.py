@@ -17,28 +17,23 @@ import hashlib
 import json
 import time
 import zlib
-from collections.abc import Iterable
 
 import fsspec
 import torch
 from safetensors.torch import load, save
 
-from miles_core.rollout.http_engine import EngineRequestRejected
-from miles_core.rollout.process import ProcessUnavailable
+from miles_core.engine_api import DISK, EngineRequestRejected, ProcessUnavailable
 from miles_core.weights import delta
-from miles_core.weights.remote import (
-    PushFailed,
-    RemoteEngine,
-    check_reachable,
-    require_remote,
-)
-from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
+from miles_core.weights.remote import PushFailed, check_reachable
+from miles_core.weights.source import TrainerWeights
+from miles_core.weights.transport import PushStats, TransportBase, register_transport
 
 MANIFEST = "manifest.json"
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    raw = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def version_dir(root: str, version: int) -> str:
@@ -112,26 +107,29 @@ def _apply_delta(path, manifest, packed, current, current_version) -> dict[str, 
     return out
 
 
-class DiskTransport(RecordsPushes):
+class DiskTransport(TransportBase):
+    route = DISK
+    name = "disk"
+
     def __init__(
         self,
         root: str = "weights",
         storage_options: dict | None = None,
         keep: int = 2,
         delta: bool = False,
-        **_options,
+        **options,
     ):
+        super().__init__(**options)
         self.delta = delta
         self._base: dict[str, torch.Tensor] | None = None  # the last pushed weights (delta)
         self._base_version = 0
         self.root = root
         self.storage_options = storage_options or {}
         self.keep = keep
-        self.engines: list[RemoteEngine] = []
         self._written: list[str] = []
 
     def connect(self, engines: list) -> None:
-        self.engines = require_remote(engines, "disk")
+        super().connect(engines)
         self._base = None  # a freshly connected engine (e.g. a replaced one): the next push is full
 
     def _fits_base(self, tensors: dict[str, torch.Tensor]) -> bool:
@@ -145,9 +143,9 @@ class DiskTransport(RecordsPushes):
             )
         )
 
-    def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
+    def push(self, source: TrainerWeights, version: int, pause_mode: str = "abort") -> PushStats:
         t0 = time.perf_counter()
-        tensors = {name: t.detach().contiguous() for bucket in buckets for name, t in bucket}
+        tensors = {n: t.detach().cpu().contiguous() for b in self.buckets(source) for n, t in b}
         path = version_dir(self.root, version)
         fs, base = fsspec.core.url_to_fs(path, **self.storage_options)
         fs.makedirs(base, exist_ok=True)

@@ -1,34 +1,70 @@
-"""A standalone gloo process group between a trainer's sending rank and engine processes, apart
-from any default group (the trainer's FSDP ranks keep theirs): a TCPStore rendezvous on the
-trainer's host, then `ProcessGroupGloo` bound to that address. SGLang's
-`/init_weights_update_group` builds the same thing with NCCL on GPUs."""
+"""A standalone process group between a trainer's sending ranks and engine processes, apart
+from any default group (the trainer's ranks keep theirs): a TCPStore rendezvous hosted in the
+trainer's process (bound to port 0, or within a range, and the port it got passed on: no
+choose-then-bind race), then a process group bound to it: gloo for CPU tensors, nccl for CUDA
+tensors (`backend_for(device)`). SGLang's `/init_weights_update_group` builds the same thing.
+
+Both halves of the wire format live here: a bucket flattened per dtype and broadcast
+(`send_bucket` / `receive_bucket`), and p2p shards assembled from a placement plan
+(`receive_shards`; the trainer's half is its backend's `send_shards`)."""
 
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
+from miles_core.weights.source import TensorPlan
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+BACKENDS = ("gloo", "nccl")
+
+
+def backend_for(device: str | torch.device) -> str:
+    """The group backend for tensors on `device`: nccl for CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def host_store(
+    host: str, world_size: int, timeout_s: float = 120.0, ports: range | None = None
+) -> TCPStore:
+    """The rendezvous, hosted here: bound to port 0 (or the first free port of `ports`); every
+    member, this process's too, joins it with `open_group(host, store.port, …)`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    last: Exception | None = None
+    for port in ports or (0,):
+        try:
+            return TCPStore(
+                host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+            )
+        except (RuntimeError, OSError) as e:  # that port is taken: the next one
+            last = e
+    raise OSError(f"no free port for the weight-group rendezvous in {ports}: {last}")
 
 
 STREAMS = 2  # TCP connections per peer: one stream tops out near 1.5 GB/s on loopback, two ≈4.5
 
 
 def open_group(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0
-) -> tuple[TCPStore, ProcessGroupGloo]:
-    """Joins (rank 0: hosts) the rendezvous; returns once all `world_size` ranks are in."""
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+) -> tuple[TCPStore, torch.distributed.ProcessGroup]:
+    """Joins the rendezvous at host:port (hosted by `host_store`) as `rank`; returns once all
+    `world_size` ranks are in."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown weight-group backend {backend!r}; choose one of {BACKENDS}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
+    store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        nccl = ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return store, ProcessGroupNCCL(store, rank, world_size, nccl)
     opts = ProcessGroupGloo._Options()
     opts._devices = [ProcessGroupGloo.create_device(hostname=host) for _ in range(STREAMS)]
     opts._threads = STREAMS
@@ -55,12 +91,14 @@ def send_bucket(pg: ProcessGroupGloo, bucket: list[tuple[str, torch.Tensor]]) ->
     return sent
 
 
-def receive_bucket(pg: ProcessGroupGloo, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
-    """An engine's half of `send_bucket`: views into the received flat buffers."""
+def receive_bucket(
+    pg, names, dtypes, shapes, device: str | torch.device = "cpu"
+) -> list[tuple[str, torch.Tensor]]:
+    """An engine's half of `send_bucket`: views into the received flat buffers (on `device`)."""
     sizes, layout = flat_layout(names, dtypes, shapes)
     flats = {}
     for dtype in sorted(sizes):
-        flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype])
+        flats[dtype] = torch.empty(sizes[dtype], dtype=DTYPES[dtype], device=device)
         broadcast(pg, flats[dtype])
     out = []
     for name, dtype, shape, offset in layout:
@@ -72,30 +110,30 @@ def receive_bucket(pg: ProcessGroupGloo, names, dtypes, shapes) -> list[tuple[st
 
 
 def receive_shards(
-    pg: ProcessGroupGloo, names, dtypes, shapes, senders: int
+    pg, plan: list[TensorPlan], device: str | torch.device = "cpu"
 ) -> list[tuple[str, torch.Tensor]]:
-    """An engine's half of p2p (`FSDPBackend.send_shards`): each tensor's dim-0 chunks from
-    ranks 0..senders-1, tagged with the tensor's index."""
-    _, layout = flat_layout(names, dtypes, shapes)  # validates dtypes
+    """An engine's half of p2p: each tensor assembled from the pieces its plan names, received
+    from their trainer ranks (tagged with the tensor's index in the plan)."""
+    for t in plan:
+        if t.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {t.dtype!r} for {t.name}")
     out = []
-    for tag, (name, dtype, shape, _) in enumerate(layout):
-        full = torch.empty(shape, dtype=DTYPES[dtype])
-        for rank, (a, b) in enumerate(row_chunks(shape[0], senders)):
-            if b > a:
-                pg.recv([full[a:b]], rank, tag).wait()
-        out.append((name, full))
+    for tag, t in enumerate(plan):
+        full = torch.empty(t.shape, dtype=DTYPES[t.dtype], device=device)
+        for p in t.pieces:
+            if p.length == 0:
+                continue
+            view = full.narrow(p.dim, p.start, p.length) if t.shape else full.view(1)
+            into = view if view.is_contiguous() else torch.empty_like(view)
+            pg.recv([into], p.rank, tag).wait()
+            if into is not view:
+                view.copy_(into)
+        out.append((t.name, full))
     return out
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def row_chunks(rows: int, world: int) -> list[tuple[int, int]]:
-    """The dim-0 rows each of `world` ranks holds under FSDP2 sharding (torch.chunk: ceil-sized
-    chunks, trailing ranks may hold none)."""
-    size = -(-rows // world) if rows else 0
-    return [(min(r * size, rows), min((r + 1) * size, rows)) for r in range(world)]
 
 
 DTYPES = {

@@ -1,31 +1,49 @@
-"""What the transports over a gloo group (broadcast, p2p) share: engines joining the group over
-HTTP while the trainer side joins too, control calls to every engine in parallel, and leaving
-the group on close."""
+"""What the transports over a process group (broadcast, p2p) share: the rendezvous hosted in the
+trainer's process, engines joining the group over HTTP while the trainer side joins too, control
+calls to every engine in parallel, and leaving the group on close."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
 
-from miles_core.weights.group import free_port
-from miles_core.weights.remote import PushFailed, RemoteEngine, check_reachable
-from miles_core.weights.transport import RecordsPushes
+from miles_core.engine_api import DISTRIBUTED
+from miles_core.weights.group import BACKENDS, host_store
+from miles_core.weights.remote import PushFailed, check_reachable
+from miles_core.weights.transport import TransportBase
 
 
-class GroupTransport(RecordsPushes):
+class GroupTransport(TransportBase):
+    route = DISTRIBUTED
     group_name = "miles_weights"
+    reconnects = False  # the group holds the old engine's rank
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 120.0, **_options) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 120.0,
+        group_backend: str = "gloo",
+        group_ports: range | None = None,
+        **options,
+    ) -> None:
+        super().__init__(**options)
+        if group_backend not in BACKENDS:
+            raise ValueError(f"unknown group backend {group_backend!r}; choose one of {BACKENDS}")
         self.host = host
         self.timeout_s = timeout_s
-        self.engines: list[RemoteEngine] = []
+        self.backend = group_backend  # gloo for CPU tensors, nccl for CUDA (group.backend_for)
+        self.ports = group_ports
+        self._store = None  # the rendezvous this process hosts, kept for the group's life
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
 
     def _form_group(self, first_engine_rank: int, join_here: Callable[[dict], None]) -> None:
         """Engines join as ranks first_engine_rank.. over HTTP while `join_here({host, port,
-        world})` joins this side (it blocks until everyone is in). A dead engine fails first."""
+        world, backend})` joins this side (it blocks until everyone is in). A dead engine fails
+        first."""
         check_reachable(self.engines)  # a dead engine would stall the rendezvous until timeout
-        port, world = free_port(self.host), first_engine_rank + len(self.engines)
+        world = first_engine_rank + len(self.engines)
+        self._store = host_store(self.host, world, self.timeout_s, self.ports)
+        port = self._store.port
         joins = self._post_all(
             "/init_weights_update_group",
             lambda i: {
@@ -34,11 +52,11 @@ class GroupTransport(RecordsPushes):
                 "rank_offset": first_engine_rank + i,
                 "world_size": world,
                 "group_name": self.group_name,
-                "backend": "gloo",
+                "backend": self.backend,
             },
         )
         try:
-            join_here({"host": self.host, "port": port, "world": world})
+            join_here({"host": self.host, "port": port, "world": world, "backend": self.backend})
         finally:
             self._wait(joins, "did not join the weight group")
 
@@ -62,3 +80,4 @@ class GroupTransport(RecordsPushes):
             except Exception:  # noqa: BLE001  (engine already gone)
                 pass
         self._pool.shutdown(wait=False)
+        self._store = None

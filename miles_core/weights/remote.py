@@ -1,33 +1,13 @@
-"""What transports to engine servers share: the client type they need, and pausing every
-engine around a load so that an unreachable engine fails the push before anything changed."""
+"""What transports to engine servers share: pausing every engine around a load so that an
+unreachable engine fails the push before anything changed, and the reachability check."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
 
 import httpx
 
-from miles_core.rollout.process import ProcessUnavailable
-
-
-class RemoteEngine(Protocol):
-    url: str
-
-    def pause(self, mode: str = "abort") -> None: ...
-
-    def resume(self) -> None: ...
-
-
-def require_remote(engines: list, transport: str) -> list:
-    for e in engines:
-        if not hasattr(e, "url"):
-            raise ValueError(
-                f"weight transport {transport!r} pushes to engine servers "
-                "(rollout.engine: server); this engine runs in the trainer's process — use "
-                "transport 'colocated'"
-            )
-    return list(engines)
+from miles_core.engine_api import ProcessUnavailable
 
 
 class PushFailed(RuntimeError):

@@ -12,26 +12,28 @@ its running requests keep their KV, which is what in_place means.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 
-from miles_core.weights.remote import RemoteEngine, paused, require_remote
+from miles_core.engine_api import SHARED_MEMORY
+from miles_core.weights.remote import paused
 from miles_core.weights.shm import ShmBucketWriter
-from miles_core.weights.transport import Bucket, PushStats, RecordsPushes, register_transport
+from miles_core.weights.source import TrainerWeights
+from miles_core.weights.transport import PushStats, TransportBase, register_transport
 
 
-class SharedMemoryTransport(RecordsPushes):
-    def __init__(self, **_options) -> None:
-        self.engines: list[RemoteEngine] = []
+class SharedMemoryTransport(TransportBase):
+    route = SHARED_MEMORY
+    name = "shared_memory"
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
         self.writer = ShmBucketWriter()
         self._parity = 0  # the file set the next push writes (engines serve the other one)
 
-    def connect(self, engines: list) -> None:
-        self.engines = require_remote(engines, "shared_memory")
-
-    def push(self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort") -> PushStats:
+    def push(self, source: TrainerWeights, version: int, pause_mode: str = "abort") -> PushStats:
         t0 = time.perf_counter()
         descriptions, nbytes = [], 0
-        for i, bucket in enumerate(buckets):  # consume every bucket (trainer collectives)
+        # consume every bucket (trainer collectives)
+        for i, bucket in enumerate(source.named_weights(self.bucket_bytes, self.dtype)):
             descriptions.append(self.writer.write(i, bucket, self._parity, adopt=True))
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         try:

@@ -1,21 +1,33 @@
 """The weight-transport protocol: how a trainer's new weights reach the rollout engines.
 
-Lifecycle of every push: pause → bucketed transfer → set version → continue, with bytes,
-seconds and GB/s recorded. Transports register by name (`register_transport`).
+`connect(engines)` (refusing an engine that lacks the transport's `route`), then per push
+`push(source, version, pause_mode)`: the transport takes the trainer's weights from `source`
+(weights/source.py: buckets of full tensors, or per-rank shards) with its own bucket size and
+dtype, and runs pause → transfer → set version → continue, recording bytes, seconds and GB/s;
+`close()` at the end. Transports register by name (`register_transport`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from miles_core.rollout.engine import RolloutEngine
+from miles_core.engine_api import RolloutEngine, require_route
+from miles_core.weights.source import Bucket, TrainerWeights
 
-Bucket = list[tuple[str, torch.Tensor]]
+__all__ = [
+    "Bucket",
+    "PushStats",
+    "TransportBase",
+    "WeightTransport",
+    "make_transport",
+    "register_transport",
+    "transport_route",
+]
 
 
 @dataclass
@@ -49,14 +61,57 @@ class RecordsPushes:
         return self.last.as_metrics()
 
 
+def push_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype pushed weights travel in; None (or float32): the trainer's own."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return None if dtype in (None, torch.float32) else dtype
+
+
+class TransportBase(RecordsPushes):
+    """What every transport holds: its engines, the route it needs, how it reads the source
+    (`bucket_bytes`, `dtype`: weight_sync.bucket_mb / weight_sync.dtype)."""
+
+    route: str = ""
+    name: str = ""
+    # connect() can take a fresh engine server mid-run (a replaced one); group transports cannot
+    # re-form their group with it
+    reconnects = True
+
+    def __init__(
+        self,
+        bucket_bytes: int = 64 << 20,
+        dtype: torch.dtype | str | None = None,
+        **_options,
+    ) -> None:
+        self.bucket_bytes = int(bucket_bytes)
+        self.dtype = push_dtype(dtype)
+        self.engines: list = []
+
+    def connect(self, engines: list) -> None:
+        self.engines = require_route(engines, self.route, self.name or type(self).__name__)
+
+    def buckets(self, source: TrainerWeights) -> list[Bucket]:
+        """Every bucket of the source, consumed (each is a collective on the trainer's ranks)."""
+        return [list(b) for b in source.named_weights(self.bucket_bytes, self.dtype)]
+
+    def close(self) -> None:
+        pass
+
+
 class WeightTransport(Protocol):
+    route: str  # the weight route (engine_api) an engine must take for this transport
+    reconnects: bool  # connect() may be called again with a replaced engine
+
     def connect(self, engines: list[RolloutEngine]) -> None: ...
 
     def push(
-        self, buckets: Iterable[Bucket], version: int, pause_mode: str = "abort"
+        self, source: TrainerWeights, version: int, pause_mode: str = "abort"
     ) -> PushStats: ...
 
     def metrics(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
 
 
 _TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {}
@@ -64,11 +119,25 @@ _TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {}
 
 def register_transport(name: str, factory: Callable[..., WeightTransport]) -> None:
     """`factory(**options)` builds the transport; it takes the options it knows (e.g. the disk
-    transport's `root`) and ignores the rest."""
+    transport's `root`; every one `bucket_bytes` and `dtype`) and ignores the rest."""
     _TRANSPORTS[name] = factory
 
 
-def make_transport(name: str, **options) -> WeightTransport:
+def transport_names() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
+def transport_route(name: str) -> str:
+    """The weight route transport `name` needs (for config checks before anything starts)."""
+    factory = _factory(name)
+    return str(getattr(factory, "route", ""))
+
+
+def _factory(name: str) -> Callable[..., WeightTransport]:
     if name not in _TRANSPORTS:
         raise ValueError(f"unknown weight transport {name!r}; known: {sorted(_TRANSPORTS)}")
-    return _TRANSPORTS[name](**options)
+    return _TRANSPORTS[name]
+
+
+def make_transport(name: str, **options) -> WeightTransport:
+    return _factory(name)(**options)

@@ -1,4 +1,4 @@
-"""Token-level losses: PPO-clip policy loss, k3 KL, entropy, masked cross-entropy (SFT).
+"""Token-level pieces of the losses: log-probs, entropy, PPO-clip, k3 KL, masked aggregation.
 
 All functions take per-token tensors of shape [B, T] and a 0/1 `mask`; aggregation is left to
 `aggregate`, so the same masked sum can be normalised by the global token count (token_mean) or

@@ -1,0 +1,346 @@
+"""Regenerate the tables in docs/benchmarks.md from benchmarks/results/*.json.
+
+Each benchmark writes its figures to `benchmarks/results/<name>.json` (`record.py`) and calls this
+module, so the docs always show the newest run. docs/benchmarks.md marks where each table goes:
+
+    <!-- results:weight_sync -->
+    ...generated, do not edit...
+    <!-- /results:weight_sync -->
+
+    python benchmarks/render_results.py           # rewrite the tables in docs/benchmarks.md
+    python benchmarks/render_results.py --check   # exit 1 if a table is stale or a block missing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+DOCS = HERE.parent / "docs" / "benchmarks.md"
+BLOCK = re.compile(
+    r"(<!-- results:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /results:(?P=name) -->)", re.S
+)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def _num(x: Any, fmt: str = ".3g") -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, (int, float)):
+        return format(x, fmt)
+    return str(x)
+
+
+def _ratio(value: Any, base: Any, fmt: str = ".2f") -> str:
+    if value is None or not base:
+        return "—"
+    return format(value / base, fmt)
+
+
+# ---------------------------------------------------------------- one renderer per benchmark
+def engine_vs_hf(r: dict[str, Any]) -> list[str]:
+    labels = {
+        "hf_generate": "`generate` (tok/s)",
+        "embedded": "embedded",
+        "in_process_float32": "serving fp32, in process",
+        "http_float32": "fp32 over HTTP",
+        "in_process_bfloat16": "serving bf16, in process",
+        "http_bfloat16": "bf16 over HTTP",
+    }
+    tps = r["tokens_per_s"]
+    names = list(next(iter(tps.values())))
+    rows = []
+    for preset, row in tps.items():
+        base = row.get("hf_generate")
+        cells = [f"{_num(row[n], '.0f')} ({_ratio(row[n], base)}×)" for n in names[1:]]
+        rows.append([preset, _num(base, ".0f"), *cells])
+    out = _table(["preset", *(labels.get(n, n) for n in names)], rows)
+    w = r.get("workload", {})
+    out += [
+        "",
+        f"Decode tokens/s (× `generate` in brackets); batch {w.get('batch')} × "
+        f"{w.get('prompt_tokens')}-token prompts × {w.get('new_tokens')} new tokens, sampling with "
+        f"log-probs. Target: ≥ {r.get('target')}× `generate`.",
+    ]
+    return out
+
+
+def prefix_cache(r: dict[str, Any]) -> list[str]:
+    sec = r.get("seconds", {})
+    by_turn = r.get("hit_rate_by_turn")
+    turns = (
+        f"{by_turn[0]:.3f} on the first turn, then {_span(by_turn[1:])}"
+        if by_turn and len(by_turn) > 1
+        else r.get("hit_rate_by_turn_summary", "—")
+    )
+    out = _table(
+        [
+            "preset",
+            "sessions × turns",
+            "hit rate",
+            "per turn",
+            "prompt tokens",
+            "s with reuse",
+            "s without",
+            "speed-up",
+        ],
+        [
+            [
+                str(r.get("preset")),
+                f"{r.get('sessions')} × {r.get('turns')}",
+                _num(r.get("prefix_cache_hit_rate"), ".4f"),
+                turns,
+                _num(r.get("prompt_tokens"), ",d") if r.get("prompt_tokens") else "—",
+                _num(sec.get("on"), ".2f"),
+                _num(sec.get("off"), ".2f"),
+                f"{_num(r.get('speedup_from_prefix_cache'), '.1f')}×",
+            ]
+        ],
+    )
+    return out
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = f"{min(values):.3f}", f"{max(values):.3f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def weight_sync(r: dict[str, Any]) -> list[str]:
+    gbps, frac = r["gbps"], r["fraction_of_memcpy"]
+    transports = list(next(iter(frac.values())))
+    rows = []
+    for preset, row in gbps.items():
+        mb = r.get("bytes", {}).get(preset)
+        cells = [f"{_num(row[t], '.2f')} ({_num(frac[preset][t], '.2f')})" for t in transports]
+        rows.append(
+            [preset, _num(mb / 1e6 if mb else None, ".1f"), _num(row["memcpy"], ".1f"), *cells]
+        )
+    out = _table(["preset", "MB", "memcpy GB/s", *transports], rows)
+    out += ["", "GB/s per push (fraction of memcpy in brackets).", ""]
+    delta_rows = [
+        [
+            preset,
+            _num(r["delta_bytes_fraction"].get(preset), ".3f"),
+            _num(r.get("delta_bytes_fraction_step10", {}).get(preset), ".3f"),
+            _num(r.get("delta_bytes_fraction_fp32", {}).get(preset), ".3f"),
+        ]
+        for preset in r["delta_bytes_fraction"]
+    ]
+    out += _table(
+        ["preset", "disk delta / full push, bf16, 1st step", "bf16, 10th step", "fp32, 1st step"],
+        delta_rows,
+    )
+    t = r.get("targets", {})
+    if t:
+        out += [
+            "",
+            "Targets: shared_memory ≥ "
+            f"{t.get('shared_memory')} of memcpy, broadcast ≥ {t.get('broadcast')}, disk delta ≤ "
+            f"{t.get('delta_bytes_fraction')} of a full push.",
+        ]
+    return out
+
+
+def async_vs_sync(r: dict[str, Any]) -> list[str]:
+    sps = r["steps_per_s"]
+    base = sps[r["sync_baseline"]]
+    stale = r.get("mean_staleness_by_variant", {"fully_async": r.get("mean_staleness")})
+    threads = r.get("threads", {})
+    rows = [
+        [
+            f"**{name}**" if name == r["sync_baseline"] else name,
+            _num(threads.get(name)),
+            _num(v, ".2f"),
+            _ratio(v, base),
+            _num(stale.get(name), ".2f"),
+            _num(r.get("reward_last5", {}).get(name), ".3f"),
+        ]
+        for name, v in sps.items()
+    ]
+    out = _table(
+        ["variant", "threads", "steps/s", "× best sync", "mean staleness", "reward, last 5 steps"],
+        rows,
+    )
+    out += [
+        "",
+        f"Preset {r.get('preset')}; the best sync variant (bold) is the baseline. Target: "
+        f"fully_async ≥ {r.get('target')}× sync.",
+    ]
+    return out
+
+
+def step_time(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for preset, step in r["step_time_s"].items():
+        ph = r.get("phase_s", {}).get(preset, {})
+        rows.append(
+            [
+                preset,
+                _num(step, ".3f"),
+                _num(ph.get("rollout_s"), ".3f"),
+                _num(ph.get("train_s"), ".3f"),
+                _num(ph.get("weight_sync_s"), ".3f"),
+                _num(ph.get("orchestration_s"), ".3f"),
+                _pct(r.get("orchestration_share", {}).get(preset)),
+                _pct(r.get("overhead_vs_plain", {}).get(preset), sign=True),
+                _num(r.get("prefect_server_cpu_s_per_step", {}).get(preset), ".2f"),
+            ]
+        )
+    out = _table(
+        [
+            "preset",
+            "flow step s",
+            "rollout s",
+            "train s",
+            "weight sync s",
+            "orchestration s",
+            "orchestration share",
+            "flow vs plain loop",
+            "Prefect server CPU-s / step",
+        ],
+        rows,
+    )
+    out += ["", f"Mean of {r.get('steps_measured')} measured steps per preset."]
+    return out
+
+
+def _pct(x: Any, sign: bool = False) -> str:
+    if x is None:
+        return "—"
+    return f"{x * 100:+.1f} %" if sign else f"{x * 100:.1f} %"
+
+
+def session_load(r: dict[str, Any]) -> list[str]:
+    lat = r.get("latency_s", {})
+    return _table(
+        [
+            "sessions × turns",
+            "requests",
+            "errors",
+            "p50 s",
+            "p90 s",
+            "p99 s",
+            "turns/s",
+            "branches",
+            "TITO token edits",
+        ],
+        [
+            [
+                f"{r.get('sessions')} × {r.get('turns')}",
+                _num(r.get("requests")),
+                _num(r.get("errors")),
+                _num(lat.get("p50"), ".2f"),
+                _num(lat.get("p90"), ".2f"),
+                _num(lat.get("p99"), ".2f"),
+                _num(r.get("turns_per_s"), ".0f"),
+                _num(r.get("branches")),
+                _num(r.get("tito_token_edits", r.get("mismatched_tokens"))),
+            ]
+        ],
+    )
+
+
+def _generic(r: dict[str, Any]) -> list[str]:
+    return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "engine_vs_hf": engine_vs_hf,
+    "prefix_cache": prefix_cache,
+    "weight_sync": weight_sync,
+    "async_vs_sync": async_vs_sync,
+    "step_time": step_time,
+    "session_load": session_load,
+}
+
+
+def provenance(payload: dict[str, Any]) -> str:
+    m = payload.get("machine") or {}
+    commit = (payload.get("git_commit") or {}).get("sha")
+    where = m.get("description") or ", ".join(
+        str(x)
+        for x in (
+            m.get("processor"),
+            f"{m['cpus_usable']} usable cores" if m.get("cpus_usable") else None,
+            m.get("gpu"),
+        )
+        if x
+    )
+    parts = [f"Measured {payload.get('measured_at', '?')[:10]}"]
+    if where:
+        parts.append(f"on {where}")
+    if commit:
+        dirty = (payload.get("git_commit") or {}).get("dirty")
+        parts.append(f"at commit `{commit[:10]}`" + (" with uncommitted changes" if dirty else ""))
+    text = " ".join(parts) + f" (`{payload.get('command', '?')}`)."
+    if payload.get("source") and payload["source"] != "measured by the benchmark":
+        text += f" Source: {payload['source']}."
+    return "_" + text + "_"
+
+
+def render_block(name: str, results_dir: Path = RESULTS_DIR) -> str:
+    path = results_dir / f"{name}.json"
+    if not path.exists():
+        return f"_Not measured yet: run `python benchmarks/{name}.py`._\n"
+    payload = json.loads(path.read_text())
+    lines = RENDERERS.get(name, _generic)(payload["result"])
+    return "\n".join([*lines, "", provenance(payload), ""])
+
+
+def render_text(text: str, results_dir: Path = RESULTS_DIR) -> str:
+    return BLOCK.sub(
+        lambda m: m.group(1) + render_block(m.group("name"), results_dir) + m.group(4), text
+    )
+
+
+def problems(text: str, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """What --check reports: results files without a block in the docs, blocks that are stale."""
+    blocks = {m.group("name") for m in BLOCK.finditer(text)}
+    out = [
+        f"benchmarks/results/{p.name} has no '<!-- results:{p.stem} -->' block in docs/benchmarks.md"
+        for p in sorted(results_dir.glob("*.json"))
+        if p.stem not in blocks
+    ]
+    if render_text(text, results_dir) != text:
+        out.append("docs/benchmarks.md is stale: run `python benchmarks/render_results.py`")
+    return out
+
+
+def render_docs(docs: Path = DOCS, results_dir: Path = RESULTS_DIR) -> bool:
+    """Rewrite the generated blocks of `docs`; True when something changed."""
+    if not docs.exists():
+        return False
+    text = docs.read_text()
+    new = render_text(text, results_dir)
+    if new != text:
+        docs.write_text(new)
+    return new != text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is stale")
+    args = ap.parse_args()
+    if args.check:
+        found = problems(DOCS.read_text())
+        for p in found:
+            print(p, file=sys.stderr)
+        return 1 if found else 0
+    print("updated" if render_docs() else "up to date", DOCS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Rollout engines by name (`rollout.engine`), like transports and trainer backends: a factory
+builds the engine a run uses from its `EngineSetup`, and declares the weight routes the engine
+takes, so a config's transport is checked against its engine before anything starts.
+
+    embedded  EmbeddedEngine in the trainer's process (tensor route)
+    serving   ServingEngine in the trainer's process, stepped by the caller (tensor route)
+    server    the serving engine as a subprocess behind SGLang's HTTP API (EngineProcess +
+              HttpEngine: shared memory, disk, distributed group); supervised by the runtime
+
+A new engine is a factory registered here (or under an import path `pkg.mod:factory`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_core.engine_api import IN_PROCESS_ROUTES, SERVER_ROUTES, RolloutEngine
+
+
+@dataclass
+class EngineSetup:
+    """What an engine factory may use: the rollout section and the run's model."""
+
+    rollout: Any  # RolloutConfig
+    model: Any  # the HF model, loaded from model_dir (in-process engines generate with it)
+    tokenizer: Any
+    model_dir: Path
+    seed: int
+    workdir: Path
+    port_range: Any = None  # miles_core.ports.PortRange | None
+
+    @property
+    def batch(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
+
+
+@dataclass
+class BuiltEngine:
+    engine: RolloutEngine
+    process: Any = None  # the engine server's ManagedProcess, to supervise and stop (or None)
+
+
+EngineFactory = Callable[[EngineSetup], BuiltEngine]
+_ENGINES: dict[str, EngineFactory] = {}
+_ROUTES: dict[str, frozenset[str]] = {}
+
+
+def register_engine(name: str, factory: EngineFactory, routes: frozenset[str]) -> None:
+    _ENGINES[name] = factory
+    _ROUTES[name] = frozenset(routes)
+
+
+def _resolve(name: str) -> str:
+    if name in _ENGINES:
+        return name
+    if ":" in name:  # pkg.mod:factory — importing it registers it under `name`
+        mod, _, attr = name.partition(":")
+        factory = getattr(importlib.import_module(mod), attr)
+        register_engine(name, factory, getattr(factory, "weight_routes", SERVER_ROUTES))
+        return name
+    raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(_ENGINES)}")
+
+
+def engine_routes(name: str) -> frozenset[str]:
+    """The weight routes engine `name` takes (for config checks before anything starts)."""
+    return _ROUTES[_resolve(name)]
+
+
+def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
+    return _ENGINES[_resolve(name)](setup)
+
+
+# ---------------------------------------------------------------------- the built-in engines
+def _embedded(s: EngineSetup) -> BuiltEngine:
+    from miles_core.rollout.embedded import EmbeddedEngine
+
+    return BuiltEngine(EmbeddedEngine(s.model, s.tokenizer, seed=s.seed))
+
+
+def _serving(s: EngineSetup) -> BuiltEngine:
+    from miles_core.rollout.serving import ServingEngine
+
+    r = s.rollout
+    engine = ServingEngine(
+        s.model,
+        s.tokenizer,
+        seed=s.seed,
+        max_running=s.batch,
+        dtype=r.dtype,
+        scheduler="caller",
+        device=r.device,
+    )
+    return BuiltEngine(engine)
+
+
+def _server(s: EngineSetup) -> BuiltEngine:
+    """The serving engine as a subprocess on 127.0.0.1, stopped by PID when the run closes."""
+    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+
+    r = s.rollout
+    # async modes may have 1 + max_staleness steps of groups in flight at once
+    running = s.batch if r.mode == "sync" else s.batch * (1 + r.max_staleness)
+    args = ["--max-running", str(running), "--seed", str(s.seed), "--dtype", r.dtype]
+    args += ["--device", r.device]
+    if r.engine_threads:
+        args += ["--threads", str(r.engine_threads)]
+    process = EngineProcess(
+        s.model_dir, args=args, log_path=s.workdir / "engine.log", port_range=s.port_range
+    ).start()
+    # our engine server takes SGLang's batch form: one call per group
+    client = HttpEngine(process.url, concurrency=s.batch, batch_size=r.n_samples_per_prompt)
+    return BuiltEngine(client, process)
+
+
+register_engine("embedded", _embedded, IN_PROCESS_ROUTES)
+register_engine("serving", _serving, IN_PROCESS_ROUTES)
+register_engine("server", _server, SERVER_ROUTES)

@@ -1,0 +1,249 @@
+"""Per-token fields: named arrays that travel with a sample's tokens, each declared once.
+
+A `TokenField` says everything the pipeline needs to carry one kind of per-token data (routed
+experts for routing replay, teacher log-probs for distillation, quantization scales, ...) from an
+engine response to the trainer's micro-batch, with no per-field code anywhere on the way:
+
+- `name`, `dtype` (a numpy dtype name) and `shape` (per token: `()` for a scalar, `(layers, k)`
+  for routed experts): an array of the field is `[rows, *shape]` of that dtype;
+- `wire_key` and `encoding`: where the engine puts it in a `/generate` response's `meta_info`
+  (`list`: nested JSON lists; `base64`: the raw little-endian bytes, as SGLang sends
+  `routed_experts`);
+- `align`: `response` — one row per response token (row i belongs to response token i);
+  `sequence` — one row per input position but the last (`len(tokens) - 1` rows: row j was
+  computed while the model processed token j, SGLang's layout for routed experts);
+- `fill`: the value of the rows a session adds between turns (observation / prompt tokens the
+  engine did not generate; `response` fields only: a `sequence` field gets them from the next
+  turn's prefill);
+- `pad`: the value of padding rows in a micro-batch.
+
+Joining is the same for every field (`join`): a continuation after a pause-abort appends its
+rows; a session turn appends `fill` rows for the appended tokens, then its own rows.
+
+Fields are registered by name (`register_token_field`); a user's field is a module-level
+`TokenField` loaded by import path (`load_token_field("pkg.mod:FIELD")`), which registers it.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+Align = Literal["response", "sequence"]
+Encoding = Literal["list", "base64"]
+_LITTLE = "<"  # wire and checkpoint byte order
+
+
+@dataclass(frozen=True)
+class TokenField:
+    name: str
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    wire_key: str = ""  # meta_info key; default: the name
+    encoding: Encoding = "list"
+    align: Align = "response"
+    fill: float = 0
+    pad: float = 0
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"token field name {self.name!r} must be an identifier")
+        try:
+            kind = np.dtype(self.dtype).kind
+        except TypeError:
+            raise ValueError(f"token field {self.name}: unknown dtype {self.dtype!r}") from None
+        if kind not in "biuf":
+            raise ValueError(
+                f"token field {self.name}: dtype {self.dtype!r} is not numeric (bool, int, float)"
+            )
+        shape = tuple(self.shape)
+        if any(not isinstance(d, int) or d <= 0 for d in shape):
+            raise ValueError(f"token field {self.name}: shape {shape} needs positive ints")
+        if self.encoding not in ("list", "base64"):
+            raise ValueError(f"token field {self.name}: unknown encoding {self.encoding!r}")
+        if self.align not in ("response", "sequence"):
+            raise ValueError(f"token field {self.name}: unknown align {self.align!r}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "wire_key", self.wire_key or self.name)
+
+    # ------------------------------------------------------------------ arrays
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    def empty(self) -> np.ndarray:
+        return np.zeros((0, *self.shape), dtype=self.np_dtype)
+
+    def array(self, value: Any) -> np.ndarray:
+        """`value` as this field's array `[rows, *shape]` (a copy; raises on a wrong shape)."""
+        arr = np.array(value, dtype=self.np_dtype)
+        if arr.size == 0:
+            return self.empty()
+        if arr.shape[1:] != self.shape:
+            raise ValueError(
+                f"token field {self.name}: rows of shape {arr.shape[1:]}, declared {self.shape}"
+            )
+        return arr
+
+    def rows(self, n_tokens: int, response_length: int) -> int:
+        """The rows a sample of `n_tokens` tokens (`response_length` of them generated) holds."""
+        return response_length if self.align == "response" else max(n_tokens - 1, 0)
+
+    def join(self, prev: np.ndarray | None, new: np.ndarray, appended: int = 0) -> np.ndarray:
+        """`prev` (the trajectory so far) extended by the rows of a later generation call.
+
+        `response`: prev + `appended` fill rows (tokens added between session turns) + new.
+        `sequence`: `new` covers the call's whole input, so prev + the rows of `new` past it."""
+        if prev is None:
+            prev = self.empty()
+        if self.align == "sequence":
+            if len(new) < len(prev):
+                raise ValueError(
+                    f"token field {self.name}: a later call returned {len(new)} rows, fewer "
+                    f"than the {len(prev)} the trajectory already has"
+                )
+            return np.concatenate([prev, new[len(prev) :]])
+        gap = np.full((appended, *self.shape), self.fill, dtype=self.np_dtype)
+        return np.concatenate([prev, gap, new])
+
+    # ------------------------------------------------------------------ engine wire format
+    def decode(self, raw: Any) -> np.ndarray:
+        """The field's array from its `meta_info` value."""
+        if self.encoding == "base64":
+            if not isinstance(raw, str):
+                raise ValueError(f"token field {self.name}: base64 payload expected")
+            data = base64.b64decode(raw)
+            row = self.np_dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+            if len(data) % row:
+                raise ValueError(
+                    f"token field {self.name}: {len(data)} bytes are not whole rows of "
+                    f"{self.shape} {self.dtype}"
+                )
+            buf = np.frombuffer(data, dtype=self.np_dtype.newbyteorder(_LITTLE))
+            return buf.astype(self.np_dtype).reshape(-1, *self.shape)
+        return self.array(raw)
+
+    def encode(self, arr: np.ndarray) -> Any:
+        """The `meta_info` value of an array (what an engine that emits this field sends)."""
+        arr = self.array(arr)
+        if self.encoding == "base64":
+            return _b64(arr)
+        return arr.tolist()
+
+    # ------------------------------------------------------------------ JSON (checkpoints)
+    def to_json(self, arr: np.ndarray) -> dict[str, Any]:
+        """Exact: the raw bytes, whatever the encoding on the wire."""
+        arr = self.array(arr)
+        return {"rows": int(arr.shape[0]), "data": _b64(arr)}
+
+    def from_json(self, data: dict[str, Any]) -> np.ndarray:
+        raw = base64.b64decode(data["data"])
+        buf = np.frombuffer(raw, dtype=self.np_dtype.newbyteorder(_LITTLE))
+        return buf.astype(self.np_dtype).reshape(int(data["rows"]), *self.shape)
+
+
+def _b64(arr: np.ndarray) -> str:
+    little = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder(_LITTLE))
+    return base64.b64encode(little.tobytes()).decode("ascii")
+
+
+# ---------------------------------------------------------------------- registry
+_REGISTRY: dict[str, TokenField] = {}
+
+
+def register_token_field(f: TokenField) -> TokenField:
+    """Declares `f` (once per name; registering the same declaration again is a no-op)."""
+    if not isinstance(f, TokenField):
+        raise TypeError(f"register_token_field takes a TokenField, got {type(f).__name__}")
+    old = _REGISTRY.get(f.name)
+    if old is not None and old != f:
+        raise ValueError(f"token field {f.name!r} is already declared differently: {old}")
+    clash = next(
+        (o for o in _REGISTRY.values() if o.wire_key == f.wire_key and o.name != f.name), None
+    )
+    if clash is not None:
+        raise ValueError(
+            f"token field {f.name!r}: meta_info key {f.wire_key!r} is field {clash.name!r}'s"
+        )
+    _REGISTRY[f.name] = f
+    return f
+
+
+def unregister_token_field(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def get_token_field(name: str) -> TokenField:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise KeyError(
+            f"no token field named {name!r} is declared (declared: {known}); register it with "
+            "register_token_field or load it by import path (pkg.mod:FIELD)"
+        ) from None
+
+
+def declared_fields() -> list[TokenField]:
+    return list(_REGISTRY.values())
+
+
+def load_token_field(path: str) -> TokenField:
+    """Imports `pkg.mod:NAME` (a TokenField) and registers it."""
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"token field {path!r}: expected an import path pkg.mod:NAME")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"token field {path!r} cannot be loaded: {e}") from e
+    if not isinstance(obj, TokenField):
+        raise ValueError(f"token field {path!r} is a {type(obj).__name__}, not a TokenField")
+    return register_token_field(obj)
+
+
+def load_token_fields(paths: Iterable[str]) -> list[TokenField]:
+    return [load_token_field(p) for p in paths]
+
+
+# ---------------------------------------------------------------------- generic helpers
+def decode_meta(meta: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The declared fields present in an engine response's `meta_info` extras."""
+    return {f.name: f.decode(meta[f.wire_key]) for f in _REGISTRY.values() if f.wire_key in meta}
+
+
+def check_lengths(fields: dict[str, np.ndarray], n_tokens: int, response_length: int) -> None:
+    """Raises ValueError naming the first field whose rows do not match the tokens."""
+    for name, arr in fields.items():
+        f = get_token_field(name)
+        want = f.rows(n_tokens, response_length)
+        if not isinstance(arr, np.ndarray) or arr.shape != (want, *f.shape):
+            got = getattr(arr, "shape", type(arr).__name__)
+            raise ValueError(
+                f"token field {name} ({f.align}-aligned) has shape {got}, expected "
+                f"{(want, *f.shape)} for {n_tokens} tokens of which {response_length} generated"
+            )
+
+
+def fields_to_json(fields: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {name: get_token_field(name).to_json(arr) for name, arr in fields.items()}
+
+
+def fields_from_json(data: dict[str, Any] | None) -> dict[str, np.ndarray]:
+    return {name: get_token_field(name).from_json(v) for name, v in (data or {}).items()}
+
+
+def join_fields(
+    prev: dict[str, np.ndarray], new: dict[str, np.ndarray], appended: int = 0
+) -> dict[str, np.ndarray]:
+    """`prev` extended by a later call's fields (`TokenField.join`, field by field)."""
+    out = dict(prev)
+    for name, arr in new.items():
+        out[name] = get_token_field(name).join(prev.get(name), arr, appended)
+    return out

@@ -1,0 +1,41 @@
+"""Where the trainer runs: `train.device` (auto | cpu | cuda) → a torch device, and the process
+group backend that goes with it (gloo on CPU, nccl on CUDA). The one place that names a vendor
+for the trainer; backends ask here instead of testing for CUDA themselves."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(name: str) -> str:
+    """`name` if this machine can run it; a clear error (before anything starts) otherwise."""
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device cuda was asked for, but torch sees no CUDA device on this machine "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use cpu or auto"
+        )
+    return name
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """auto → cuda when available, else cpu. On CUDA a process takes the GPU of its local rank
+    (torchrun's LOCAL_RANK), so N ranks on one node use N devices."""
+    if isinstance(name, torch.device):
+        return name
+    check_device(name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def dist_backend(device: torch.device | str) -> str:
+    """The torch.distributed backend for collectives on tensors of `device`."""
+    return "nccl" if resolve_device(device).type == "cuda" else "gloo"

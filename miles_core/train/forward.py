@@ -1,0 +1,61 @@
+"""What a backend's forward takes (`MicroBatch`) and gives (`TokenOutputs`), and what a loss asks
+of it (`LossNeeds`). Everything is response-aligned: [B, R], R = the longest response."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from miles_core.train.batch import PaddedBatch, TrainBatch
+
+
+@dataclass(frozen=True)
+class LossNeeds:
+    """entropy: none | value (for metrics, no gradient) | grad (in the loss);
+    reference: log-probs of the frozen initial policy (KL to reference)."""
+
+    entropy: Literal["none", "value", "grad"] = "none"
+    reference: bool = False
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of this rank: its rows (`batch`, lists) and their padded tensors on the
+    trainer's device (`padded`). Per-token fields of the batch reach a loss through both."""
+
+    batch: TrainBatch
+    padded: PaddedBatch
+
+    @classmethod
+    def build(cls, batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
+        padded = PaddedBatch.build(batch, pad_id)
+        return cls(batch, padded if device.type == "cpu" else padded.to(device))
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.padded.mask
+
+    @property
+    def temperature(self) -> float:
+        return self.batch.temperature
+
+    def per_token(self, rows: list[list[float]]) -> torch.Tensor:
+        """Response-aligned rows as a [B, R] float tensor on the device (0 past each row)."""
+        return self.padded.per_token(rows)
+
+    def per_row(self, values: list[float]) -> torch.Tensor:
+        """One float per row, as a [B] tensor on the device."""
+        return torch.tensor(values, dtype=torch.float32, device=self.mask.device)
+
+
+@dataclass
+class TokenOutputs:
+    """A forward's result for a micro-batch: the policy's per-token log-probs (with gradient in a
+    train step), its entropy if asked (detached unless `LossNeeds.entropy == "grad"`), and the
+    reference policy's log-probs if asked (no gradient)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None

@@ -1,0 +1,44 @@
+"""The loss protocol: a function of a backend's `TokenOutputs` and a typed config.
+
+A loss is registered by name (`miles_core.train.registry.register_loss`) or given by import path;
+`train_step(batch, loss=name)` resolves it on every rank, so follower ranks run the same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
+
+
+class Loss(Protocol):
+    def config(self, settings: Mapping[str, Any]) -> Any:
+        """The loss's typed config, read from the trainer's loss settings (the `train` section
+        as a mapping; {} for SFT): unknown keys are ignored, missing ones take defaults."""
+        ...
+
+    def aggregation(self, cfg: Any) -> str:
+        """How the step loop sizes the global denominator: token_mean (tokens of the global
+        batch), seq_mean_token_mean (sequences) or rollout_mean_token_mean (rollouts)."""
+        ...
+
+    def needs(self, cfg: Any) -> LossNeeds:
+        """What the backend's forward must return besides log-probs."""
+        ...
+
+    def __call__(
+        self, out: TokenOutputs, mb: MicroBatch, cfg: Any, denom: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(this micro-batch's loss, already divided by the global `denom`; its stats). A stat
+        named `_x` is a token sum, reported as `x` divided by the global token count; any other
+        stat is summed over micro-batches and ranks as it is."""
+        ...
+
+
+def pick(cls: type, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of `settings` that are fields of dataclass `cls`."""
+    names = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    return {k: v for k, v in settings.items() if k in names}

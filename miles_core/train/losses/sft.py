@@ -1,0 +1,34 @@
+"""SFT: masked cross-entropy over the loss-masked tokens, divided by the global token count."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
+from miles_core.train.losses.functional import aggregate
+
+
+@dataclass(frozen=True)
+class SFTLossConfig:
+    pass
+
+
+class SFTLoss:
+    def config(self, settings: Mapping[str, Any]) -> SFTLossConfig:
+        return SFTLossConfig()
+
+    def aggregation(self, cfg: SFTLossConfig) -> str:
+        return "token_mean"
+
+    def needs(self, cfg: SFTLossConfig) -> LossNeeds:
+        return LossNeeds()
+
+    def __call__(
+        self, out: TokenOutputs, mb: MicroBatch, cfg: SFTLossConfig, denom: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        nll = aggregate(-out.log_probs, mb.mask, "token_mean", denom)
+        return nll, {"loss": float(nll.detach())}

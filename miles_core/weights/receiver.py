@@ -1,0 +1,157 @@
+"""The engine's side of the group transports (broadcast, p2p): the groups it joined and the
+tensors it staged, loaded all or nothing by the call that carries the new version.
+
+A receive that fails (a refused bucket, a sender that goes away, a load the model refuses)
+drops everything staged for that group, so the next push loads exactly what it sends and never
+a mix with the remains of a failed one. A refused bucket whose layout is known is still received
+(into scratch buffers, then dropped) so the trainer's broadcast does not wait on us.
+
+The engine server's routes only translate HTTP to these calls (rollout/server.py); `load` is the
+engine's `update_weights_from_tensor(tensors, flush_cache, adopt)` and `params` its
+{name: tensor} (names and shapes are checked before a single byte is kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_core.weights.group import (
+    BACKENDS,
+    backend_for,
+    flat_layout,
+    open_group,
+    receive_bucket,
+    receive_shards,
+)
+from miles_core.weights.source import TensorPlan, check_plan
+
+P2P_FORMAT = "p2p_shards"
+
+
+class ReceiveRefused(ValueError):
+    """The push cannot be taken (bad metadata, names or shapes this model lacks, a failed
+    transfer); nothing of it is staged any more and the engine keeps its weights."""
+
+
+@dataclass
+class _Group:
+    store: object
+    pg: object
+    staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+class GroupReceiver:
+    def __init__(
+        self,
+        params: Callable[[], dict[str, torch.Tensor]],
+        load: Callable[[list, bool], None],
+        device: str | torch.device = "cpu",
+        timeout_s: float = 120.0,
+    ):
+        self._params = params
+        self._load = load  # load(tensors, flush_cache): all or nothing, raises KeyError/ValueError
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self._groups: dict[str, _Group] = {}
+
+    # ------------------------------------------------------------------ groups
+    def join(self, name: str, host: str, port: int, rank: int, world: int, backend: str) -> None:
+        """Joins the trainer's group as `rank` (blocks until every member is in)."""
+        want = backend_for(self.device)
+        if backend not in BACKENDS or backend != want:
+            raise ReceiveRefused(
+                f"backend {backend!r} does not fit this engine's device ({self.device}); "
+                f"use {want!r}"
+            )
+        if name in self._groups:
+            raise ReceiveRefused(f"weight update group {name!r} already exists")
+        try:
+            store, pg = open_group(host, port, rank, world, self.timeout_s, backend)
+        except Exception as e:  # noqa: BLE001  (rendezvous failures: timeout, refused)
+            raise ReceiveRefused(f"could not join weight update group {name!r}: {e}") from e
+        self._groups[name] = _Group(store, pg)
+
+    def leave(self, name: str) -> None:
+        if self._groups.pop(name, None) is None:
+            raise ReceiveRefused(f"no weight update group {name!r}")
+
+    def staged(self, name: str) -> int:
+        """How many tensors are staged for group `name` (0 after any failure)."""
+        group = self._groups.get(name)
+        return 0 if group is None else len(group.staged)
+
+    # ------------------------------------------------------------------ receive
+    def receive(
+        self,
+        name: str,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        last: bool,
+        flush_cache: bool = True,
+        load_format: str | None = None,
+        plan: list[dict] | None = None,
+        senders: int | None = None,
+    ) -> int:
+        """One bucket (broadcast) or the whole plan (p2p); with `last`, loads everything staged
+        (all or nothing). Returns the tensors received. Any failure drops what was staged."""
+        group = self._groups.get(name)
+        if group is None:
+            raise ReceiveRefused(f"no weight update group {name!r}; init it first")
+        try:
+            if load_format == P2P_FORMAT:
+                received = self._receive_plan(group, names, plan, senders)
+            elif load_format:
+                raise ReceiveRefused(f"load_format {load_format!r} is not supported here")
+            else:
+                received = self._receive_bucket(group, names, dtypes, shapes)
+            group.staged += received
+            if last:
+                tensors, group.staged = group.staged, []
+                try:
+                    self._load(tensors, flush_cache)
+                except (KeyError, ValueError) as e:
+                    raise ReceiveRefused(f"weights do not fit this model: {e}") from e
+            return len(received)
+        except BaseException:
+            group.staged = []  # a failed push leaves nothing behind for the next one
+            raise
+
+    def _receive_bucket(self, group: _Group, names, dtypes, shapes) -> list:
+        try:
+            flat_layout(names, dtypes, shapes)
+        except ValueError as e:  # sizes unknown: nothing can be received in step
+            raise ReceiveRefused(str(e)) from e
+        refusal = self._misfit(list(zip(names, shapes, strict=True)))
+        received = receive_bucket(group.pg, names, dtypes, shapes, self.device)
+        if refusal:  # received in step with the sender, then dropped
+            raise ReceiveRefused(f"weights do not fit this model: {refusal}")
+        return received
+
+    def _receive_plan(self, group: _Group, names, plan, senders) -> list:
+        try:
+            tensors = [TensorPlan.from_json(t) for t in plan or []]
+            check_plan(tensors, int(senders or 0))
+            flat_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
+        except (KeyError, TypeError, ValueError) as e:  # sizes unknown: cannot stay in step
+            raise ReceiveRefused(f"malformed p2p placement plan: {e}") from e
+        if [t.name for t in tensors] != list(names):
+            raise ReceiveRefused("the p2p plan does not list the names of the request")
+        refusal = self._misfit([(t.name, t.shape) for t in tensors])
+        received = receive_shards(group.pg, tensors, self.device)
+        if refusal:  # received in step with the senders, then dropped
+            raise ReceiveRefused(f"weights do not fit this model: {refusal}")
+        return received
+
+    def _misfit(self, shapes: list[tuple[str, list[int]]]) -> str:
+        params = self._params()
+        for name, shape in shapes:
+            p = params.get(name)
+            if p is None:
+                return f"engine has no parameter named {name!r}"
+            if list(p.shape) != list(shape):
+                return f"{name}: engine shape {tuple(p.shape)} != pushed {tuple(shape)}"
+        return ""

@@ -1,0 +1,156 @@
+"""How weights leave a trainer: the contract every trainer backend offers the transports.
+
+Two shapes, one per kind of transport:
+
+- HF-named full tensors in buckets (`named_weights`), gathered on the trainer's rank 0: what the
+  colocated, shared-memory, disk and broadcast transports send;
+- per-rank shards with a placement plan (`shard_plan` + `join_group` / `send_shards`): every
+  trainer rank sends what it holds, no gather. The plan says, for each HF name, the full shape,
+  the dtype sent and the (dim, start, length) slice each trainer rank holds; the engine assembles
+  full tensors from the plan. FSDP2 shards along dim 0; tensor-parallel shards use other dims.
+
+`TensorBuckets` is a plain-buckets source for tests and benchmarks (no trainer behind it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Trainer rank `rank` holds `full.narrow(dim, start, length)` of a tensor."""
+
+    rank: int
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str  # HF name
+    shape: list[int]  # full shape
+    dtype: str  # as sent ("float32", "bfloat16", …)
+    pieces: list[Placement]  # in send order; empty slices (length 0) are not sent
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "pieces": [[p.rank, p.dim, p.start, p.length] for p in self.pieces],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> TensorPlan:
+        return cls(
+            str(data["name"]),
+            [int(d) for d in data["shape"]],
+            str(data["dtype"]),
+            [Placement(*(int(x) for x in p)) for p in data["pieces"]],
+        )
+
+
+ShardPlan = list[TensorPlan]  # in the order `send_shards` sends (the tag of each is its index)
+
+
+def check_plan(plan: ShardPlan, senders: int) -> None:
+    """Every piece comes from a sender rank, and the pieces of a tensor tile it along one dim
+    without gaps or overlaps (a plan the engine can assemble)."""
+    for t in plan:
+        pieces = sorted(t.pieces, key=lambda p: p.start)
+        dims = {p.dim for p in pieces}
+        if not t.shape:  # a scalar: one piece of length 1 on dim 0
+            if [(p.start, p.length) for p in pieces] != [(0, 1)]:
+                raise ValueError(f"{t.name}: a scalar needs exactly one piece")
+        elif len(dims) != 1 or not 0 <= next(iter(dims)) < len(t.shape):
+            raise ValueError(f"{t.name}: pieces must split one dim of shape {t.shape}")
+        else:
+            at = 0
+            for p in pieces:
+                if p.start != at or p.length < 0:
+                    raise ValueError(f"{t.name}: pieces do not tile shape {t.shape} ({p})")
+                at += p.length
+            if at != t.shape[pieces[0].dim]:
+                raise ValueError(f"{t.name}: pieces cover {at} of {t.shape[pieces[0].dim]} rows")
+        for p in pieces:
+            if not 0 <= p.rank < senders:
+                raise ValueError(f"{t.name}: piece from rank {p.rank}, not one of {senders}")
+
+
+def dim_chunks(size: int, world: int) -> list[tuple[int, int]]:
+    """(start, length) per rank of `torch.chunk(size, world)`: ceil-sized chunks, trailing ranks
+    may hold none (how FSDP2's `Shard(dim)` splits a parameter)."""
+    step = -(-size // world) if size else 0
+    out = []
+    for r in range(world):
+        a, b = min(r * step, size), min((r + 1) * step, size)
+        out.append((a, b - a))
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class TrainerWeights(Protocol):
+    """What a trainer backend offers the weight transports (part of `TrainerBackend`)."""
+
+    world: int  # trainer ranks
+
+    def named_weights(
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+    ) -> Iterator[Bucket]:
+        """Buckets of full HF-named tensors (rank 0; the other ranks join the gathers). Consume
+        every bucket: each one is a collective on the trainer's ranks."""
+        ...
+
+    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+        """Which slice of every tensor each trainer rank holds, in `send_shards` order."""
+        ...
+
+    def join_group(self, group: dict) -> None:
+        """Every trainer rank joins the weight group {host, port, world, backend} as its rank."""
+        ...
+
+    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+        """Every trainer rank sends its pieces of the plan to each engine rank; returns the bytes
+        rank 0 sent."""
+        ...
+
+
+class TensorBuckets:
+    """A source of given buckets (tests, benchmarks): `named_weights` yields them, cast to the
+    push dtype if one is set. It has no shards: the p2p transport refuses it."""
+
+    world = 1
+
+    def __init__(self, buckets: Iterable[Bucket] | dict[str, torch.Tensor], per: int = 0):
+        if isinstance(buckets, dict):  # a flat dict: buckets of `per` tensors (0: one bucket)
+            items = list(buckets.items())
+            size = per or max(len(items), 1)
+            buckets = [items[i : i + size] for i in range(0, len(items), size)]
+        self.buckets = [list(b) for b in buckets]
+
+    def named_weights(
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+    ) -> Iterator[Bucket]:
+        for b in self.buckets:
+            yield [(n, t if dtype is None else t.to(dtype)) for n, t in b]
+
+    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+        raise TypeError("plain buckets have no shards; p2p needs a trainer backend as the source")
+
+    def join_group(self, group: dict) -> None:
+        self.shard_plan()
+
+    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+        self.shard_plan()
+        return 0

@@ -1,0 +1,196 @@
+"""Trainer backends and losses as plug-ins: chosen by name or import path, refused clearly at
+config time, rebuilt identically on follower ranks; the device a trainer runs on."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from pydantic import ValidationError
+
+from miles_core.config import OffPolicyConfig, RunConfig, load_config
+from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.train import distributed
+from miles_core.train.batch import TrainBatch
+from miles_core.train.device import check_device, dist_backend, resolve_device
+from miles_core.train.losses.policy import OffPolicySettings, PolicyLossConfig
+from miles_core.train.registry import backend_names, make_backend, register_loss
+from tests.plugins import backend as plugin
+
+PLUGIN = "tests.plugins.backend:RecordingBackend"
+
+
+def _settings(**overrides):
+    return RunConfig().train.model_copy(update={"micro_batch_size": 4, **overrides}).model_dump()
+
+
+def _trainer(model_dir, name="fsdp", **overrides):
+    s = _settings(**overrides)
+    return make_backend(name, model_dir=str(model_dir), optim=s, loss=s, total_steps=4)
+
+
+def _sft_batch(tok):
+    prompt = encode_prompt(tok, "say a")
+    answers = ["aaaa", "aa", "aaaaaa", "a"]
+    rows = [tok.encode(a, add_special_tokens=False) + [tok.eos_token_id] for a in answers]
+    return TrainBatch(
+        tokens=[prompt + r for r in rows],
+        response_lengths=[len(r) for r in rows],
+        loss_masks=[[1] * (len(r) - 1) + [0] for r in rows],  # a masked-out token per row
+    )
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "train.backend=megatron",
+            "unknown trainer backend 'megatron' in train.backend; known: fsdp",
+        ),
+        ("train.backend=tests.plugins.nowhere:X", "cannot import 'tests.plugins.nowhere'"),
+        ("train.backend=tests.plugins.backend:Missing", "has no 'Missing'"),
+        ("train.loss=distill", "unknown loss 'distill' in train.loss; known: policy, sft"),
+        ("train.loss=tests.plugins.backend:Nope", "has no 'Nope'"),
+        ("train.loss=miles_core.train.losses.functional:aggregate", "is not a loss: it needs"),
+    ],
+)
+def test_an_unknown_backend_or_loss_is_refused_at_config_time(override, message):
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_a_backend_and_a_loss_by_import_path_pass_config_validation():
+    config = load_config(
+        None, [f"train.backend={PLUGIN}", "train.loss=tests.plugins.backend:DoubledSFT"]
+    )
+    assert (config.train.backend, config.train.loss, config.train.device) == (
+        PLUGIN,
+        "tests.plugins.backend:DoubledSFT",
+        "auto",
+    )
+
+
+def test_registered_names_are_not_imported_to_validate_a_config():
+    code = "import sys; from miles_core.config import load_config; "
+    code += "load_config(None, ['train.backend=fsdp', 'train.loss=policy']); "
+    code += "print(sorted(m for m in sys.modules if m.startswith('miles_core.train.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = eval(out.stdout)
+    assert "miles_core.train.registry" in loaded
+    assert not {"miles_core.train.fsdp", "miles_core.train.losses.policy"} & set(loaded)
+    assert backend_names() == ["fsdp"]
+
+
+def test_followers_rebuild_the_backend_class_rank_0_announced(tiny_dir, monkeypatch):
+    announced = []
+    monkeypatch.setattr(
+        distributed, "announce", lambda name, payload: announced.append(name and payload)
+    )
+    trainer = _trainer(tiny_dir, PLUGIN)
+    init = announced[0]
+    assert init["backend"] == PLUGIN and init["kwargs"]["device"] == "cpu"
+    assert type(trainer) is plugin.RecordingBackend
+    follower = make_backend(init["backend"], **init["kwargs"])  # what distributed.follow does
+    assert type(follower) is plugin.RecordingBackend
+    for a, b in zip(trainer.model.parameters(), follower.model.parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_the_policy_loss_reads_a_typed_config_from_the_train_section():
+    cfg = PolicyLossConfig.from_settings(
+        _settings(eps_clip_high=0.28, kl_coef=0.1, off_policy=OffPolicyConfig(mode="tis", high=1.5))
+    )
+    assert cfg == PolicyLossConfig(
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        kl_coef=0.1,
+        off_policy=OffPolicySettings(mode="tis", high=1.5),
+    )
+
+
+def test_a_custom_loss_is_used_by_name_or_import_path_and_an_unknown_one_refused(tiny_dir, tiny):
+    _, tok = tiny
+    batch = _sft_batch(tok)
+    base = _trainer(tiny_dir).train_step(batch, loss="sft")
+    register_loss("doubled_sft", plugin.DoubledSFT)
+    for name in ("doubled_sft", "tests.plugins.backend:DoubledSFT"):
+        m = _trainer(tiny_dir).train_step(batch, loss=name)
+        # every micro-batch (4 rows, micro_batch_size 4 → one) saw the masks as built
+        assert m["masked_tokens"] == sum(sum(x) for x in batch.loss_masks) == 13.0
+        assert m["loss"] == 2 * base["loss"]
+        assert m["grad_norm"] == pytest.approx(2 * base["grad_norm"], rel=1e-6)
+    with pytest.raises(
+        ValueError, match="unknown loss 'nope' in train.loss; known: doubled_sft, policy, sft"
+    ):
+        _trainer(tiny_dir).train_step(batch, loss="nope")
+
+
+def test_devices_resolve_and_cuda_without_cuda_is_a_clear_error():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert dist_backend("cpu") == "gloo"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        check_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            check_device("cuda")
+        with pytest.raises(ValidationError, match="torch sees no CUDA device"):
+            load_config(None, ["train.device=cuda"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_training_step_on_cuda(tiny_dir, tmp_path):
+    """In its own process: this one's trainer group is gloo already."""
+    script = Path(__file__).parent / "scripts" / "cuda_step.py"
+    out = tmp_path / "cuda.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, str(script), str(tiny_dir), str(out)], env=env, check=True, timeout=300
+    )
+    r = json.loads(out.read_text())
+    assert r["device"].startswith("cuda") and r["param_dtype"] == "torch.float32"
+    assert r["compute_dtype"] == "torch.bfloat16"
+    assert r["max_logprob_diff_vs_cpu"] < 0.1  # bf16 compute vs the fp32 engine
+    assert r["ppo_kl"] == pytest.approx(0.0, abs=1e-4) and r["grad_norm"] > 0
+    assert r["weights_moved"]
+
+
+@pytest.mark.slow
+def test_a_backend_from_the_test_tree_trains_through_the_flow(
+    prefect_server, tmp_path, monkeypatch
+):
+    from flows.rl_train import rl_train
+
+    monkeypatch.chdir(tmp_path)
+    plugin.CALLS.clear()
+    config = load_config(
+        None,
+        [
+            "name=plugin-backend",
+            "model.preset=tiny",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_new_tokens=4",
+            "train.num_steps=2",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            f"train.backend={PLUGIN}",
+            f"checkpoint.root={tmp_path}/ckpt",
+            "checkpoint.interval=2",
+            f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            "tracking.experiment=plugin-backend",
+        ],
+    )
+    state = rl_train(config, return_state=True)
+    assert state.is_completed()
+    assert plugin.CALLS == ["init"] + ["compute_log_probs:8", "train_step:policy:8"] * 2 + ["save"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("plugin-backend").experiment_id])[0]
+    assert run.data.params["train.backend"] == PLUGIN
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/grad_norm")] == [0, 1]
