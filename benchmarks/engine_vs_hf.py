@@ -24,11 +24,11 @@ import time
 import torch
 
 import miles_core  # noqa: F401
+from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engine.serving import ServingEngine
 from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.embedded import EmbeddedEngine
 from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
-from miles_core.rollout.serving import ServingEngine
 
 BATCH, PROMPT, NEW = 32, 16, 64
 DTYPES = ("float32", "bfloat16")

@@ -118,7 +118,7 @@ def torchrun_command(
     if port_range is None:
         rendezvous = ["--standalone"]
     else:
-        from miles_core.ports import free_port
+        from miles_core.proc.ports import free_port
 
         port = free_port("127.0.0.1", port_range)  # NoFreePort: a clear error, nothing started
         rendezvous = [
@@ -142,7 +142,7 @@ def _relaunch_under_torchrun(world_size: int, port_range=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "engine":
-        from miles_core.rollout import server
+        from miles_core.engine import server
 
         server.main(args.rest)
         return 0

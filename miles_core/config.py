@@ -152,7 +152,7 @@ class RolloutConfig(_Strict):
         if self.device == "cuda":
             if self.engine == "embedded":
                 raise ValueError("rollout.device cuda needs rollout.engine: serving or server")
-            from miles_core.train.device import check_device
+            from miles_core.device import check_device
 
             check_device(self.device)  # a clear error on a machine without CUDA
         return self
@@ -272,7 +272,7 @@ class TrainConfig(OptimConfig):
     @classmethod
     def _device_present(cls, v: str) -> str:
         if v == "cuda":  # only then import torch: validating a config stays cheap
-            from miles_core.train.device import check_device
+            from miles_core.device import check_device
 
             check_device(v)
         return v
@@ -474,14 +474,14 @@ class NetworkConfig(_Strict):
     def _valid_range(cls, v: str | None) -> str | None:
         if v is None:
             return None
-        from miles_core.ports import PortRange
+        from miles_core.proc.ports import PortRange
 
         return str(PortRange.parse(v))  # ValueError naming the expected form
 
     @property
     def ports(self):
-        """The range as a `miles_core.ports.PortRange` (None: any port)."""
-        from miles_core.ports import PortRange
+        """The range as a `miles_core.proc.ports.PortRange` (None: any port)."""
+        from miles_core.proc.ports import PortRange
 
         return PortRange.parse(self.port_range) if self.port_range else None
 
@@ -507,7 +507,7 @@ class RunConfig(_Strict):
 
     def _check_transport_fits_engine(self) -> None:
         """The transport's weight route must be one the engine takes (both from registries)."""
-        from miles_core.rollout.engines import engine_routes
+        from miles_core.engines import engine_routes
         from miles_core.weights import transport_names, transport_route
 
         r, ws = self.rollout, self.weight_sync

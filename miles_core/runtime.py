@@ -20,14 +20,15 @@ import torch
 from miles_core import rng_state
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.device import dist_backend
 from miles_core.engine_api import EngineUnavailable
+from miles_core.engines import EngineSetup, make_engine
 from miles_core.eval.in_run import RunEvaluation
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.ledger import LEDGER_FILE, TrainedLedger
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.resume_checks import check_buffer_resumable, shape_changes
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.rollout.engines import EngineSetup, make_engine
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.rollout.supervisor import EngineSupervisor
@@ -39,7 +40,6 @@ from miles_core.train.backend import TrainerBackend
 from miles_core.train.batch import TrainBatch
 from miles_core.train.registry import make_backend
 from miles_core.weights import make_transport, weights_checksum
-from miles_core.weights.group import backend_for
 from miles_core.weights.remote import PushFailed
 
 log = logging.getLogger("miles")
@@ -108,7 +108,7 @@ class RLRuntime:
             self.workdir,
             config.network.ports,
         )
-        built = make_engine(config.rollout.engine, setup)  # rollout/engines.py
+        built = make_engine(config.rollout.engine, setup)  # engines.py
         self.engine = built.engine
         self.engine_process = built.process  # an engine server to supervise, or None
         try:  # an engine server started above must not outlive a failed start-up
@@ -127,7 +127,7 @@ class RLRuntime:
                 ws.transport,
                 bucket_bytes=ws.bucket_mb << 20,
                 dtype=ws.dtype,
-                group_backend=backend_for(self.trainer.device),
+                group_backend=dist_backend(self.trainer.device),
                 root=ws.disk_root or str(self.workdir / "pushed_weights"),
                 storage_options=config.checkpoint.storage_options,
                 keep=ws.keep_versions,

@@ -17,7 +17,7 @@ from miles_core.agents.layers import GenerateInput, PluginError, load_plugin
 from miles_core.agents.session_generate import session_generate
 from miles_core.envs.terminal import KINDS, make_task, make_tasks
 from miles_core.envs.terminal_agent import run_agent
-from miles_core.rollout.process import free_port
+from miles_core.proc.managed import free_port
 from miles_core.types import Status
 
 

@@ -13,10 +13,10 @@ from mlflow.tracking import MlflowClient
 from pydantic import ValidationError
 
 from miles_core.config import OffPolicyConfig, RunConfig, load_config
+from miles_core.device import check_device, dist_backend, resolve_device
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
 from miles_core.train.batch import TrainBatch
-from miles_core.train.device import check_device, dist_backend, resolve_device
 from miles_core.train.losses.policy import OffPolicySettings, PolicyLossConfig
 from miles_core.train.registry import backend_names, make_backend, register_loss
 from tests.plugins import backend as plugin

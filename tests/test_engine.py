@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from miles_core.rollout.embedded import EmbeddedEngine
+from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import torch
 
+from miles_core.engine.serving import ServingEngine
 from miles_core.rollout.http_engine import (
     EngineProcess,
     EngineRequestRejected,
@@ -17,7 +18,6 @@ from miles_core.rollout.http_engine import (
 )
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
-from miles_core.rollout.serving import ServingEngine
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +286,7 @@ def test_a_server_that_cannot_bind_exits_nonzero_with_the_reason(tiny_dir):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "miles_core.rollout.server", "--model", str(tiny_dir)]
+            [sys.executable, "-m", "miles_core.engine.server", "--model", str(tiny_dir)]
             + ["--port", str(port), "--threads", "1"],
             capture_output=True,
             text=True,
@@ -326,8 +326,8 @@ def test_the_weights_check_covers_the_packed_copies_that_generate(tiny):
     matches the engine's tensors fails the check (in-process and over /weights_checker)."""
     from fastapi.testclient import TestClient
 
-    from miles_core.rollout.server import create_app
-    from miles_core.rollout.serving import PackedWeightsDiffer
+    from miles_core.engine.server import create_app
+    from miles_core.engine.serving import PackedWeightsDiffer
     from miles_core.weights import weights_checksum
 
     model, tok = tiny

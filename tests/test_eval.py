@@ -15,9 +15,9 @@ from mlflow.tracking import MlflowClient
 
 from infra.processes import descendants
 from miles_core.config import load_config
+from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.eval.registry import BEST_EVAL_ALIAS
 from miles_core.eval.scoring import EvalSpec, score_policy
-from miles_core.rollout.embedded import EmbeddedEngine
 from miles_core.runtime import RLRuntime, prepare_model_dir
 from miles_core.tracking import NEWEST_POLICY_ALIAS, Tracker
 
@@ -77,7 +77,7 @@ def _engine_children() -> list[int]:
         except OSError:  # gone meanwhile
             return b""
 
-    return [p for p in descendants(os.getpid()) if b"miles_core.rollout.server" in cmdline(p)]
+    return [p for p in descendants(os.getpid()) if b"miles_core.engine.server" in cmdline(p)]
 
 
 def test_an_evaluation_is_deterministic_and_leaves_training_sampling_as_it_was(tiny):

@@ -245,7 +245,7 @@ def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeyp
     with pytest.raises(SystemExit, match="reward function stopped the run"):
         rl_train(_tiny_config(tmp_path, "fails", 4, extra))
     children = subprocess.run(
-        ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.rollout.server"],
+        ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.engine.server"],
         capture_output=True,
         text=True,
     ).stdout

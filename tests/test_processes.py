@@ -19,10 +19,10 @@ import pytest
 
 from infra.processes import ProcessRecord, record_alive, stop_group
 from miles_core.eval.service import EvalServiceProcess
-from miles_core.ports import NoFreePort, PortRange, bind
-from miles_core.processes import ProcessIdentity, pid_alive
-from miles_core.rollout.parent_watch import parent_alive
-from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
+from miles_core.proc.identity import ProcessIdentity, pid_alive
+from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
+from miles_core.proc.parent_watch import parent_alive
+from miles_core.proc.ports import NoFreePort, PortRange, bind
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from test_engine import BAD_REQUESTS
 
+from miles_core.engine.serving import ServingEngine
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt, engine_load
-from miles_core.rollout.serving import ServingEngine
 
 
 @pytest.fixture

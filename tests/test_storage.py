@@ -226,7 +226,7 @@ class _AuthMotoServer:
     create an IAM user and its key) go unauthenticated."""
 
     def __init__(self, log_path):
-        from miles_core.rollout.process import free_port
+        from miles_core.proc.managed import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

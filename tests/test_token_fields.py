@@ -162,7 +162,7 @@ def test_the_buffer_checkpoint_keeps_fields_bit_exact():
 def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monkeypatch):
     from miles_core.config import load_config
     from miles_core.data import PromptSource, get_task, load_examples
-    from miles_core.rollout.embedded import EmbeddedEngine
+    from miles_core.engine.embedded import EmbeddedEngine
     from miles_core.rollout.rollout_fn import generate_groups
 
     model, tok = tiny

@@ -156,7 +156,7 @@ def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
 
 
 def test_transports_for_servers_refuse_in_process_engines(tiny):
-    from miles_core.rollout.embedded import EmbeddedEngine
+    from miles_core.engine.embedded import EmbeddedEngine
 
     model, tok = tiny
     with pytest.raises(ValueError, match="use transport 'colocated'"):
@@ -313,7 +313,7 @@ def test_p2p_assembles_each_tensor_from_the_placement_plan(server, tiny_dir):
 
 
 def test_a_transport_refuses_an_engine_without_its_weight_route(tiny):
-    from miles_core.rollout.embedded import EmbeddedEngine
+    from miles_core.engine.embedded import EmbeddedEngine
     from miles_core.rollout.sglang_engine import SGLANG_ROUTES
 
     sglang_like = HttpEngine("http://127.0.0.1:9", weight_routes=SGLANG_ROUTES)

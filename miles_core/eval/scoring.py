@@ -9,7 +9,7 @@ from pathlib import Path
 
 from miles_core.config import RolloutConfig
 from miles_core.data.tasks import Example, Task, get_task
-from miles_core.rollout.engine import RolloutEngine
+from miles_core.engine_api import RolloutEngine
 from miles_core.rollout.rollout_fn import generate_groups
 
 EVAL_STEP = -1  # the `step` of evaluation requests (rids "-1-g-k"; training steps are >= 0)
@@ -73,7 +73,7 @@ def score_policy(engine: RolloutEngine, tokenizer, spec: EvalSpec) -> dict[str, 
     `eval/reward_mean`, the task's own metrics (e.g. `eval/exact_match`), lengths. An engine
     with a shared sampling generator (the embedded one) gets it back as it was, so an
     evaluation never changes what training samples next."""
-    from miles_core.rollout.embedded import EmbeddedEngine
+    from miles_core.engine.embedded import EmbeddedEngine
 
     task = get_task(spec.task)
     # the embedded engine samples a batch from its one generator; others seed each request
@@ -111,8 +111,8 @@ _ROLLOUT_ONLY = {  # rollout metrics that say nothing about the policy
 def score_model_dir(model_dir: str | Path, spec: EvalSpec) -> tuple[dict[str, float], str]:
     """Scores an HF directory (a checkpoint) with an engine in this process; returns the
     metrics and the sha256 of the weights it measured."""
+    from miles_core.engine.embedded import EmbeddedEngine
     from miles_core.models import load_hf_dir
-    from miles_core.rollout.embedded import EmbeddedEngine
     from miles_core.weights import weights_checksum
 
     model, tokenizer = load_hf_dir(model_dir)

@@ -18,8 +18,8 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_core.eval.scoring import EvalSpec, score_model_dir
-from miles_core.ports import add_port_arguments, bind_from_args
-from miles_core.rollout.process import KEEP_ALIVE_S, ManagedProcess
+from miles_core.proc.managed import KEEP_ALIVE_S, ManagedProcess
+from miles_core.proc.ports import add_port_arguments, bind_from_args
 
 
 class SpecBody(BaseModel):

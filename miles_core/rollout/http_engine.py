@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 
 from miles_core.engine_api import SERVER_ROUTES, EngineRequestRejected
-from miles_core.ports import PortRange
-from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
+from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
+from miles_core.proc.ports import PortRange
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, version_number
 from miles_core.rollout.supervisor import EngineSupervisor, reissue_once
 
@@ -65,7 +65,7 @@ __all__ = ["EngineProcess", "EngineRequestRejected", "EngineUnavailable", "HttpE
 
 
 class EngineProcess(ManagedProcess):
-    """One `miles_core.rollout.server` subprocess on 127.0.0.1, stopped by PID."""
+    """One `miles_core.engine.server` subprocess on 127.0.0.1, stopped by PID."""
 
     what = "engine"
     reports_port = True  # binds port 0 (or in `port_range`) itself and reports it
@@ -86,7 +86,7 @@ class EngineProcess(ManagedProcess):
         return [
             sys.executable,
             "-m",
-            "miles_core.rollout.server",
+            "miles_core.engine.server",
             "--model",
             self.model_dir,
             *self.port_args(),

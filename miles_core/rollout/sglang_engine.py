@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 
 from miles_core.engine_api import DISK, DISTRIBUTED
-from miles_core.ports import PortRange
+from miles_core.proc.managed import ManagedProcess
+from miles_core.proc.ports import PortRange
 from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine
-from miles_core.rollout.process import ManagedProcess
 
 
 @dataclass

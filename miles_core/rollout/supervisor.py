@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import httpx
 
-from miles_core.rollout.process import ManagedProcess, ProcessUnavailable
+from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
 
 log = logging.getLogger("miles.engine")
 T = TypeVar("T")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from miles_core.ports import PortRange
-from miles_core.rollout.process import ManagedProcess
+from miles_core.proc.managed import ManagedProcess
+from miles_core.proc.ports import PortRange
 
 
 class SessionServerProcess(ManagedProcess):

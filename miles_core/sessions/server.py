@@ -39,8 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from miles_core.proc.managed import KEEP_ALIVE_S
 from miles_core.rollout.http_engine import error_message, generate_payload
-from miles_core.rollout.process import KEEP_ALIVE_S
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
@@ -315,7 +315,7 @@ def _sample_json(sample) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from miles_core.ports import add_port_arguments, bind_from_args
+    from miles_core.proc.ports import add_port_arguments, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles sessions serve")
     ap.add_argument("--engine-url", required=True, help="the engine (or router) /generate base")
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         help="a declared per-token field to record (import path pkg.mod:FIELD; repeatable)",
     )
     args = ap.parse_args(argv)
-    from miles_core.rollout.parent_watch import watch_parent
+    from miles_core.proc.parent_watch import watch_parent
 
     watch_parent()  # started by a run: exit with it
     sock = bind_from_args(args, "session server")  # the port is reported before anything loads

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_core.train.device import dist_backend, resolve_device
+from miles_core.device import dist_backend, resolve_device
 
 TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("MILES_DIST_TIMEOUT_S", "600")))
 

@@ -33,10 +33,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
+from miles_core.device import resolve_device
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.batch import TrainBatch
-from miles_core.train.device import resolve_device
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_scheduler

@@ -2,7 +2,7 @@
 from any default group (the trainer's ranks keep theirs): a TCPStore rendezvous hosted in the
 trainer's process (bound to port 0, or within a range, and the port it got passed on: no
 choose-then-bind race), then a process group bound to it: gloo for CPU tensors, nccl for CUDA
-tensors (`backend_for(device)`). SGLang's `/init_weights_update_group` builds the same thing.
+tensors (`miles_core.device.dist_backend(device)`). SGLang's `/init_weights_update_group` builds the same thing.
 
 Both halves of the wire format live here: a bucket flattened per dtype and broadcast
 (`send_bucket` / `receive_bucket`), and p2p shards assembled from a placement plan
@@ -18,11 +18,6 @@ from torch.distributed import ProcessGroupGloo, TCPStore
 from miles_core.weights.source import TensorPlan
 
 BACKENDS = ("gloo", "nccl")
-
-
-def backend_for(device: str | torch.device) -> str:
-    """The group backend for tensors on `device`: nccl for CUDA, gloo otherwise."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def host_store(

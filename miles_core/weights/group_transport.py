@@ -31,7 +31,9 @@ class GroupTransport(TransportBase):
             raise ValueError(f"unknown group backend {group_backend!r}; choose one of {BACKENDS}")
         self.host = host
         self.timeout_s = timeout_s
-        self.backend = group_backend  # gloo for CPU tensors, nccl for CUDA (group.backend_for)
+        self.backend = (
+            group_backend  # gloo for CPU tensors, nccl for CUDA (miles_core.device.dist_backend)
+        )
         self.ports = group_ports
         self._store = None  # the rendezvous this process hosts, kept for the group's life
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)

@@ -6,7 +6,7 @@ drops everything staged for that group, so the next push loads exactly what it s
 a mix with the remains of a failed one. A refused bucket whose layout is known is still received
 (into scratch buffers, then dropped) so the trainer's broadcast does not wait on us.
 
-The engine server's routes only translate HTTP to these calls (rollout/server.py); `load` is the
+The engine server's routes only translate HTTP to these calls (engine/server.py); `load` is the
 engine's `update_weights_from_tensor(tensors, flush_cache, adopt)` and `params` its
 {name: tensor} (names and shapes are checked before a single byte is kept).
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_core.device import dist_backend
 from miles_core.weights.group import (
     BACKENDS,
-    backend_for,
     flat_layout,
     open_group,
     receive_bucket,
@@ -60,7 +60,7 @@ class GroupReceiver:
     # ------------------------------------------------------------------ groups
     def join(self, name: str, host: str, port: int, rank: int, world: int, backend: str) -> None:
         """Joins the trainer's group as `rank` (blocks until every member is in)."""
-        want = backend_for(self.device)
+        want = dist_backend(self.device)
         if backend not in BACKENDS or backend != want:
             raise ReceiveRefused(
                 f"backend {backend!r} does not fit this engine's device ({self.device}); "

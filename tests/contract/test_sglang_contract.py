@@ -11,9 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.rollout.http_engine import batch_payload, generate_payload
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
-from miles_core.rollout.server import (
+from miles_core.engine.server import (
     AbortBody,
     CheckerBody,
     DiskBody,
@@ -26,6 +24,8 @@ from miles_core.rollout.server import (
     VersionBody,
     create_app,
 )
+from miles_core.rollout.http_engine import batch_payload, generate_payload
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 
 API = json.loads((Path(__file__).with_name("sglang_api.json")).read_text())
 STRUCTS = API["structs"]
@@ -85,7 +85,7 @@ def test_sampling_params_fields_exist_in_sglang():
 
 
 def test_every_route_we_serve_exists_in_sglang(tiny):
-    from miles_core.rollout.serving import ServingEngine
+    from miles_core.engine.serving import ServingEngine
 
     model, tok = tiny
     engine = ServingEngine(model, tok, max_running=2, cache_slots=2)

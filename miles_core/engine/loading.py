@@ -1,5 +1,5 @@
-"""The engine protocol (defined in `miles_core/engine_api.py`, re-exported here) and what the
-in-process engines share: all-or-nothing weight loading by HF name, and their checksum."""
+"""What the in-process engines share: all-or-nothing weight loading by HF name, and their
+checksum. (The engine protocol itself is `miles_core/engine_api.py`.)"""
 
 from __future__ import annotations
 
@@ -7,13 +7,6 @@ from collections.abc import Iterable
 
 import torch
 
-from miles_core.engine_api import (  # noqa: F401  (re-exported)
-    IN_PROCESS_ROUTES,
-    SERVER_ROUTES,
-    RolloutEngine,
-    ServerEngine,
-    TensorEngine,
-)
 from miles_core.weights.checker import weights_checksum
 
 

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
+from miles_core.engine.loading import load_named_tensors, tensors_checksum
+from miles_core.engine.sampler import sample_next
 from miles_core.engine_api import TENSOR
-from miles_core.rollout.engine import load_named_tensors, tensors_checksum
 from miles_core.rollout.protocol import (
     FinishReason,
     GenerateRequest,
@@ -22,7 +23,6 @@ from miles_core.rollout.protocol import (
     MetaInfo,
     validate_request,
 )
-from miles_core.rollout.sampler import sample_next
 
 
 class EmbeddedEngine:

@@ -25,8 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from miles_core.device import resolve_device
+from miles_core.engine.loading import load_named_tensors, tensors_checksum
+from miles_core.engine.runner import Qwen3Runner
+from miles_core.engine.sampler import sample_next
+from miles_core.engine.slots import Slot, SlotState, SlotTable
 from miles_core.engine_api import TENSOR
-from miles_core.rollout.engine import load_named_tensors, tensors_checksum
 from miles_core.rollout.protocol import (
     EngineRequestError,
     FinishReason,
@@ -35,10 +39,6 @@ from miles_core.rollout.protocol import (
     MetaInfo,
     validate_request,
 )
-from miles_core.rollout.runner import Qwen3Runner
-from miles_core.rollout.sampler import sample_next
-from miles_core.rollout.slots import Slot, SlotState, SlotTable
-from miles_core.train.device import resolve_device
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # thread: a scheduler thread steps the engine (requests from any thread, streaming handles);

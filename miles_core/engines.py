@@ -31,7 +31,7 @@ class EngineSetup:
     model_dir: Path
     seed: int
     workdir: Path
-    port_range: Any = None  # miles_core.ports.PortRange | None
+    port_range: Any = None  # miles_core.proc.ports.PortRange | None
 
     @property
     def batch(self) -> int:
@@ -76,13 +76,13 @@ def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
 
 # ---------------------------------------------------------------------- the built-in engines
 def _embedded(s: EngineSetup) -> BuiltEngine:
-    from miles_core.rollout.embedded import EmbeddedEngine
+    from miles_core.engine.embedded import EmbeddedEngine
 
     return BuiltEngine(EmbeddedEngine(s.model, s.tokenizer, seed=s.seed))
 
 
 def _serving(s: EngineSetup) -> BuiltEngine:
-    from miles_core.rollout.serving import ServingEngine
+    from miles_core.engine.serving import ServingEngine
 
     r = s.rollout
     engine = ServingEngine(

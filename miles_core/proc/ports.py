@@ -4,7 +4,7 @@ that report instead of picking one that something else may take first.
 
 Server side (`add_port_arguments`, `bind_from_args`): `--port N` (0 = any), `--port-range LO-HI`,
 `--port-file PATH` (the bound port is written there, atomically, before the server loads
-anything). Parent side: `ManagedProcess` (rollout/process.py) passes a port file and reads it.
+anything). Parent side: `ManagedProcess` (proc/managed.py) passes a port file and reads it.
 For programs that cannot report their port (sglang-router, SGLang, torchrun) `free_port` probes
 one, within the range when one is set; only there does the race remain.
 """

@@ -1,6 +1,7 @@
-"""Where the trainer runs: `train.device` (auto | cpu | cuda) → a torch device, and the process
-group backend that goes with it (gloo on CPU, nccl on CUDA). The one place that names a vendor
-for the trainer; backends ask here instead of testing for CUDA themselves."""
+"""Where the trainer and the engines run: `train.device` / `rollout.device` (auto | cpu | cuda)
+→ a torch device, and the process-group backend that goes with it (gloo on CPU, nccl on CUDA)
+for trainer ranks and weight-sync groups. Backends and engines ask here instead of testing for
+CUDA themselves."""
 
 from __future__ import annotations
 

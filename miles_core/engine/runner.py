@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miles_core.rollout.kv_cache import SlotKVCache
+from miles_core.engine.kv_cache import SlotKVCache
 
 
 @dataclass

@@ -3,7 +3,7 @@
 evaluation service, the router and SGLang servers use it.
 
 Port: a server of ours (`reports_port = True`) binds its own socket and writes the port it got to
-a file the parent names (`--port-file`, miles_core/ports.py), so two servers started at once
+a file the parent names (`--port-file`, miles_core/proc/ports.py), so two servers started at once
 never race for one port; `port_range` keeps it inside a range the user allows. Once known, the
 port stays: a restart (rollout/supervisor.py) passes it explicitly, so every client's URL stays
 valid. For a program that cannot report its port the parent probes a free one (`free_port`).
@@ -22,9 +22,9 @@ import httpx
 
 # ProcessUnavailable lives beside the engine protocol, so weights/ catches it without rollout/
 from miles_core.engine_api import ProcessUnavailable  # noqa: F401  (re-exported)
-from miles_core.ports import PortRange, free_port, read_port_file
-from miles_core.processes import children, terminate
-from miles_core.rollout.parent_watch import PARENT_ENV
+from miles_core.proc.identity import children, terminate
+from miles_core.proc.parent_watch import PARENT_ENV
+from miles_core.proc.ports import PortRange, free_port, read_port_file
 
 # HTTP keep-alive of our servers: longer than any client's pooled idle time. uvicorn's 5 s
 # default closes idle connections while a client may be reusing one (ReadError at the client).
@@ -84,7 +84,7 @@ class ManagedProcess:
 
     def start(self, timeout: float = 120.0):
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        # our servers exit when this process dies, even by SIGKILL (rollout/parent_watch.py)
+        # our servers exit when this process dies, even by SIGKILL (proc/parent_watch.py)
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         tmp = None
         if not self.port:

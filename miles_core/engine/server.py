@@ -5,7 +5,7 @@ Field names follow SGLang (`/generate` with `input_ids | text`, `sampling_params
 talks to this server and to a real `sglang.launch_server` the same way. Bad requests get a 4xx
 with a message and the server keeps serving.
 
-    python -m miles_core.rollout.server --model DIR --port 30000     (or: miles engine serve ...)
+    python -m miles_core.engine.server --model DIR --port 30000     (or: miles engine serve ...)
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles_core.engine.serving import PAUSE_MODES, PackedWeightsDiffer, ServingEngine
 from miles_core.engine_api import SERVER_ROUTES
-from miles_core.rollout.process import KEEP_ALIVE_S
+from miles_core.proc.managed import KEEP_ALIVE_S
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
-from miles_core.rollout.serving import PAUSE_MODES, PackedWeightsDiffer, ServingEngine
 from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.disk import load_weight_dir
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from miles_core.models import load_hf_dir
-    from miles_core.ports import add_port_arguments, bind_from_args
+    from miles_core.proc.ports import add_port_arguments, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles engine serve")
     ap.add_argument("--model", required=True, help="HF model directory")
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
         help="where weights and the KV cache live (auto: cuda when available)",
     )
     args = ap.parse_args(argv)
-    from miles_core.rollout.parent_watch import watch_parent
+    from miles_core.proc.parent_watch import watch_parent
     from miles_core.weights.shm import unlink_mapped
 
     # started by a run: exit with it, and drop the shared-memory weight files its trainer wrote
