@@ -1,5 +1,6 @@
 # make demo: create .venv, install, run the CPU demo (RL from random init, then SFT → RL).
 # make test: create .venv, install, check the docs (mkdocs build --strict), run the test suite.
+# make test-fast: the unit and contract tests only (≤ 3 min), for the inner loop.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv system demo test docs docs-check lint format bench clean stack-up stack-down stack-status ui-check
+.PHONY: venv system demo test test-fast docs docs-check lint format bench clean stack-up stack-down stack-status ui-check
 
 venv: $(STAMP)
 
@@ -49,6 +50,11 @@ docs-check: venv
 
 test: venv system docs-check
 	$(BIN)/python -m pytest -q
+
+# the inner loop: unit and contract tests, no training runs, flows or multi-rank launches
+# (tests marked `slow`; tests/README.md lists the tiers)
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: venv
 	$(BIN)/ruff format --check .

@@ -83,7 +83,10 @@ def bench(preset: str, reps: int) -> dict[str, float]:
             clients = {}
             for dtype in DTYPES:
                 proc = stack.enter_context(EngineProcess(tmp, args=[*args, "--dtype", dtype]))
-                clients[dtype] = HttpEngine(proc.url, concurrency=BATCH)
+                # BATCH requests in flight at once, plus one connection for the client's /health
+                # watchdog: with exactly BATCH the watchdog waits for a free connection and, on a
+                # loaded machine, counts the wait as failed health checks (PoolTimeout)
+                clients[dtype] = HttpEngine(proc.url, concurrency=BATCH + 1)
                 stack.callback(clients[dtype].close)
             variants = {"hf_generate": hf, "embedded": lambda: embedded.generate(reqs)}
             for dtype in DTYPES:

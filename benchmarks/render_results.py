@@ -38,6 +38,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _num(x: Any, fmt: str = ".3g") -> str:
     if x is None:
         return "—"
+    if isinstance(x, int) and fmt == ".3g":  # counts stay counts (1024, not 1.02e+03)
+        return str(x)
     if isinstance(x, (int, float)):
         return format(x, fmt)
     return str(x)

@@ -51,13 +51,23 @@ class DataConfig(_Strict):
         return v
 
 
+def _in_trainer_process(engine: str) -> bool:
+    """Whether engine `engine` runs in the trainer's process (it takes weights only as tensors
+    handed over there, engine_api.IN_PROCESS_ROUTES), as opposed to an engine server."""
+    from miles_core.engine_api import IN_PROCESS_ROUTES
+    from miles_core.engines import engine_routes
+
+    return engine_routes(engine) <= IN_PROCESS_ROUTES
+
+
 class RolloutConfig(_Strict):
-    engine: Literal["embedded", "serving", "server"] = Field(
+    engine: str = Field(
         "embedded",
-        description="embedded: batched sampler on the HF modules; serving: continuous batching "
-        "with prefix reuse (GRPO siblings share the prompt's KV), per-request seeds; server: the "
-        "serving engine as a subprocess on 127.0.0.1 behind SGLang's HTTP API (weights travel "
-        "by weight_sync.transport shared_memory, disk or broadcast)",
+        description="a registered engine (miles_core/engines.py) or 'package.module:factory'. "
+        "embedded: batched sampler on the HF modules; serving: continuous batching with prefix "
+        "reuse (GRPO siblings share the prompt's KV), per-request seeds; server: the serving "
+        "engine as a subprocess on 127.0.0.1 behind SGLang's HTTP API (weights travel by "
+        "weight_sync.transport shared_memory, disk or broadcast)",
     )
     engine_threads: int | None = Field(
         None, ge=1, description="torch threads of the engine server process (default: all cores)"
@@ -135,6 +145,14 @@ class RolloutConfig(_Strict):
         "(import paths pkg.mod:FIELD of miles_core.token_fields.TokenField objects)",
     )
 
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        from miles_core.engines import engine_routes
+
+        engine_routes(v)  # ValueError naming the registered engines; imports an import path
+        return v
+
     @field_validator("token_fields")
     @classmethod
     def _token_fields_load(cls, paths: list[str]) -> list[str]:
@@ -145,7 +163,7 @@ class RolloutConfig(_Strict):
 
     @model_validator(mode="after")
     def _dtype_needs_serving(self) -> RolloutConfig:
-        if self.mode != "sync" and self.engine != "server":
+        if self.mode != "sync" and _in_trainer_process(self.engine):  # async needs a server
             raise ValueError(f"rollout.mode {self.mode} needs rollout.engine: server")
         if self.dtype != "float32" and self.engine == "embedded":
             raise ValueError(f"rollout.dtype {self.dtype} needs rollout.engine: serving or server")
@@ -253,6 +271,16 @@ class TrainConfig(OptimConfig):
     )
     entropy_coef: float = Field(0.0, ge=0)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+
+    @model_validator(mode="after")
+    def _micro_batches_divide(self) -> TrainConfig:
+        unit = self.micro_batch_size * self.world_size
+        if self.global_batch_size % unit:
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"micro_batch_size × world_size ({unit})"
+            )
+        return self
 
     @field_validator("backend")
     @classmethod
@@ -399,6 +427,12 @@ class EvalConfig(_Strict):
     )
     poll_s: float = Field(1.0, gt=0, description="external: seconds between polls")
 
+    @model_validator(mode="after")
+    def _url_for_external(self) -> EvalConfig:
+        if (self.mode == "external") != bool(self.url):
+            raise ValueError("eval.url and eval.mode: external go together")
+        return self
+
 
 RUN_COMMAND = "miles_core.agents.blackbox:run_command"  # the agent function of agent.command
 
@@ -452,6 +486,29 @@ class AgentConfig(_Strict):
         0, ge=0, description="also evaluate after every N steps (0 = first and last only)"
     )
 
+    @model_validator(mode="after")
+    def _settings_fit(self) -> AgentConfig:
+        if self.function is not None:
+            if (self.function == RUN_COMMAND) != bool(self.command):
+                raise ValueError(f"agent.command and agent.function: {RUN_COMMAND} go together")
+            if self.eval_every and not self.eval_episodes:
+                raise ValueError("agent.eval_every needs agent.eval_episodes > 0")
+            return self
+        unused = [
+            name
+            for name, value in (
+                ("agent.generate_function", self.generate_function),
+                ("agent.command", self.command),
+                ("agent.reward_function", self.reward_function),
+                ("agent.group_reward_function", self.group_reward_function),
+                ("agent.eval_episodes", self.eval_episodes),
+            )
+            if value
+        ]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} needs agent.function (agentic rollout)")
+        return self
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, v: str) -> str:
@@ -464,8 +521,9 @@ class AgentConfig(_Strict):
 class NetworkConfig(_Strict):
     port_range: str | None = Field(
         None,
-        description="keep every port this run opens inside LOW-HIGH, e.g. '30000-30100': engine "
-        "servers, the session server, the trainer's torchrun rendezvous (default: any free port)",
+        description="keep the ports this run binds inside LOW-HIGH, e.g. '30000-30100': engine "
+        "servers, the session server, the trainer's torchrun rendezvous and the weight-group "
+        "rendezvous (default: any free port; gloo's peer connections stay ephemeral)",
         examples=["30000-30100"],
     )
 
@@ -514,7 +572,8 @@ class RunConfig(_Strict):
         need, routes = transport_route(ws.transport), engine_routes(r.engine)
         if need not in routes:
             fitting = [n for n in transport_names() if transport_route(n) in routes]
-            hint = "" if r.engine == "server" else " (or set rollout.engine: server)"
+            server = not _in_trainer_process(r.engine)
+            hint = "" if server else " (or set rollout.engine: server)"
             raise ValueError(
                 f"rollout.engine: {r.engine} needs weight_sync.transport {' | '.join(fitting)}"
                 f"{hint}: {ws.transport} loads weights by {need!r}, the engine takes "
@@ -524,37 +583,18 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
-        if self.agent.function is not None:
-            if r.engine != "server" or r.mode != "sync" or t.world_size != 1:
+        if self.agent.function is not None:  # the agent section checks its own settings
+            in_process = _in_trainer_process(r.engine)
+            if in_process or r.mode != "sync" or t.world_size != 1:
                 raise ValueError(
                     "agent.function (agentic rollout) needs rollout.engine: server, rollout.mode: "
                     "sync and train.world_size: 1 for now"
                 )
-            a = self.agent
-            if a.eval_episodes and self.data.path:
+            if self.agent.eval_episodes and self.data.path:
                 raise ValueError(
                     "agent.eval_episodes draws fixed tasks from data.task's generator; with "
                     "data.path set there is none: leave agent.eval_episodes at 0"
                 )
-            if (a.function == RUN_COMMAND) != bool(a.command):
-                raise ValueError(f"agent.command and agent.function: {RUN_COMMAND} go together")
-            if a.eval_every and not a.eval_episodes:
-                raise ValueError("agent.eval_every needs agent.eval_episodes > 0")
-        else:
-            a = self.agent
-            unused = [
-                name
-                for name, value in (
-                    ("agent.generate_function", a.generate_function),
-                    ("agent.command", a.command),
-                    ("agent.reward_function", a.reward_function),
-                    ("agent.group_reward_function", a.group_reward_function),
-                    ("agent.eval_episodes", a.eval_episodes),
-                )
-                if value
-            ]
-            if unused:
-                raise ValueError(f"{', '.join(unused)} needs agent.function (agentic rollout)")
         if t.advantage_estimator == "grpo" and r.n_samples_per_prompt < 2:
             raise ValueError(
                 "rollout.n_samples_per_prompt must be at least 2 for GRPO (advantages are group-relative)"
@@ -564,12 +604,6 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"rollout.prompts_per_step × n_samples_per_prompt ({samples}) must be divisible by "
                 f"train.global_batch_size ({t.global_batch_size})"
-            )
-        unit = t.micro_batch_size * t.world_size
-        if t.global_batch_size % unit:
-            raise ValueError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"micro_batch_size × world_size ({unit})"
             )
         self._check_transport_fits_engine()
         self._check_eval()
@@ -581,8 +615,6 @@ class RunConfig(_Strict):
 
     def _check_eval(self) -> None:
         e, interval = self.eval, self.checkpoint.interval
-        if (e.mode == "external") != bool(e.url):
-            raise ValueError("eval.url and eval.mode: external go together")
         if e.mode == "none":
             return
         if self.agent.function is not None:

@@ -57,6 +57,8 @@ class RolloutEngine(Protocol):
     engine server, SGLang), behind a router."""
 
     weight_routes: frozenset[str]  # how this engine takes new weights (see the module doc)
+    # optional: `generator`, the torch.Generator an in-process engine samples unseeded requests
+    # from (see `shared_generator`)
 
     @property
     def weight_version(self) -> int: ...
@@ -81,6 +83,13 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def shared_generator(engine) -> Any:
+    """The `torch.Generator` an in-process engine samples unseeded requests from (its optional
+    `generator` attribute), or None (engines out of process, or none declared). A checkpoint
+    keeps its state, a resume restores it, an evaluation puts it back as it was."""
+    return getattr(engine, "generator", None)
 
 
 class TensorEngine(RolloutEngine, Protocol):

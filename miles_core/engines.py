@@ -12,13 +12,13 @@ A new engine is a factory registered here (or under an import path `pkg.mod:fact
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_core.engine_api import IN_PROCESS_ROUTES, SERVER_ROUTES, RolloutEngine
+from miles_core.registry import Registry
 
 
 @dataclass
@@ -45,33 +45,44 @@ class BuiltEngine:
 
 
 EngineFactory = Callable[[EngineSetup], BuiltEngine]
-_ENGINES: dict[str, EngineFactory] = {}
-_ROUTES: dict[str, frozenset[str]] = {}
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """A registered engine: its factory and the weight routes its engines take."""
+
+    factory: EngineFactory
+    routes: frozenset[str]
+
+
+def _engine_kind(obj: Any, name: str) -> EngineKind:
+    """An import path's factory as an engine kind (routes: its `weight_routes`, else the
+    server's)."""
+    if isinstance(obj, EngineKind):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"rollout engine {name!r} is not a factory: {obj!r}")
+    return EngineKind(obj, frozenset(getattr(obj, "weight_routes", SERVER_ROUTES)))
+
+
+ENGINES: Registry[EngineKind] = Registry("rollout engine", "rollout.engine", load=_engine_kind)
 
 
 def register_engine(name: str, factory: EngineFactory, routes: frozenset[str]) -> None:
-    _ENGINES[name] = factory
-    _ROUTES[name] = frozenset(routes)
+    ENGINES.register(name, EngineKind(factory, frozenset(routes)))
 
 
-def _resolve(name: str) -> str:
-    if name in _ENGINES:
-        return name
-    if ":" in name:  # pkg.mod:factory — importing it registers it under `name`
-        mod, _, attr = name.partition(":")
-        factory = getattr(importlib.import_module(mod), attr)
-        register_engine(name, factory, getattr(factory, "weight_routes", SERVER_ROUTES))
-        return name
-    raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(_ENGINES)}")
+def engine_names() -> list[str]:
+    return ENGINES.names()
 
 
 def engine_routes(name: str) -> frozenset[str]:
     """The weight routes engine `name` takes (for config checks before anything starts)."""
-    return _ROUTES[_resolve(name)]
+    return ENGINES.get(name).routes
 
 
 def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
-    return _ENGINES[_resolve(name)](setup)
+    return ENGINES.get(name).factory(setup)
 
 
 # ---------------------------------------------------------------------- the built-in engines

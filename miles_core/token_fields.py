@@ -27,12 +27,13 @@ Fields are registered by name (`register_token_field`); a user's field is a modu
 from __future__ import annotations
 
 import base64
-import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from miles_core.registry import Registry
 
 Align = Literal["response", "sequence"]
 Encoding = Literal["list", "base64"]
@@ -154,58 +155,58 @@ def _b64(arr: np.ndarray) -> str:
 
 
 # ---------------------------------------------------------------------- registry
-_REGISTRY: dict[str, TokenField] = {}
+def _as_field(obj: Any, name: str) -> TokenField:
+    if not isinstance(obj, TokenField):
+        raise ValueError(f"token field {name!r} is a {type(obj).__name__}, not a TokenField")
+    return obj
+
+
+FIELDS: Registry[TokenField] = Registry(
+    "token field", "rollout.token_fields", example="pkg.mod:NAME", load=_as_field
+)
 
 
 def register_token_field(f: TokenField) -> TokenField:
     """Declares `f` (once per name; registering the same declaration again is a no-op)."""
     if not isinstance(f, TokenField):
         raise TypeError(f"register_token_field takes a TokenField, got {type(f).__name__}")
-    old = _REGISTRY.get(f.name)
+    old = FIELDS.get(f.name) if f.name in FIELDS else None
     if old is not None and old != f:
         raise ValueError(f"token field {f.name!r} is already declared differently: {old}")
     clash = next(
-        (o for o in _REGISTRY.values() if o.wire_key == f.wire_key and o.name != f.name), None
+        (o for o in FIELDS.values() if o.wire_key == f.wire_key and o.name != f.name), None
     )
     if clash is not None:
         raise ValueError(
             f"token field {f.name!r}: meta_info key {f.wire_key!r} is field {clash.name!r}'s"
         )
-    _REGISTRY[f.name] = f
+    FIELDS.register(f.name, f)
     return f
 
 
 def unregister_token_field(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    FIELDS.unregister(name)
 
 
 def get_token_field(name: str) -> TokenField:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY)) or "none"
+    if name not in FIELDS:
+        known = ", ".join(FIELDS.names()) or "none"
         raise KeyError(
             f"no token field named {name!r} is declared (declared: {known}); register it with "
             "register_token_field or load it by import path (pkg.mod:FIELD)"
-        ) from None
+        )
+    return FIELDS.get(name)
 
 
 def declared_fields() -> list[TokenField]:
-    return list(_REGISTRY.values())
+    return FIELDS.values()
 
 
 def load_token_field(path: str) -> TokenField:
     """Imports `pkg.mod:NAME` (a TokenField) and registers it."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
+    if ":" not in path:
         raise ValueError(f"token field {path!r}: expected an import path pkg.mod:NAME")
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"token field {path!r} cannot be loaded: {e}") from e
-    if not isinstance(obj, TokenField):
-        raise ValueError(f"token field {path!r} is a {type(obj).__name__}, not a TokenField")
-    return register_token_field(obj)
+    return register_token_field(FIELDS.get(path))
 
 
 def load_token_fields(paths: Iterable[str]) -> list[TokenField]:
@@ -215,7 +216,7 @@ def load_token_fields(paths: Iterable[str]) -> list[TokenField]:
 # ---------------------------------------------------------------------- generic helpers
 def decode_meta(meta: dict[str, Any]) -> dict[str, np.ndarray]:
     """The declared fields present in an engine response's `meta_info` extras."""
-    return {f.name: f.decode(meta[f.wire_key]) for f in _REGISTRY.values() if f.wire_key in meta}
+    return {f.name: f.decode(meta[f.wire_key]) for f in FIELDS.values() if f.wire_key in meta}
 
 
 def check_lengths(fields: dict[str, np.ndarray], n_tokens: int, response_length: int) -> None:

@@ -37,10 +37,12 @@ def tiny(tiny_dir):
     return load_hf_dir(tiny_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def session_stack(tmp_path_factory):
     """An engine server (tiny model, 2048-token context: agent sessions are long) and a session
-    server in front of it, both subprocesses stopped by PID: yields (engine, sessions)."""
+    server in front of it, both subprocesses stopped by PID: yields (engine, sessions). One pair
+    for the whole session (test_sessions, test_agents, test_blackbox, test_openenv): each test
+    opens its own sessions and none changes the servers' settings or weights."""
     from miles_core.rollout.http_engine import EngineProcess
     from miles_core.sessions import SessionServerProcess
 

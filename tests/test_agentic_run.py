@@ -89,7 +89,7 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
 
 
 def test_a_tito_family_that_does_not_match_the_model_is_refused(tiny):
-    from miles_core.runtime import check_family_matches
+    from miles_core.tito.check import check_family_matches
 
     _, tok = tiny
     check_family_matches("tiny", tok)  # the model's own family

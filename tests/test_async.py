@@ -73,6 +73,22 @@ def test_fifty_async_steps_never_exceed_the_staleness_bound_and_consume_the_sync
     assert consumed == expected
 
 
+@pytest.mark.slow
+def test_one_step_off_trains_each_batch_one_version_old_in_the_sync_order(tmp_path):
+    """`one_step_off`: the next batch is generated while the trainer trains and a push waits
+    for it, so from step 1 on every batch is one version old and no sample spans a push."""
+    cfg = _config(tmp_path, "rollout.mode=one_step_off")
+    metrics, consumed = _run(cfg, 4)
+    assert [m["rollout/staleness/max"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["rollout/weight_version/mixed_version_ratio"] for m in metrics] == [0.0] * 4
+    d = cfg.data
+    examples = load_examples(d.task, d.path, d.num_prompts, d.seed, d.storage_options)
+    sync_source = PromptSource(examples, seed=d.seed, shuffle=d.shuffle)
+    assert consumed == [
+        [i for i, _ in sync_source.next_batch(4) for _ in range(2)] for _ in range(4)
+    ]
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_dir, tmp_path_factory):
     proc = EngineProcess(tiny_dir, args=["--threads", "1"]).start()
@@ -80,6 +96,15 @@ def engine(tiny_dir, tmp_path_factory):
     yield client
     client.close()
     proc.stop()
+
+
+def _response_log_probs(model, sample) -> torch.Tensor:
+    """The log-probs an HF forward of `model` gives the sample's response tokens."""
+    ids = torch.tensor([sample.tokens])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    p = len(sample.tokens) - sample.response_length
+    return lp[p - 1 : -1].gather(1, ids[0, p:, None])[:, 0]
 
 
 def _wait(cond, timeout=30.0):
@@ -94,13 +119,17 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
     cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.max_new_tokens=48").rollout
     model, tok = load_hf_dir(tiny_dir)
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
+    transport = make_transport("shared_memory")
+    transport.connect([engine])
+    # the engine (shared by the module) starts from the model's own weights, whatever an
+    # earlier test pushed: the old weights of the log-prob check below
+    base = [(n, p.detach()) for n, p in model.named_parameters()]
+    transport.push(TensorBuckets([base]), version=engine.weight_version + 1)
     version = [engine.weight_version]
     start = version[0]
     producer = RolloutProducer(
         engine, tok, get_task("reverse"), source, cfg, version=lambda: version[0]
     ).start()
-    transport = make_transport("shared_memory")
-    transport.connect([engine])
     try:
         _wait(lambda: engine.server_info()["running"] > 0)
         engine.pause("in_place")  # freeze them mid-generation, so the push meets them
@@ -125,8 +154,30 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
     assert all(s.response_length == 48 or s.status == Status.COMPLETED for s in samples)
     spanning = [s for s in samples if s.weight_versions == [start, start + 1]]
     assert spanning, [s.weight_versions for s in samples]  # a trajectory across the push
-    for s in spanning:  # tokens and log-probs stay aligned across the two calls
-        assert len(s.rollout_log_probs) == s.response_length
+    # tokens and log-probs stay aligned across the push: each reported log-prob is the one of
+    # its own token, under the weights that generated it: a prefix under the old weights, the
+    # rest under the pushed ones (recomputed here by an HF forward of each set of weights). A
+    # request sent while the engine was frozen for the push is recorded as spanning too (the
+    # producer's version moves after the resume) but runs on the new weights only: prefix 0.
+    pushed = load_hf_dir(tiny_dir)[0]
+    with torch.no_grad():
+        for name, p in pushed.named_parameters():
+            p.copy_(dict(new)[name])
+    prefixes = []
+    for s in spanning:
+        n = s.response_length
+        assert len(s.rollout_log_probs) == n
+        got = torch.tensor(s.rollout_log_probs)
+        on_old = (_response_log_probs(model, s) - got).abs() <= 1e-4
+        on_new = (_response_log_probs(pushed, s) - got).abs() <= 1e-4
+        k = int(on_old.int().cumprod(0).sum())  # the leading tokens of the old weights
+        assert k < n, (mode, n)  # the tokens after the push are not the old weights'
+        if mode != "in_place":  # re-prefilled (abort) or recomputed (retract) on the new weights
+            assert bool(on_new[k:].all()), (mode, k, on_new.tolist())
+        # (in_place keeps the old weights' KV of the earlier tokens: the tokens after the push
+        # match neither forward exactly, only that they are not the old weights' is checked)
+        prefixes.append(k)
+    assert max(prefixes) > 0, prefixes  # a trajectory generated on both sides of the push
     if mode == "abort":
         assert producer.counters["continued_requests"] > 0
 

@@ -51,7 +51,10 @@ def _sft_batch(tok):
             "train.backend=megatron",
             "unknown trainer backend 'megatron' in train.backend; known: fsdp",
         ),
-        ("train.backend=tests.plugins.nowhere:X", "cannot import 'tests.plugins.nowhere'"),
+        (
+            "train.backend=tests.plugins.nowhere:X",
+            "cannot import trainer backend 'tests.plugins.nowhere:X': no module",
+        ),
         ("train.backend=tests.plugins.backend:Missing", "has no 'Missing'"),
         ("train.loss=distill", "unknown loss 'distill' in train.loss; known: policy, sft"),
         ("train.loss=tests.plugins.backend:Nope", "has no 'Nope'"),

@@ -19,13 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["train.global_batch_size=100"], "must be divisible by train.global_batch_size"),
+        (["train.global_batch_size=96"], "must be divisible by train.global_batch_size"),
+        (["rollout.engine=carrier"], "unknown rollout engine 'carrier' in rollout.engine; known: "),
         (
             ["train.micro_batch_size=48"],
             r"must be divisible by micro_batch_size × world_size \(48\)",
         ),
         (["train.world_size=3"], r"micro_batch_size × world_size \(96\)"),
-        (["data.task=translate"], "unknown task 'translate'; built-in tasks are"),
+        (["data.task=translate"], "unknown task 'translate' in data.task; known: add, "),
         (["train.lr=0"], "train.lr"),
         (["train.lr=-1e-3"], "greater than 0"),
         (["rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt"),

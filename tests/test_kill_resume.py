@@ -226,6 +226,9 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_pat
         s for g in done.values() for s in g["samples"] if min(s["weight_versions"]) < saved_version
     ]
     print(f"{len(old)} buffered samples older than the checkpoint's policy version {saved_version}")
+    # the buffer held samples of an older policy than the checkpoint's: a resume that
+    # regenerated them (on the checkpoint's weights) would have failed the check above
+    assert old, "no buffered sample predates the checkpoint's policy: nothing stale to keep"
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = _run(client, "async")

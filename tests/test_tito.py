@@ -151,7 +151,7 @@ def test_parse_exact_gives_a_message_that_renders_back_to_the_engine_ids(family)
 def test_a_family_loads_by_import_path_or_by_a_registered_name(monkeypatch):
     assert type(get_family(PLUGIN)) is HeadersFamily
     assert load_config(None, [f"agent.family={PLUGIN}"]).agent.family == PLUGIN
-    monkeypatch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+    monkeypatch.setattr(registry.FAMILIES, "_entries", dict(registry.FAMILIES._entries))
     register_family("headers", HeadersFamily)
     assert type(get_family("headers")) is HeadersFamily
     assert "headers" in family_names() and "headers" in describe_choices()
@@ -161,7 +161,7 @@ def test_a_family_loads_by_import_path_or_by_a_registered_name(monkeypatch):
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("gpt2", "unknown TITO family 'gpt2'; choose one of .*'mistral', 'qwen3', 'tiny'"),
+        ("gpt2", "unknown TITO family 'gpt2' in agent.family; known: .*mistral, qwen3, tiny"),
         ("tests.plugins.family:Nope", "cannot import TITO family 'tests.plugins.family:Nope'"),
         ("no_such_module:Family", "cannot import TITO family 'no_such_module:Family'"),
         ("miles_core.tito.verify:VariantReport", "not a concrete TitoFamily subclass"),

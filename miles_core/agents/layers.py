@@ -10,19 +10,18 @@
 
 The environment sets the reward (the agent function returns it), then the optional reward hooks
 per episode and per group (`agents/rewards.py`); an episode left without one is FAILED. The
-rollout function is wired in
-`RLRuntime._start_agentic_rollout` (`AgenticRollout`); generate and agent functions are chosen by
-import path (`agent.generate_function`, `agent.function`).
+rollout function is wired in `rollout_source.AgenticRollouts` (`AgenticRollout`); generate and
+agent functions are chosen by import path (`agent.generate_function`, `agent.function`).
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from miles_core.registry import import_object
 from miles_core.tito import Message
 from miles_core.types import Sample, SampleGroup
 
@@ -92,16 +91,7 @@ class PluginError(ValueError):
 
 def load_plugin(path: str, what: str, want_async: bool = True) -> Any:
     """The object at "package.module:name", checked to be (an async) callable."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise PluginError(f"{what} {path!r}: expected 'package.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise PluginError(f"{what} {path!r}: cannot import {module_name!r} ({e})") from e
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise PluginError(f"{what} {path!r}: {module_name!r} has no {attr!r}")
+    obj = import_object(path, what, example="package.module:name", error=PluginError)
     if not callable(obj) or (
         want_async and not inspect.isclass(obj) and not inspect.iscoroutinefunction(obj)
     ):

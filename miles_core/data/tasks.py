@@ -7,11 +7,12 @@ import path (`package.module:object`).
 
 from __future__ import annotations
 
-import importlib
 import random
 import string
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from miles_core.registry import Registry
 
 
 @dataclass
@@ -96,7 +97,14 @@ class Add:
         return Score(exact, {"exact_match": exact})
 
 
-_REGISTRY: dict[str, Task] = {t.name: t for t in (SayA(), Reverse(), Add())}
+def _task(obj: Any, name: str) -> Task:
+    """An imported task: an object, or a class built without arguments."""
+    return obj() if isinstance(obj, type) else obj
+
+
+TASKS: Registry[Task] = Registry("task", "data.task", load=_task)
+for _builtin in (SayA(), Reverse(), Add()):
+    TASKS.register(_builtin.name, _builtin)
 _TERMINAL: dict[str, Task] = {}  # per TITO family
 
 
@@ -108,12 +116,15 @@ def _terminal(family: str) -> Task:
     return _TERMINAL[family]
 
 
+TASKS.register("terminal", _terminal)  # built per family by get_task
+
+
 def register_task(task: Task) -> None:
-    _REGISTRY[task.name] = task
+    TASKS.register(task.name, task)
 
 
 def task_names() -> list[str]:
-    return sorted({*_REGISTRY, "terminal"})
+    return TASKS.names()
 
 
 def get_task(name: str, family: str | None = None) -> Task:
@@ -122,17 +133,6 @@ def get_task(name: str, family: str | None = None) -> Task:
     `family`: the run's TITO family (`agent.family`, a name or import path) for a task that
     tokenizes chat itself: the terminal task's SFT demonstrations are rendered with it, so they
     hold the model's own ids (default `tiny`, the tiny model's family)."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name == "terminal":
+    if name == "terminal" and TASKS.get(name) is _terminal:
         return _terminal(family or "tiny")
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            obj = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot import task {name!r}: {e}") from e
-        return obj() if isinstance(obj, type) else obj
-    raise ValueError(
-        f"unknown task {name!r}; built-in tasks are {task_names()} (or give 'package.module:object')"
-    )
+    return TASKS.get(name)

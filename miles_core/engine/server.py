@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from fastapi import FastAPI, Request
@@ -97,6 +97,8 @@ class DistributedBody(_Body):
     load_format: str | None = None  # "p2p_shards": trainer ranks send their own shards
     plan: list[dict] | None = None  # p2p: each tensor's pieces per trainer rank (source.py)
     senders: int | None = None  # p2p: trainer ranks in the group
+    # fields of our own beyond SGLang's struct (only read with load_format "p2p_shards")
+    extensions: ClassVar[frozenset[str]] = frozenset({"plan", "senders"})
 
 
 class DestroyGroupBody(_Body):

@@ -16,11 +16,16 @@ from miles_core.eval.scoring import EvalSpec, score_policy
 
 class DedicatedRunner:
     def __init__(
-        self, spec: EvalSpec, storage_options: dict[str, Any] | None = None, threads: int = 1
+        self,
+        spec: EvalSpec,
+        storage_options: dict[str, Any] | None = None,
+        threads: int = 1,
+        port_range: Any = None,  # miles_core.proc.ports.PortRange | str | None: network.port_range
     ):
         self.spec = spec
         self.storage_options = storage_options or {}
         self.threads = threads
+        self.port_range = port_range
         self.logs = Path(tempfile.mkdtemp(prefix="miles-eval-"))
         self._stop = threading.Event()
 
@@ -41,7 +46,12 @@ class DedicatedRunner:
 
         tokenizer = AutoTokenizer.from_pretrained(str(local))
         args = ["--threads", str(self.threads), "--max-running", str(self.spec.prompts)]
-        process = EngineProcess(local, args=args, log_path=self.logs / f"v{job.version}.log")
+        process = EngineProcess(
+            local,
+            args=args,
+            log_path=self.logs / f"v{job.version}.log",
+            port_range=self.port_range,
+        )
         try:
             process.start(timeout=_left(deadline))
             engine = HttpEngine(

@@ -56,7 +56,9 @@ class RunEvaluation:
             if self.mode == "dedicated":
                 from miles_core.eval.dedicated import DedicatedRunner
 
-                self._runner = DedicatedRunner(spec, config.checkpoint.storage_options)
+                self._runner = DedicatedRunner(
+                    spec, config.checkpoint.storage_options, port_range=config.network.ports
+                )
             else:
                 from miles_core.eval.external import ExternalRunner
 

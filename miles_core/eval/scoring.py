@@ -9,7 +9,7 @@ from pathlib import Path
 
 from miles_core.config import RolloutConfig
 from miles_core.data.tasks import Example, Task, get_task
-from miles_core.engine_api import RolloutEngine
+from miles_core.engine_api import RolloutEngine, shared_generator
 from miles_core.rollout.rollout_fn import generate_groups
 
 EVAL_STEP = -1  # the `step` of evaluation requests (rids "-1-g-k"; training steps are >= 0)
@@ -57,9 +57,11 @@ class EvalSpec:
     def examples(self, task: Task) -> list[tuple[int, Example]]:
         return list(enumerate(task.generate(self.prompts, seed=self.seed)))
 
-    def rollout_config(self, engine_kind: str) -> RolloutConfig:
+    def rollout_config(self, engine_kind: str = "server") -> RolloutConfig:
+        """Requests seeded one by one (an engine that samples a whole batch from its one
+        generator, the embedded one, ignores the seeds)."""
         return RolloutConfig(
-            engine=engine_kind,  # type: ignore[arg-type]
+            engine=engine_kind,
             prompts_per_step=self.prompts,
             n_samples_per_prompt=1,
             max_new_tokens=self.max_new_tokens,
@@ -73,16 +75,12 @@ def score_policy(engine: RolloutEngine, tokenizer, spec: EvalSpec) -> dict[str, 
     `eval/reward_mean`, the task's own metrics (e.g. `eval/exact_match`), lengths. An engine
     with a shared sampling generator (the embedded one) gets it back as it was, so an
     evaluation never changes what training samples next."""
-    from miles_core.engine.embedded import EmbeddedEngine
-
     task = get_task(spec.task)
-    # the embedded engine samples a batch from its one generator; others seed each request
-    kind = "embedded" if isinstance(engine, EmbeddedEngine) else "server"
-    generator = engine.generator if isinstance(engine, EmbeddedEngine) else None
+    generator = shared_generator(engine)  # in-process engines: put back as it was
     saved = generator.get_state() if generator is not None else None
     try:
         result = generate_groups(
-            engine, tokenizer, task, spec.examples(task), spec.rollout_config(kind), EVAL_STEP
+            engine, tokenizer, task, spec.examples(task), spec.rollout_config(), EVAL_STEP
         )
     finally:
         if generator is not None:

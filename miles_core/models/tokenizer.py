@@ -1,8 +1,9 @@
 """A character-level chat tokenizer built locally with `tokenizers` (no model hub).
 
 Every printable ASCII character, newline and tab is one token; chat special tokens are single ids.
-The Jinja chat template is ChatML-shaped, so multi-turn renders are prefix-stable:
-rendering turn N+1 starts with exactly the ids of turn N plus the assistant reply.
+The Jinja chat template is the `tiny` TITO family's ChatML (miles_core/tito/chatml.py: tools,
+reasoning, tool calls and results), so multi-turn renders are prefix-stable: rendering turn N+1
+starts with exactly the ids of turn N plus the assistant reply.
 """
 
 from __future__ import annotations
@@ -29,13 +30,6 @@ SPECIAL_TOKENS = [
     "</tool_call>",
 ]
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]
 
 
@@ -55,5 +49,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=None,
         additional_special_tokens=SPECIAL_TOKENS[4:],
     )
-    tok.chat_template = CHAT_TEMPLATE
+    # the `tiny` TITO family's ChatML template (tools in the system turn, `<think>` reasoning
+    # kept in history, `<tool_call>` JSON, `<tool_response>` results): the model directory's
+    # template renders exactly what the family tokenizes (`miles tito verify` compares the two);
+    # for plain chats it gives the ids of the role/content-only template it replaced
+    # (tests/test_tiny_chat_template.py). Imported here: miles_core.tito imports this module.
+    from miles_core.tito.chatml import chat_template
+
+    tok.chat_template = chat_template(keep_history_reasoning=True)
     return tok

@@ -95,6 +95,9 @@ class ManagedProcess:
                 self.command(), stdout=out, stderr=subprocess.STDOUT, env=env
             )
             self._wait_healthy(timeout)
+        except BaseException:  # interrupted or failed start-up: the child does not stay behind
+            self.stop()
+            raise
         finally:
             self._port_file = None
             if tmp is not None:

@@ -129,33 +129,44 @@ class HttpEngine:
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         return asyncio.run(self.agenerate(requests))
 
+    def async_client(self, max_connections: int | None = None) -> httpx.AsyncClient:
+        """The pooled async client `/generate` calls go through (`post_generate`), as an async
+        context manager; `max_connections` defaults to `concurrency`."""
+        n = max_connections or self.concurrency
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        return httpx.AsyncClient(base_url=self.url, timeout=self.request_timeout, limits=limits)
+
+    async def post_generate(
+        self, client: httpx.AsyncClient, chunk: list[GenerateRequest]
+    ) -> list[GenerateResponse]:
+        """One `/generate` call for `chunk` (one request, or several in SGLang's batch form; one
+        routing key): its responses in order. A call the engine's death interrupted waits for
+        the supervisor's replacement and is re-issued once (same rids and seeds); a second
+        failure raises. Every `/generate` of the runtime goes through here."""
+        key = chunk[0].routing_key
+        headers = {ROUTING_KEY_HEADER: key} if key else None
+        body = batch_payload(chunk) if len(chunk) > 1 else generate_payload(chunk[0])
+
+        async def call() -> list[GenerateResponse]:
+            try:
+                r = await client.post("/generate", json=body, headers=headers)
+            except httpx.HTTPError as e:
+                raise EngineUnavailable(
+                    f"engine at {self.url} failed during /generate: {e!r}"
+                ) from e
+            return self.parse_responses(r)
+
+        what = "/generate of " + ", ".join(str(r.rid) for r in chunk)
+        return await reissue_once(self.supervisor, call, what)
+
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
-        limits = httpx.Limits(
-            max_connections=self.concurrency, max_keepalive_connections=self.concurrency
-        )
-        async with httpx.AsyncClient(
-            base_url=self.url, timeout=self.request_timeout, limits=limits
-        ) as client:
+        async with self.async_client() as client:
             chunks = batches(requests, self.batch_size)
             sem = asyncio.Semaphore(max(1, self.concurrency // self.batch_size))
 
             async def one(chunk: list[GenerateRequest]) -> list[GenerateResponse]:
                 async with sem:
-                    key = chunk[0].routing_key
-                    headers = {ROUTING_KEY_HEADER: key} if key else None
-                    body = batch_payload(chunk) if len(chunk) > 1 else generate_payload(chunk[0])
-
-                    async def call() -> list[GenerateResponse]:
-                        try:
-                            r = await client.post("/generate", json=body, headers=headers)
-                        except httpx.HTTPError as e:
-                            raise EngineUnavailable(
-                                f"engine at {self.url} failed during /generate: {e!r}"
-                            ) from e
-                        return self.parse_responses(r)
-
-                    what = "/generate of " + ", ".join(str(r.rid) for r in chunk)
-                    return await reissue_once(self.supervisor, call, what)
+                    return await self.post_generate(client, chunk)
 
             work = asyncio.gather(*(one(c) for c in chunks))
             # a supervised engine has its own heartbeat, which replaces a dead one

@@ -43,11 +43,8 @@ from miles_core.rollout.buffer_state import (
     group_to_json,
 )
 from miles_core.rollout.http_engine import (
-    EngineUnavailable,
     HttpEngine,
-    batch_payload,
     batches,
-    generate_payload,
 )
 from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse
 from miles_core.rollout.rollout_fn import (
@@ -59,7 +56,6 @@ from miles_core.rollout.rollout_fn import (
     rollout_metrics,
     sampling_params,
 )
-from miles_core.rollout.supervisor import reissue_once
 from miles_core.token_fields import join_fields
 from miles_core.types import SampleGroup
 
@@ -335,10 +331,9 @@ class RolloutProducer:
                 self._cond.notify_all()
 
     async def _produce(self) -> None:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-        async with httpx.AsyncClient(
-            base_url=self.engine.url, timeout=self.engine.request_timeout, limits=limits
-        ) as client:
+        # the engine's own /generate path (HttpEngine.post_generate): one client, one parse,
+        # one re-issue policy; up to 1 + max_staleness steps of groups in flight
+        async with self.engine.async_client(max_connections=512) as client:
             running: set[asyncio.Task] = set()
             while True:
                 ticket = await asyncio.to_thread(self._admit_next)
@@ -423,19 +418,7 @@ class RolloutProducer:
     async def _post(
         self, client: httpx.AsyncClient, requests: list[GenerateRequest]
     ) -> list[GenerateResponse]:
-        body = batch_payload(requests) if len(requests) > 1 else generate_payload(requests[0])
-
-        async def call() -> list[GenerateResponse]:
-            try:
-                r = await client.post("/generate", json=body)
-            except httpx.HTTPError as e:
-                raise EngineUnavailable(f"engine at {self.engine.url} failed: {e!r}") from e
-            return self.engine.parse_responses(r)
-
-        # a call the engine's death interrupted waits for the replacement and is re-issued
-        # once (same rid and seed); a second failure fails the group, and with it the run
-        what = "/generate of " + ", ".join(str(r.rid) for r in requests)
-        return await reissue_once(getattr(self.engine, "supervisor", None), call, what)
+        return await self.engine.post_generate(client, requests)
 
     async def _one(
         self,

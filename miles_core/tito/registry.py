@@ -5,59 +5,20 @@ family is a file anywhere on the path; nothing in miles_core changes."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import TypeVar
 
+from miles_core.registry import Registry
 from miles_core.tito.family import TitoFamily
 
 Factory = Callable[[], TitoFamily]
 F = TypeVar("F", bound=Factory)
 
-_FAMILIES: dict[str, Factory] = {}
 
-
-def register_family(name: str, factory: F | None = None) -> F | Callable[[F], F]:
-    """Register `factory` (a `TitoFamily` subclass or a zero-argument function returning a
-    family) under `name`; used as a decorator when `factory` is omitted."""
-
-    def add(f: F) -> F:
-        if not callable(f):
-            raise TypeError(f"TITO family {name!r}: {f!r} is not a class or a factory")
-        _FAMILIES[name] = f
-        return f
-
-    return add if factory is None else add(factory)
-
-
-def family_names() -> list[str]:
-    """The registered family names, sorted."""
-    return sorted(_FAMILIES)
-
-
-def describe_choices() -> str:
-    """For help strings and errors: the registered names and the import-path form."""
-    return f"{', '.join(family_names())}, or 'package.module:Class'"
-
-
-def resolve_family(name: str) -> Factory:
-    """The factory of a registered name or an import path, without building the family (a
-    family may load a large tokenizer): what config validation calls. ValueError if unknown."""
-    if name in _FAMILIES:
-        return _FAMILIES[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        raise ValueError(
-            f"unknown TITO family {name!r}; choose one of {family_names()} "
-            "(or give 'package.module:Class')"
-        )
-    if not module_name or not attr:
-        raise ValueError(f"TITO family {name!r}: expected 'package.module:Class'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import TITO family {name!r}: {e}") from e
+def _as_factory(obj: object, name: str) -> Factory:
+    """An imported object as a family factory: an instance, a concrete subclass, or a
+    zero-argument function (whose result is checked when it is built)."""
     if isinstance(obj, TitoFamily):
         return lambda: obj
     if inspect.isclass(obj):
@@ -69,6 +30,40 @@ def resolve_family(name: str) -> Factory:
     if callable(obj):
         return _checked(name, obj)
     raise ValueError(f"TITO family {name!r} is neither a TitoFamily class nor a factory")
+
+
+FAMILIES: Registry[Factory] = Registry(
+    "TITO family", "agent.family", example="package.module:Class", load=_as_factory
+)
+
+
+def register_family(name: str, factory: F | None = None) -> F | Callable[[F], F]:
+    """Register `factory` (a `TitoFamily` subclass or a zero-argument function returning a
+    family) under `name`; used as a decorator when `factory` is omitted."""
+
+    def add(f: F) -> F:
+        if not callable(f):
+            raise TypeError(f"TITO family {name!r}: {f!r} is not a class or a factory")
+        FAMILIES.register(name, f)
+        return f
+
+    return add if factory is None else add(factory)
+
+
+def family_names() -> list[str]:
+    """The registered family names, sorted."""
+    return FAMILIES.names()
+
+
+def describe_choices() -> str:
+    """For help strings and errors: the registered names and the import-path form."""
+    return f"{', '.join(family_names())}, or 'package.module:Class'"
+
+
+def resolve_family(name: str) -> Factory:
+    """The factory of a registered name or an import path, without building the family (a
+    family may load a large tokenizer): what config validation calls. ValueError if unknown."""
+    return FAMILIES.get(name)
 
 
 def _checked(name: str, factory: Callable[[], object]) -> Factory:

@@ -8,60 +8,12 @@ the entry may be the object itself or its import path, imported on first use) or
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
+from miles_core.registry import Registry
 
-class Registry:
-    """Named objects of one kind; entries may be import paths, resolved when first asked for."""
-
-    def __init__(self, kind: str, setting: str):
-        self.kind = kind  # "trainer backend", "loss"
-        self.setting = setting  # the config key users write it in, for error messages
-        self._entries: dict[str, Any] = {}
-
-    def register(self, name: str, obj: Any) -> None:
-        if ":" in name:
-            raise ValueError(f"{self.kind} name {name!r} must not contain ':' (import paths do)")
-        self._entries[name] = obj
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def resolve(self, name: str) -> Any:
-        """The object registered as `name`, or the one at import path `name`; a clear error
-        naming the known entries otherwise."""
-        if name in self._entries:
-            entry = self._entries[name]
-            if isinstance(entry, str):
-                entry = self._entries[name] = _import(entry, self.kind)
-            return entry
-        if ":" in name:
-            return _import(name, self.kind)
-        raise ValueError(
-            f"unknown {self.kind} {name!r} in {self.setting}; known: "
-            f"{', '.join(self.names())} (or give an import path 'package.module:object')"
-        )
-
-
-def _import(path: str, kind: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{kind} {path!r}: expected 'package.module:object'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{kind} {path!r}: cannot import {module_name!r} ({e})") from e
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ValueError(f"{kind} {path!r}: {module_name!r} has no {attr!r}")
-    return obj
-
-
-BACKENDS = Registry("trainer backend", "train.backend")
+BACKENDS: Registry[Callable[..., Any]] = Registry("trainer backend", "train.backend")
 BACKENDS.register("fsdp", "miles_core.train.fsdp:FSDPBackend")
 
 
@@ -76,7 +28,7 @@ def backend_names() -> list[str]:
 
 
 def backend_factory(name: str) -> Callable[..., Any]:
-    factory = BACKENDS.resolve(name)
+    factory = BACKENDS.get(name)
     if not callable(factory):
         raise ValueError(f"trainer backend {name!r} is not a class or factory: {factory!r}")
     return factory
@@ -85,7 +37,7 @@ def backend_factory(name: str) -> Callable[..., Any]:
 def check_backend(name: str) -> str:
     """Config-time check: `name` is registered (not imported: config validation stays free of
     torch) or an import path to a factory (raises otherwise)."""
-    if name not in BACKENDS.names():
+    if name not in BACKENDS:
         backend_factory(name)
     return name
 
@@ -101,7 +53,7 @@ def backend_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-LOSSES = Registry("loss", "train.loss")
+LOSSES: Registry[Any] = Registry("loss", "train.loss")
 LOSSES.register("policy", "miles_core.train.losses.policy:PolicyLoss")
 LOSSES.register("sft", "miles_core.train.losses.sft:SFTLoss")
 # "distill" (on-policy distillation against teacher log-probs) registers here when it lands
@@ -119,7 +71,7 @@ def loss_names() -> list[str]:
 
 def get_loss(name: str):
     """The loss registered as `name`, or at import path `name` (a class is instantiated)."""
-    loss = LOSSES.resolve(name)
+    loss = LOSSES.get(name)
     if isinstance(loss, type):
         loss = loss()
     missing = [
@@ -136,6 +88,6 @@ def get_loss(name: str):
 def check_loss(name: str) -> str:
     """Config-time check: `name` is a registered loss (not imported) or an import path to one
     (raises otherwise)."""
-    if name not in LOSSES.names():
+    if name not in LOSSES:
         get_loss(name)
     return name

@@ -146,6 +146,8 @@ def flat_layout(
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r} for {name}")
+        if any(int(d) < 0 for d in shape):
+            raise ValueError(f"negative dimension in the shape {list(shape)} of {name}")
         count = 1
         for d in shape:
             count *= int(d)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import time
 
 from miles_core.weights.group_transport import GroupTransport
+from miles_core.weights.receiver import P2P_FORMAT
 from miles_core.weights.remote import paused
 from miles_core.weights.source import TrainerWeights
 from miles_core.weights.transport import PushStats, register_transport
-
-P2P_FORMAT = "p2p_shards"
 
 
 class P2PTransport(GroupTransport):

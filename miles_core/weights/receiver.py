@@ -4,7 +4,10 @@ tensors it staged, loaded all or nothing by the call that carries the new versio
 A receive that fails (a refused bucket, a sender that goes away, a load the model refuses)
 drops everything staged for that group, so the next push loads exactly what it sends and never
 a mix with the remains of a failed one. A refused bucket whose layout is known is still received
-(into scratch buffers, then dropped) so the trainer's broadcast does not wait on us.
+(into scratch buffers, then dropped) so the trainer's broadcast does not wait on us; but a body
+that could not come from a trainer of this model (a tensor named twice, more elements than the
+model holds, negative dimensions, p2p pieces from ranks that are not trainer ranks) is refused
+before anything is allocated or received: those buffers are sized by the request.
 
 The engine server's routes only translate HTTP to these calls (engine/server.py); `load` is the
 engine's `update_weights_from_tensor(tensors, flush_cache, adopt)` and `params` its
@@ -13,6 +16,7 @@ engine's `update_weights_from_tensor(tensors, flush_cache, adopt)` and `params` 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +44,9 @@ class ReceiveRefused(ValueError):
 class _Group:
     store: object
     pg: object
+    rank: int  # this engine's rank: trainer ranks (the senders) come before it
     staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    busy: threading.Lock = field(default_factory=threading.Lock)  # one receive at a time
 
 
 class GroupReceiver:
@@ -72,7 +78,7 @@ class GroupReceiver:
             store, pg = open_group(host, port, rank, world, self.timeout_s, backend)
         except Exception as e:  # noqa: BLE001  (rendezvous failures: timeout, refused)
             raise ReceiveRefused(f"could not join weight update group {name!r}: {e}") from e
-        self._groups[name] = _Group(store, pg)
+        self._groups[name] = _Group(store, pg, rank)
 
     def leave(self, name: str) -> None:
         if self._groups.pop(name, None) is None:
@@ -101,6 +107,8 @@ class GroupReceiver:
         group = self._groups.get(name)
         if group is None:
             raise ReceiveRefused(f"no weight update group {name!r}; init it first")
+        if not group.busy.acquire(blocking=False):  # a second call would interleave the wire
+            raise ReceiveRefused(f"weight update group {name!r} is receiving another push")
         try:
             if load_format == P2P_FORMAT:
                 received = self._receive_plan(group, names, plan, senders)
@@ -119,14 +127,17 @@ class GroupReceiver:
         except BaseException:
             group.staged = []  # a failed push leaves nothing behind for the next one
             raise
+        finally:
+            group.busy.release()
 
     def _receive_bucket(self, group: _Group, names, dtypes, shapes) -> list:
         try:
             flat_layout(names, dtypes, shapes)
         except ValueError as e:  # sizes unknown: nothing can be received in step
             raise ReceiveRefused(str(e)) from e
+        self._check_size(group, names, shapes)
         refusal = self._misfit(list(zip(names, shapes, strict=True)))
-        received = receive_bucket(group.pg, names, dtypes, shapes, self.device)
+        received = _transfer(receive_bucket, group.pg, names, dtypes, shapes, self.device)
         if refusal:  # received in step with the sender, then dropped
             raise ReceiveRefused(f"weights do not fit this model: {refusal}")
         return received
@@ -140,11 +151,32 @@ class GroupReceiver:
             raise ReceiveRefused(f"malformed p2p placement plan: {e}") from e
         if [t.name for t in tensors] != list(names):
             raise ReceiveRefused("the p2p plan does not list the names of the request")
+        if not 0 < int(senders or 0) <= group.rank:
+            raise ReceiveRefused(
+                f"senders={senders}: the trainer ranks are 0..{group.rank - 1} of this group"
+            )
+        self._check_size(group, names, [t.shape for t in tensors])
         refusal = self._misfit([(t.name, t.shape) for t in tensors])
-        received = receive_shards(group.pg, tensors, self.device)
+        received = _transfer(receive_shards, group.pg, tensors, self.device)
         if refusal:  # received in step with the senders, then dropped
             raise ReceiveRefused(f"weights do not fit this model: {refusal}")
         return received
+
+    def _check_size(self, group: _Group, names, shapes) -> None:
+        """Refuses, before allocating anything, a push larger than this model (what is staged
+        plus this request, in elements) or naming a tensor twice: the buffers a misfit is
+        received into are sized by the request, so a hostile body must not size them."""
+        if len(set(names)) != len(names):
+            raise ReceiveRefused("the push names a tensor more than once")
+        limit = sum(p.numel() for p in self._params().values())
+        count = sum(t.numel() for _, t in group.staged)
+        for shape in shapes:
+            n = 1
+            for d in shape:
+                n *= int(d)
+            count += n
+        if count > limit:
+            raise ReceiveRefused(f"the push holds {count} elements, more than this model's {limit}")
 
     def _misfit(self, shapes: list[tuple[str, list[int]]]) -> str:
         params = self._params()
@@ -155,3 +187,12 @@ class GroupReceiver:
             if list(p.shape) != list(shape):
                 return f"{name}: engine shape {tuple(p.shape)} != pushed {tuple(shape)}"
         return ""
+
+
+def _transfer(receive: Callable[..., list], *args) -> list:
+    """A receive whose transfer failed (a sender that went away, a timeout: gloo / nccl raise
+    RuntimeError) is refused like any other push, not an engine error."""
+    try:
+        return receive(*args)
+    except RuntimeError as e:
+        raise ReceiveRefused(f"the transfer failed: {e}") from e

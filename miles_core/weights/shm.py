@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 ALIGN = 64
+PREFIX = "miles-weights-"  # every bucket file's name starts so; an engine maps no other file
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
@@ -41,7 +42,7 @@ class ShmBucketWriter:
     """Owns the bucket files of one transport; `write` fills slot i and returns its description."""
 
     def __init__(self, prefix: str | None = None):
-        self.prefix = prefix or f"miles-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.prefix = PREFIX + (prefix or f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._files: dict[int, tuple[Path, torch.Tensor]] = {}
         self._paths: list[Path] = []
         # the files are removed by `close`, or when the writer is collected / the process exits
@@ -125,6 +126,15 @@ def unlink_mapped() -> list[str]:
     return paths
 
 
+def _is_bucket_file(path: str) -> bool:
+    """Only files a writer of this module made: a request names the bucket, never an arbitrary
+    file (the engine maps it shared, may adopt it as its weights, and unlinks it on exit)."""
+    p = Path(path)
+    if p.is_symlink() or not p.is_file() or not p.name.startswith(PREFIX):
+        return False
+    return p.resolve().parent == shm_dir().resolve()
+
+
 def read_bucket(description: str) -> SharedBucket:
     """Maps a described bucket: views into the shared file (copy them unless `adopt`)."""
     try:
@@ -133,8 +143,10 @@ def read_bucket(description: str) -> SharedBucket:
         adopt = bool(spec.get("adopt", False))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"malformed shared-memory bucket description: {e!r}") from e
-    if not Path(path).is_file():
-        raise ValueError(f"shared-memory bucket {path!r} does not exist on this host")
+    if not _is_bucket_file(path):
+        raise ValueError(
+            f"shared-memory bucket {path!r} is not a {PREFIX}* file in {shm_dir()} on this host"
+        )
     size = Path(path).stat().st_size
     if size < nbytes:
         raise ValueError(f"shared-memory bucket {path!r} is smaller than described")

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from miles_core.engine_api import RolloutEngine, require_route
+from miles_core.registry import Registry
 from miles_core.weights.source import Bucket, TrainerWeights
 
 __all__ = [
@@ -114,30 +115,32 @@ class WeightTransport(Protocol):
     def close(self) -> None: ...
 
 
-_TRANSPORTS: dict[str, Callable[..., WeightTransport]] = {}
+def _transport_factory(obj: object, name: str) -> Callable[..., WeightTransport]:
+    if not callable(obj):
+        raise ValueError(f"weight transport {name!r} is not a class or factory: {obj!r}")
+    return obj
 
 
-def register_transport(name: str, factory: Callable[..., WeightTransport]) -> None:
+TRANSPORTS: Registry[Callable[..., WeightTransport]] = Registry(
+    "weight transport", "weight_sync.transport", load=_transport_factory
+)
+
+
+def register_transport(name: str, factory: Callable[..., WeightTransport] | str) -> None:
     """`factory(**options)` builds the transport; it takes the options it knows (e.g. the disk
-    transport's `root`; every one `bucket_bytes` and `dtype`) and ignores the rest."""
-    _TRANSPORTS[name] = factory
+    transport's `root`; every one `bucket_bytes` and `dtype`) and ignores the rest. A config may
+    also name a factory by import path `pkg.mod:Factory`."""
+    TRANSPORTS.register(name, factory)
 
 
 def transport_names() -> list[str]:
-    return sorted(_TRANSPORTS)
+    return TRANSPORTS.names()
 
 
 def transport_route(name: str) -> str:
     """The weight route transport `name` needs (for config checks before anything starts)."""
-    factory = _factory(name)
-    return str(getattr(factory, "route", ""))
-
-
-def _factory(name: str) -> Callable[..., WeightTransport]:
-    if name not in _TRANSPORTS:
-        raise ValueError(f"unknown weight transport {name!r}; known: {sorted(_TRANSPORTS)}")
-    return _TRANSPORTS[name]
+    return str(getattr(TRANSPORTS.get(name), "route", ""))
 
 
 def make_transport(name: str, **options) -> WeightTransport:
-    return _factory(name)(**options)
+    return TRANSPORTS.get(name)(**options)

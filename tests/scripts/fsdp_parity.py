@@ -1,5 +1,6 @@
-"""Run under torchrun: rank 0 drives an FSDP2 trainer for two steps on a fixed batch, the other
-ranks follow (SPMD replay); rank 0 writes the final weights and metrics."""
+"""Run under torchrun: rank 0 drives an FSDP2 trainer for two steps on a fixed batch, once per
+loss config (one launch for all of them; the follower ranks replay every trainer rank 0 builds),
+and writes the final weights and metrics of config i to `<out>-<i>.safetensors` / `.json`."""
 
 import json
 import random
@@ -15,10 +16,10 @@ from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
 from miles_core.train.batch import TrainBatch
-from miles_core.train.fsdp import FSDPBackend
+from miles_core.train.registry import make_backend
 
 model_dir, out_prefix = sys.argv[1], sys.argv[2]
-loss_overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+configs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else [{}]
 rank, world = distributed.init_distributed()
 if rank > 0:
     distributed.follow()
@@ -36,22 +37,26 @@ reqs = [
     for _ in range(16)
 ]
 out = EmbeddedEngine(model, tok, seed=0).generate(reqs)
-batch = TrainBatch(
-    tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
-    response_lengths=[len(r.output_ids) for r in out],
-    loss_masks=[[1] * len(r.output_ids) for r in out],
-    advantages=[rng.gauss(0, 1) for _ in out],
-    rollout_log_probs=[r.output_log_probs for r in out],
-)
-cfg = RunConfig().train.model_copy(
-    update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2, **loss_overrides}
-)
-trainer = FSDPBackend(model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10)
-batch.old_log_probs = trainer.compute_log_probs(batch)
-metrics = [trainer.train_step(batch), trainer.train_step(batch)]
-weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
-trainer.close()
+advantages = [rng.gauss(0, 1) for _ in out]
+for i, loss_overrides in enumerate(configs):
+    batch = TrainBatch(
+        tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
+        response_lengths=[len(r.output_ids) for r in out],
+        loss_masks=[[1] * len(r.output_ids) for r in out],
+        advantages=list(advantages),
+        rollout_log_probs=[r.output_log_probs for r in out],
+    )
+    cfg = RunConfig().train.model_copy(
+        update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2, **loss_overrides}
+    )
+    trainer = make_backend(
+        "fsdp", model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
+    )
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    metrics = [trainer.train_step(batch), trainer.train_step(batch)]
+    weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
+    trainer.close()
+    save_file(weights, f"{out_prefix}-{i}.safetensors")
+    with open(f"{out_prefix}-{i}.json", "w") as f:
+        json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs}, f)
 distributed.shutdown()
-save_file(weights, f"{out_prefix}.safetensors")
-with open(f"{out_prefix}.json", "w") as f:
-    json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs}, f)

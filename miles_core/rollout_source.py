@@ -1,0 +1,216 @@
+"""Where a run's rollouts come from, one class per way of producing them:
+
+    SyncRollouts     rollout.mode sync: each step generates its groups on the engine, then trains
+    AsyncRollouts    one_step_off / fully_async: a `RolloutProducer` keeps the engine server busy
+                     (started on the first rollout, after a resume has set the data position; a
+                     resumed checkpoint's buffered groups are handed to it then)
+    AgenticRollouts  agent.function: agent episodes through a session server in front of the
+                     engine server (agents/rollout.py)
+
+Each also scores the policy its engine serves now for a shared-mode evaluation (`score`), says
+what a checkpoint keeps of it (`snapshot`, `data_state`) and takes it back (`restore`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+from miles_core.data import PromptSource
+from miles_core.eval.scoring import EvalSpec, score_policy
+from miles_core.fleet import EngineFleet
+from miles_core.rollout.producer import RolloutProducer
+from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
+
+
+class SyncRollouts:
+    """Generate, then train: the step's prompts on the engine, one call."""
+
+    producer: RolloutProducer | None = None
+    agent_rollout = None
+    session_process = None
+
+    def __init__(self, config, fleet: EngineFleet, tokenizer, task, prompts: PromptSource):
+        self.config = config
+        self.fleet = fleet
+        self.tokenizer = tokenizer
+        self.task = task
+        self.prompts = prompts
+
+    def take(self, step: int) -> RolloutResult:
+        r = self.config.rollout
+        batch = self.prompts.next_batch(r.prompts_per_step)
+        return generate_groups(self.fleet.engine, self.tokenizer, self.task, batch, r, step)
+
+    def score(self) -> dict[str, float]:
+        """eval/* metrics of the fixed eval prompts of data.task on the rollout engine."""
+        return score_policy(self.fleet.engine, self.tokenizer, EvalSpec.from_run(self.config))
+
+    def held(self) -> contextlib.AbstractContextManager:
+        """While held, no new rollout work is admitted (an evaluation runs meanwhile)."""
+        return contextlib.nullcontext()
+
+    def before_push(self) -> None:
+        """Called before a weight push."""
+
+    def after_push(self) -> None:
+        """Called once the engines serve the new version."""
+
+    def snapshot(self) -> dict | None:
+        """The buffered groups a checkpoint keeps (async modes), or None."""
+        return None
+
+    def data_state(self, snapshot: dict | None) -> dict:
+        """The data position a checkpoint keeps: after every group taken or buffered."""
+        return snapshot["source_state"] if snapshot else self.prompts.state()
+
+    def restore(self, buffer: dict | None) -> None:
+        """A resumed checkpoint's buffer (sync: there is none to restore)."""
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRollouts(SyncRollouts):
+    """A producer generates ahead of the trainer; `engine_version` says what the engines serve."""
+
+    def __init__(self, config, fleet, tokenizer, task, prompts, engine_version: Callable[[], int]):
+        super().__init__(config, fleet, tokenizer, task, prompts)
+        self.engine_version = engine_version
+        self.producer: RolloutProducer | None = None
+        self._restored: dict | None = None  # a resumed checkpoint's buffer, for the producer
+
+    def take(self, step: int) -> RolloutResult:
+        if self.producer is None:  # first call: after a resume has set the data position
+            r = self.config.rollout
+            if r.mode == "one_step_off":  # one batch ahead, pushes between batches
+                r = r.model_copy(update={"max_staleness": 1, "stale_policy": "pace"})
+            self.producer = RolloutProducer(
+                self.fleet.engine,
+                self.tokenizer,
+                self.task,
+                self.prompts,
+                r,
+                version=self.engine_version,
+                first_group=step * r.prompts_per_step,
+            )
+            if self._restored is not None:  # groups buffered at the resumed checkpoint
+                self.producer.restore(self._restored)
+                self._restored = None
+            self.producer.start()
+        return self.producer.take(step)
+
+    def held(self) -> contextlib.AbstractContextManager:
+        return self.producer.held() if self.producer else contextlib.nullcontext()
+
+    def before_push(self) -> None:
+        if self.producer is not None and self.config.rollout.mode == "one_step_off":
+            self.producer.wait_idle()  # the batch in flight finishes on the old weights
+
+    def after_push(self) -> None:
+        if self.producer is not None:
+            self.producer.notify_version()
+
+    def snapshot(self) -> dict | None:
+        return self.producer.snapshot() if self.producer else None
+
+    def restore(self, buffer: dict | None) -> None:
+        self._restored = buffer
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+
+
+class AgenticRollouts(SyncRollouts):
+    """Agent episodes recorded by a session server in front of the engine server."""
+
+    def __init__(self, config, fleet, tokenizer, task, prompts, engine_version, workdir: Path):
+        from miles_core.agents.layers import RolloutSetup
+        from miles_core.sessions import SessionServerProcess
+        from miles_core.tito.check import check_family_matches
+
+        super().__init__(config, fleet, tokenizer, task, prompts)
+        self.engine_version = engine_version
+        agent = config.agent
+        assert fleet.process is not None  # the config requires an engine server
+        check_family_matches(agent.family, tokenizer)
+        self.session_process = SessionServerProcess(
+            fleet.process.url,
+            agent.family,
+            log_path=workdir / "sessions.log",
+            args=(
+                "--max-tokens",
+                str(agent.max_tokens),
+                *(f"--token-field={f}" for f in config.rollout.token_fields),
+            ),
+            port_range=config.network.ports,
+        ).start()
+        try:
+            generate, hooks = _agent_plugins(agent)
+            setup = RolloutSetup(config, prompts, self.session_process.url, generate, hooks)
+            from miles_core.agents.rollout import AgenticRollout
+
+            self.agent_rollout = AgenticRollout(setup)
+        except BaseException:
+            self.session_process.stop()
+            raise
+
+    def take(self, step: int) -> RolloutResult:
+        from miles_core.agents.layers import RolloutInput
+
+        out = asyncio.run(self.agent_rollout(RolloutInput(step, self.engine_version())))
+        return RolloutResult(out.groups, out.metrics)
+
+    def score(self) -> dict[str, float]:
+        """eval/* metrics of agent episodes on fixed tasks (agent.eval_episodes)."""
+        c = self.config
+        examples = self.task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
+        return asyncio.run(self.agent_rollout.evaluate(examples))
+
+    def close(self) -> None:
+        self.session_process.stop()
+
+
+def _agent_plugins(agent):
+    """The generate function and the reward hooks of the agent section (import paths)."""
+    from miles_core.agents.layers import load_plugin
+    from miles_core.agents.session_generate import make_session_generate
+
+    if agent.generate_function:
+        generate = load_plugin(agent.generate_function, "agent.generate_function")
+    else:
+        run_agent = load_plugin(agent.function, "agent.function")
+        generate = make_session_generate(run_agent, agent.timeout_s)
+    hooks = None
+    if agent.reward_function or agent.group_reward_function:
+        from miles_core.agents.rewards import RewardHooks
+
+        def hook(path: str | None, what: str):
+            return load_plugin(path, what, want_async=False) if path else None
+
+        hooks = RewardHooks(
+            hook(agent.reward_function, "agent.reward_function"),
+            hook(agent.group_reward_function, "agent.group_reward_function"),
+            agent.reward_timeout_s,
+        )
+    return generate, hooks
+
+
+def make_rollouts(
+    config,
+    fleet: EngineFleet,
+    tokenizer,
+    task,
+    prompts: PromptSource,
+    engine_version: Callable[[], int],
+    workdir: Path,
+) -> SyncRollouts:
+    """The rollout source of the config: agentic, sync or async."""
+    if config.agent.function is not None:
+        return AgenticRollouts(config, fleet, tokenizer, task, prompts, engine_version, workdir)
+    if config.rollout.mode == "sync":
+        return SyncRollouts(config, fleet, tokenizer, task, prompts)
+    return AsyncRollouts(config, fleet, tokenizer, task, prompts, engine_version)

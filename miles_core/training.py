@@ -1,0 +1,41 @@
+"""The trainer of an RL run: the backend chosen by `train.backend` (from the backend registry,
+train/registry.py) and the RL train phase on it — GRPO advantages of the rollout's groups, one
+`TrainBatch`, the old log-probs, one optimizer step per `train.global_batch_size` rollouts with
+the loss named by `train.loss`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles_core.rollout.rollout_fn import RolloutResult
+from miles_core.train.advantages import grpo_advantages, rollout_slices
+from miles_core.train.backend import TrainerBackend
+from miles_core.train.batch import TrainBatch
+from miles_core.train.registry import make_backend
+
+
+def build_trainer(config, model_dir: Path) -> TrainerBackend:
+    """The trainer backend of `config.train`, loaded from the HF directory `model_dir`."""
+    train = config.train
+    return make_backend(
+        train.backend,
+        model_dir=str(model_dir),
+        optim=train.model_dump(),
+        loss=train.model_dump(),
+        total_steps=train.num_steps * config.optimizer_steps_per_rollout,
+        seed=config.seed,
+        device=train.device,
+    )
+
+
+def train_on_rollout(trainer: TrainerBackend, config, result: RolloutResult) -> dict[str, float]:
+    """The optimizer steps of one rollout; returns their `train/*` metrics, averaged."""
+    advantages = grpo_advantages(result.groups, config.train.normalize_advantage_std)
+    batch = TrainBatch.from_samples(result.samples, advantages, config.rollout.temperature)
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    per_step: list[dict[str, float]] = []
+    # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
+    for start, end in rollout_slices(batch.sample_ids, config.train.global_batch_size):
+        per_step.append(trainer.train_step(batch.slice(start, end), loss=config.train.loss))
+    keys = per_step[0].keys()
+    return {f"train/{k}": sum(m[k] for m in per_step) / len(per_step) for k in keys}

@@ -1,0 +1,143 @@
+"""Weight sync of a run: the transport (`weight_sync.transport`, from the transport registry)
+between the trainer and the engine fleet, the policy versions on both sides, and the weights
+lock.
+
+The lock (`exclusive()`) is held by everything that reads or writes the trainer's weights — a
+train phase, a push, the equality check, a checkpoint's save / load — so the supervisor's push
+to a replaced engine server (`serve_current_weights`) never reads them mid-update, nor pushes
+beside another push.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from miles_core.device import dist_backend
+from miles_core.fleet import EngineFleet
+from miles_core.train.backend import TrainerBackend
+from miles_core.weights import make_transport, weights_checksum
+
+log = logging.getLogger("miles")
+
+_CHECK_BUCKET = 64 << 20  # bucket size of the trainer's weights read for checksums
+
+
+class WeightSync:
+    """`policy_version`: training steps the trainer's weights hold (pushed or about to be);
+    `engine_version`: the version the engines serve (= policy_version after a push)."""
+
+    def __init__(self, config, trainer: TrainerBackend, fleet: EngineFleet, workdir):
+        ws = config.weight_sync
+        self.config = config
+        self.trainer = trainer
+        self.fleet = fleet
+        self.lock = threading.RLock()
+        self.policy_version = 0
+        self.engine_version = 0
+        self.trained_since_push = False  # the trainer is one version ahead of policy_version
+        self.transport = make_transport(
+            ws.transport,
+            bucket_bytes=ws.bucket_mb << 20,
+            dtype=ws.dtype,
+            group_backend=dist_backend(trainer.device),
+            group_ports=config.network.ports,  # the weight-group rendezvous (network.port_range)
+            root=ws.disk_root or str(workdir / "pushed_weights"),
+            storage_options=config.checkpoint.storage_options,
+            keep=ws.keep_versions,
+            delta=ws.disk_delta,
+        )
+        try:  # a transport/engine mismatch refused here leaves nothing open
+            self.transport.connect([fleet.engine])
+        except BaseException:
+            self.transport.close()
+            raise
+
+    def exclusive(self) -> threading.RLock:
+        """The weights lock, as a context manager (re-entrant)."""
+        return self.lock
+
+    @property
+    def reconnects(self) -> bool:
+        """Whether the transport can serve a replaced engine server."""
+        return bool(self.transport.reconnects)
+
+    @property
+    def push_dtype(self) -> torch.dtype | None:
+        """The dtype pushes round the weights to; None: exact (float32)."""
+        name = self.config.weight_sync.dtype
+        return None if name == "float32" else getattr(torch, name)
+
+    def trained(self) -> None:
+        """The trainer took an optimizer step since the last push (call under the lock)."""
+        self.trained_since_push = True
+
+    def next_version(self) -> int:
+        """The version the next push carries; a replacement engine gets it from now on."""
+        with self.lock:
+            self.policy_version += 1
+            self.trained_since_push = False
+        return self.policy_version
+
+    def push(self, version: int, pause_mode: str):
+        """Pushes the trainer's weights as `version`; a push that meets a dead engine server
+        waits for its replacement (which got the trainer's weights) and is made once more."""
+        return self.fleet.surviving(
+            f"push of version {version}", self.push_now, version, pause_mode
+        )
+
+    def push_now(self, version: int, pause_mode: str):
+        # the transport reads the trainer (buckets or shards) with weight_sync's bucket and dtype
+        with self.lock:
+            return self.transport.push(self.trainer, version, pause_mode)
+
+    def serve_current_weights(self) -> None:
+        """Called by the supervisor for a fresh engine server, before it serves: the transport
+        reconnects (a disk transport's next push is full) and the trainer's current weights go
+        out with their version; `check_equal` verifies them."""
+        with self.lock:
+            version = self.policy_version + int(self.trained_since_push)
+            self.transport.connect([self.fleet.engine])
+            stats = self.push_now(version, "abort")
+            log.warning(
+                "replaced engine server got policy version %d (%d bytes in %.2f s)",
+                version,
+                stats.bytes,
+                stats.seconds,
+            )
+            if self.config.weight_sync.check_equal:
+                self.check_now()
+
+    def check_equal(self) -> None:
+        """The engines hold exactly what was pushed: the trainer's weights, in the push dtype,
+        loaded into the engine's own (fp32) parameters."""
+        self.fleet.surviving("weights check", self.check_now)
+
+    def check_now(self) -> None:
+        dtype = self.push_dtype
+        with self.lock:
+            expected = [
+                (n, t.to(dtype).to(t.dtype) if dtype is not None else t)
+                for b in self.trainer.named_weights(_CHECK_BUCKET)
+                for n, t in b
+            ]
+            if self.fleet.engine.weights_checksum() != weights_checksum(expected):
+                raise RuntimeError(
+                    f"engine weights ({self.fleet.where}) differ from the trainer's after the push"
+                )
+
+    def trainer_checksum(self, engine_checksum: str) -> str:
+        """sha256 of the trainer's weights (what a checkpoint's files hold): the engine's, which
+        holds them as they are unless pushes round them (weight_sync.dtype)."""
+        if self.push_dtype is None:
+            return engine_checksum
+        with self.lock:
+            return weights_checksum(
+                n_t for b in self.trainer.named_weights(_CHECK_BUCKET) for n_t in b
+            )
+
+    def close(self) -> None:
+        """Closes the transport (while the engines still answer)."""
+        self.transport.close()
