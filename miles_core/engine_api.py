@@ -57,6 +57,9 @@ class RolloutEngine(Protocol):
     engine server, SGLang), behind a router."""
 
     weight_routes: frozenset[str]  # how this engine takes new weights (see the module doc)
+    # whether each request is sampled from its own `sampling_seed` (continuous batching: a
+    # request's draws must not depend on its batch neighbours); False: one shared generator
+    per_request_seeds: bool
     # optional: `generator`, the torch.Generator an in-process engine samples unseeded requests
     # from (see `shared_generator`)
 

@@ -281,11 +281,12 @@ def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeyp
         "rollout.n_samples_per_prompt=2",
         "train.global_batch_size=8",
     ]
+
+    def engine_children() -> set[str]:
+        pgrep = ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.engine.server"]
+        return set(subprocess.run(pgrep, capture_output=True, text=True).stdout.split())
+
+    before = engine_children()  # servers of session fixtures (conftest.session_stack)
     with pytest.raises(SystemExit, match="reward function stopped the run"):
         rl_train(_tiny_config(tmp_path, "fails", 4, extra))
-    children = subprocess.run(
-        ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.engine.server"],
-        capture_output=True,
-        text=True,
-    ).stdout
-    assert children == ""  # stopped by PID in the flow's finally, not left running
+    assert engine_children() == before  # stopped by PID in the flow's finally, not left running

@@ -210,7 +210,10 @@ def test_reward_hook_paths_are_checked_before_anything_starts(tmp_path):
     preflight(_agentic(tmp_path, "agent.reward_function=test_rewards:length_bonus"))
     for setting, message in (
         ("agent.reward_function=test_rewards:nope", "has no 'nope'"),
-        ("agent.group_reward_function=no_such_module:f", "cannot import 'no_such_module'"),
+        (
+            "agent.group_reward_function=no_such_module:f",
+            "cannot import agent.group_reward_function 'no_such_module:f': no module 'no_such_module'",
+        ),
         ("agent.reward_function=test_rewards", "expected 'package.module:name'"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -110,7 +110,10 @@ def test_a_run_declares_its_fields_in_the_config_and_a_bad_one_is_refused_up_fro
     cfg = load_config(None, ["model.preset=tiny", "rollout.token_fields=[plugins.fields:PROBE]"])
     assert cfg.rollout.token_fields == ["plugins.fields:PROBE"]
     assert get_token_field("probe") is PROBE  # declared by validating the config
-    with pytest.raises(ValueError, match="(?s)rollout.token_fields.*cannot import token field 'plugins.nowhere:FIELD'"):
+    with pytest.raises(
+        ValueError,
+        match="(?s)rollout.token_fields.*cannot import token field 'plugins.nowhere:FIELD'",
+    ):
         load_config(None, ["rollout.token_fields=[plugins.nowhere:FIELD]"])
 
 

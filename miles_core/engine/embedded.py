@@ -27,6 +27,7 @@ from miles_core.rollout.protocol import (
 
 class EmbeddedEngine:
     weight_routes = frozenset({TENSOR})
+    per_request_seeds = False  # one batch, one shared generator (`generator`)
 
     def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0, max_batch_size: int = 512):
         self.model = model.eval()

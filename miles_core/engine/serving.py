@@ -100,6 +100,7 @@ class RequestHandle:
 
 
 class ServingEngine:
+    per_request_seeds = True
     weight_routes = frozenset({TENSOR})  # in-process; behind the HTTP server: the server's
 
     def __init__(

@@ -110,6 +110,7 @@ class HttpEngine:
     ):
         self.url = url.rstrip("/")
         self.weight_routes = frozenset(weight_routes)
+        self.per_request_seeds = True  # servers batch continuously: every request is seeded
         self.concurrency = concurrency
         # requests per HTTP call: fewer calls keep the client cheap; 1 for routers, which take
         # only single requests

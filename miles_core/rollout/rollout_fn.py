@@ -146,7 +146,7 @@ def generate_groups(
     sp = sampling_params(cfg, tokenizer)
     n = cfg.n_samples_per_prompt
     encoded = [encode_prompt(tokenizer, ex.prompt) for _, ex in prompts]
-    seeded = cfg.engine != "embedded"  # continuous batching: seed per request, not per batch
+    seeded = engine.per_request_seeds  # continuous batching: seed per request, not per batch
     requests = [
         r for g, ids in enumerate(encoded) for r in group_requests(ids, sp, cfg, step, g, seeded)
     ]
