@@ -106,6 +106,7 @@ def test_preflight_refuses_a_checkpoint_of_another_model(tmp_path):
         preflight(load_config(None, ["name=other", f"checkpoint.root={tmp_path}"]), resume=True)
 
 
+@pytest.mark.slow  # several `miles train` subprocesses
 def test_cli_rejects_bad_input_before_starting_anything(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n{"nothing": 1}\n')

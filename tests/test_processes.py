@@ -312,3 +312,29 @@ def test_a_failing_run_leaves_no_temp_folder(prefect_server, tmp_path, monkeypat
     left = sorted(p.name for p in temp.iterdir() if p.name.startswith("miles-"))
     assert left == [], left
     assert not [p for p in made if p.exists()]
+
+
+def test_a_bound_server_socket_answers_without_nagle_delay():
+    """Servers bind with `bind()` and serve on that socket: the connections asyncio accepts on it
+    must have TCP_NODELAY, which asyncio sets only for sockets made with IPPROTO_TCP (with 0,
+    every small reply waited ≈45 ms for the client's delayed ACK)."""
+    import asyncio
+    import socket
+
+    async def accepted_nodelay() -> int:
+        sock = bind()
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader, writer):
+            s = writer.get_extra_info("socket")
+            seen.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0

@@ -9,6 +9,9 @@ from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.router import RouterProcess
 
+# a router and two engine servers per test: integration, not the inner loop
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def fleet(tiny_dir, tmp_path):

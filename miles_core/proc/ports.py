@@ -79,7 +79,10 @@ def bind(host: str = "127.0.0.1", port: int = 0, port_range: PortRange | None = 
 
 
 def _bind_one(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose protocol says
+    # TCP; with 0, Nagle meets the client's delayed ACK and every small reply waits ≈45 ms
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -161,7 +161,9 @@ class HttpEngine:
         return await reissue_once(self.supervisor, call, what)
 
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
-        async with self.async_client() as client:
+        # one connection more than the calls in flight: the /health watchdog never waits for a
+        # pool slot behind busy /generate calls (it would count that wait as failed checks)
+        async with self.async_client(self.concurrency + 1) as client:
             chunks = batches(requests, self.batch_size)
             sem = asyncio.Semaphore(max(1, self.concurrency // self.batch_size))
 
