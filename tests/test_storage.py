@@ -108,6 +108,7 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path, tiny_dir):
     check_checkpoint_matches(architecture_of(str(tiny_dir)), str(tiny_dir))  # same model: accepted
 
 
+@pytest.mark.slow  # moto, an engine server and several pushes
 def test_disk_weight_pushes_through_s3_reach_an_engine_server(
     s3_server, tiny_dir, tmp_path, monkeypatch
 ):

@@ -104,9 +104,16 @@ def test_every_route_we_serve_exists_in_sglang(tiny):
     assert ours <= set(API["routes"]), ours - set(API["routes"])
 
 
-def test_an_sglang_style_request_with_fields_we_do_not_use_is_accepted(tiny_dir):
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    """One engine server for the tests below that only send it requests."""
     from miles_core.rollout.http_engine import EngineProcess
 
+    with EngineProcess(tiny_dir, args=["--threads", "1"]) as proc:
+        yield proc
+
+
+def test_an_sglang_style_request_with_fields_we_do_not_use_is_accepted(server):
     body = {
         "input_ids": [5, 6, 7],
         "sampling_params": {
@@ -122,8 +129,7 @@ def test_an_sglang_style_request_with_fields_we_do_not_use_is_accepted(tiny_dir)
         "rid": "sgl-1",
     }
     assert set(body) <= set(STRUCTS["GenerateReqInput"])
-    with EngineProcess(tiny_dir, args=["--threads", "1"]) as proc:
-        r = httpx.post(f"{proc.url}/generate", json=body)
+    r = httpx.post(f"{server.url}/generate", json=body)
     assert r.status_code == 200
     meta = r.json()["meta_info"]
     assert meta["id"] == "sgl-1" and len(meta["output_token_logprobs"]) == 2
@@ -164,20 +170,20 @@ def test_sglang_launch_flags_are_sglang_server_args():
     )
 
 
-def test_attach_to_running_servers_by_address(tiny_dir):
-    from miles_core.rollout.http_engine import EngineProcess, EngineUnavailable
+def test_attach_to_running_servers_by_address(server, tiny_dir):
+    from miles_core.proc.ports import free_port
+    from miles_core.rollout.http_engine import EngineUnavailable
     from miles_core.rollout.sglang_engine import attach
 
-    with EngineProcess(tiny_dir, args=["--threads", "1"]) as proc:
-        (engine,) = attach([proc.url], expected_model=str(tiny_dir))
-        out = engine.generate(
-            [GenerateRequest(input_ids=[5, 6], sampling_params=SamplingParams(max_new_tokens=2))]
-        )
-        assert len(out[0].output_ids) == 2
-        with pytest.raises(ValueError, match="expected '/elsewhere'"):
-            attach([proc.url], expected_model="/elsewhere")
-    with pytest.raises(EngineUnavailable, match="cannot attach"):
-        attach([proc.url], timeout=2)
+    (engine,) = attach([server.url], expected_model=str(tiny_dir))
+    out = engine.generate(
+        [GenerateRequest(input_ids=[5, 6], sampling_params=SamplingParams(max_new_tokens=2))]
+    )
+    assert len(out[0].output_ids) == 2
+    with pytest.raises(ValueError, match="expected '/elsewhere'"):
+        attach([server.url], expected_model="/elsewhere")
+    with pytest.raises(EngineUnavailable, match="cannot attach"):  # nothing listens there
+        attach([f"http://127.0.0.1:{free_port()}"], timeout=2)
 
 
 @pytest.mark.gpu
