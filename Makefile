@@ -48,13 +48,19 @@ docs-check: venv
 	$(BIN)/python benchmarks/render_results.py --check
 	@d=$$(mktemp -d); $(BIN)/mkdocs build --strict --quiet --site-dir $$d; rc=$$?; rm -rf $$d; exit $$rc
 
+# two pytest workers (pytest-xdist), one module per worker at a time: the suite waits on servers
+# and subprocesses about half the time, so two workers on two cores take ~55% of one's time.
+# PYTEST_WORKERS=0 runs in one process (debugging, -x, pdb).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: venv system docs-check
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 # the inner loop: unit and contract tests, no training runs, flows or multi-rank launches
 # (tests marked `slow`; tests/README.md lists the tiers)
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 lint: venv
 	$(BIN)/ruff format --check .

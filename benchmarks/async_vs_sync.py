@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -63,6 +64,7 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
     finally:
         rt.close()
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        shutil.rmtree(tmp, ignore_errors=True)
     timed = steps - warmup
     return {
         "steps_per_s": timed / seconds,

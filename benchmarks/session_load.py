@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -86,6 +87,7 @@ def main() -> None:
     finally:
         server.stop()
         engine.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     lat = sorted(out["latency"])
 
     def pct(q: float) -> float:

@@ -165,6 +165,7 @@ def test_one_training_step_on_cuda(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_backend_from_the_test_tree_trains_through_the_flow(
     prefect_server, tmp_path, monkeypatch
 ):

@@ -113,6 +113,7 @@ def test_an_evaluation_is_deterministic_and_leaves_training_sampling_as_it_was(t
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_shared_mode_scores_each_due_version_without_changing_training(tmp_path):
     runs = {}
     for mode in ("none", "shared"):
@@ -136,6 +137,7 @@ def test_shared_mode_scores_each_due_version_without_changing_training(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_dedicated_mode_in_the_flow_then_the_evaluate_flow_scores_a_version(
     prefect_server, tmp_path, monkeypatch
 ):
@@ -215,6 +217,7 @@ def broken_services():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_external_mode_scores_checkpoints_through_the_service(tmp_path):
     from miles_core.eval.service import EvalServiceProcess
 
@@ -233,6 +236,7 @@ def test_external_mode_scores_checkpoints_through_the_service(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_failing_or_hanging_evaluations_never_stop_training(tmp_path, broken_services):
     hanging, failing = broken_services
     cases = {
@@ -306,6 +310,7 @@ def test_the_evaluation_service_refuses_malformed_jobs_with_4xx():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_dedicated_scores_carry_the_checkpoints_checksum_with_bf16_pushes(tmp_path):
     """The engine holds bf16-rounded weights, the checkpoint the trainer's: evaluations of the
     checkpoint are compared with the checksum of what the checkpoint holds."""

@@ -1,6 +1,7 @@
 """The rl-train Prefect flow end to end (ephemeral Prefect test server, SQLite MLflow)."""
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from miles_core.config import load_config
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_rl_flow_learns_say_a_and_writes_mlflow(prefect_server, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
@@ -148,6 +150,7 @@ def _resume(tmp_path, extra, full_steps, part_steps):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.parametrize("engine", ["embedded", "serving"])
 def test_resume_continues_the_same_run_bit_identically(
     prefect_server, tmp_path, monkeypatch, engine
@@ -175,7 +178,7 @@ SERVER_STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def server_reference(prefect_server, tmp_path_factory):
+def server_reference(prefect_server, tmp_path_factory, mlflow_template):
     """One uninterrupted sync run on an engine server, the reference of every transport's
     resume below. A push is bitwise (weight_sync.check_equal), so in sync mode a run's metrics
     do not depend on the transport that carried its weights: a transport that changed them
@@ -183,6 +186,7 @@ def server_reference(prefect_server, tmp_path_factory):
     from flows.rl_train import rl_train
 
     tmp = tmp_path_factory.mktemp("server-reference")
+    shutil.copyfile(mlflow_template, tmp / "mlflow.db")
     extra = [*SERVER, "weight_sync.transport=shared_memory"]
     cwd = os.getcwd()
     os.chdir(tmp)
@@ -197,6 +201,7 @@ def server_reference(prefect_server, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.parametrize("transport", ["shared_memory", "disk", "broadcast", "p2p"])
 def test_resume_on_an_engine_server_continues_the_same_run_bit_identically(
     prefect_server, server_reference, tmp_path, monkeypatch, transport
@@ -217,6 +222,7 @@ def test_resume_on_an_engine_server_continues_the_same_run_bit_identically(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
@@ -249,6 +255,7 @@ def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, m
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
@@ -265,6 +272,7 @@ def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeypatch):
     import os
     import subprocess

@@ -83,15 +83,8 @@ def test_two_rank_step_matches_one_rank(parity_runs, case):
     assert max(abs(a - b) for a, b in zip(flat1, flat2, strict=True)) < 1e-5
 
 
-def _cli_run(
-    tmp_path: Path, api: str, world: int, extra: tuple = (), tag: str = ""
-) -> dict[str, list[float]]:
-    """`miles train` (flows.cli) as a subprocess against the session's Prefect server."""
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    name = f"cli-{world}{tag}"
-    args = [
+def _overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]:
+    return [
         f"name={name}",
         "model.preset=tiny",
         "rollout.prompts_per_step=8",
@@ -102,16 +95,23 @@ def _cli_run(
         f"train.world_size={world}",
         "weight_sync.check_equal=true",  # bitwise engine == trainer after every push
         f"checkpoint.root={tmp_path}/ckpt",
-        f"tracking.tracking_uri={uri}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         *extra,
     ]
+
+
+def _cli_run(tmp_path: Path, api: str, world: int, extra: tuple) -> dict[str, list[float]]:
+    """`miles train` (flows.cli) as a subprocess against the session's Prefect server."""
+    from mlflow.tracking import MlflowClient
+
+    name = f"cli-{world}"
     cmd = [sys.executable, "-m", "flows.cli", "train", "--no-progress"]
-    for a in args:
+    for a in _overrides(tmp_path, name, world, extra):
         cmd += ["--set", a]
     env = {**os.environ, "PREFECT_API_URL": api}  # no ephemeral server per run
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    client = MlflowClient(uri)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs(
         [client.get_experiment_by_name("miles").experiment_id], f"tags.mlflow.runName = '{name}'"
     )[0]
@@ -119,10 +119,27 @@ def _cli_run(
     return {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
 
 
+def _first_step_on_one_rank(tmp_path: Path, extra: tuple) -> dict[str, float]:
+    """Step 0 of the same run on one rank, in process (no flow, no tracking)."""
+    from miles_core.config import load_config
+    from miles_core.runtime import RLRuntime, prepare_model_dir
+
+    config = load_config(None, _overrides(tmp_path / "one", "one", 1, extra))
+    runtime = RLRuntime(config, prepare_model_dir(config, tmp_path / "one"), None)
+    try:
+        result = runtime.rollout(0)
+        return {"rollout/reward_mean": result.metrics["rollout/reward_mean"]} | runtime.train(
+            result
+        )
+    finally:
+        runtime.close()
+
+
 SERVER = ("rollout.engine=server", "rollout.engine_threads=1")
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.parametrize(
     "extra",
     [
@@ -137,12 +154,13 @@ def test_miles_train_on_two_ranks_pushes_to_an_engine_server(prefect_server, tmp
     gather: the shard path), broadcast pushes what rank 0 gathered (the path of every gathered
     transport: broadcast, shared_memory, disk), here in fully async mode; weight_sync.check_equal
     compares the engine's checksum with the trainer's (in the push dtype) after every push. The
-    sync run's first step equals the same run on one rank (same init, same samples)."""
-    two = _cli_run(tmp_path, prefect_server, 2, SERVER + extra, tag="-push")
+    sync run's first step equals the same step on one rank (same init, same samples): the
+    multi-rank driver splits the batch and averages as one rank does."""
+    two = _cli_run(tmp_path, prefect_server, 2, SERVER + extra)
     assert len(two["train/loss"]) == 3
     if "rollout.mode=fully_async" in extra:
         return
-    one = _cli_run(tmp_path, prefect_server, 1, SERVER + extra, tag="-one")
-    assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"][0]
-    assert two["train/loss"][0] == pytest.approx(one["train/loss"][0], abs=1e-5)
-    assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"][0], abs=1e-5)
+    one = _first_step_on_one_rank(tmp_path, SERVER + extra)
+    assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
+    assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
+    assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)

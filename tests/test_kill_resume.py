@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.storage import CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 8
+STEPS = 6
 # the kill step is drawn from this seed (printed); MILES_KILL_SEED=... tries other steps
 SEED = int(os.environ.get("MILES_KILL_SEED", "20261201"))
 SERVER = [
@@ -70,7 +71,14 @@ def _args(tmp_path: Path, name: str, db: str, extra: list[str]) -> list[str]:
 
 
 def _train(tmp_path: Path, api: str, args: list[str], *more: str) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_API_URL": api, "PYTHONPATH": str(REPO)}
+    # the killed run's temp folders (miles-run-*: SIGKILL leaves them) land in tmp_path
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": api,
+        "PYTHONPATH": str(REPO),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
     log = open(tmp_path / f"train-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
     return subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", "--no-progress", *args, *more],
@@ -134,10 +142,14 @@ def _run(client: MlflowClient, name: str):
 
 
 @pytest.mark.slow
-def test_sync_run_killed_at_a_random_step_resumes_bit_identically(tmp_path, prefect_api):
+@pytest.mark.usefixtures("mlflow_store")
+def test_sync_run_killed_at_a_random_step_resumes_bit_identically(
+    tmp_path, prefect_api, mlflow_template
+):
     kill_at = random.Random(SEED).randint(1, STEPS - 3)
     print(f"kill -9 once checkpoint step {kill_at} exists")
     every_step = ["checkpoint.interval=1"]  # the embedded engine
+    shutil.copyfile(mlflow_template, tmp_path / "ref.db")
     reference = _train(tmp_path, prefect_api, _args(tmp_path, "full", "ref.db", every_step))
     args = _args(tmp_path, "victim", "mlflow.db", every_step)
     victim = _train(tmp_path, prefect_api, args)
@@ -170,8 +182,9 @@ def test_sync_run_killed_at_a_random_step_resumes_bit_identically(tmp_path, pref
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_path, prefect_api):
-    kill_at = random.Random(SEED).choice([1, 3])  # checkpoints after steps 1, 3, 5, 7
+    kill_at = random.Random(SEED).choice([1, 3])  # checkpoints after steps 1, 3, 5
     print(f"kill -9 once checkpoint step {kill_at} exists")
     extra = [*SERVER, "checkpoint.interval=2", "rollout.mode=fully_async"]
     args = _args(tmp_path, "async", "mlflow.db", extra)

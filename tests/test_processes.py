@@ -251,6 +251,7 @@ def test_stop_also_ends_the_processes_the_server_started(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
 def test_a_failing_run_leaves_no_temp_folder(prefect_server, tmp_path, monkeypatch):
     """A run whose reward function stops it (SystemExit inside a step), with an engine server
     in a port range: every `miles-*` folder it made in the temp dir (its own, so the check is

@@ -600,5 +600,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     import miles_core  # noqa: F401  (env defaults)
+    from miles_core.proc.fast_exit import exit_after
 
-    main()
+    exit_after(main)

@@ -128,4 +128,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from miles_core.proc.fast_exit import exit_after
+
+    exit_after(main)
