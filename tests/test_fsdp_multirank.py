@@ -1,5 +1,5 @@
 """A 2-rank gloo FSDP2 step (torchrun, real processes) equals the 1-rank step within 1e-5, and
-`miles train` on two ranks pushes to an engine server (the shard path and the gathered path)."""
+`miles train` on two ranks, fully async, pushes its shards to an engine server (p2p, bf16)."""
 
 import json
 import os
@@ -136,31 +136,23 @@ def _first_step_on_one_rank(tmp_path: Path, extra: tuple) -> dict[str, float]:
 
 
 SERVER = ("rollout.engine=server", "rollout.engine_threads=1")
+P2P_ASYNC = ("weight_sync.transport=p2p", "weight_sync.dtype=bfloat16", "rollout.mode=fully_async")
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ("weight_sync.transport=p2p", "weight_sync.dtype=bfloat16"),
-        ("weight_sync.transport=broadcast", "rollout.mode=fully_async"),
-    ],
-    ids=["p2p-bf16", "broadcast-async"],
-)
-def test_miles_train_on_two_ranks_pushes_to_an_engine_server(prefect_server, tmp_path, extra):
-    """`miles train` with train.world_size=2 re-launches under torchrun; rank 0 runs the flow,
-    two trainer ranks push to an engine server. p2p sends every rank's own FSDP shard (no
-    gather: the shard path), broadcast pushes what rank 0 gathered (the path of every gathered
-    transport: broadcast, shared_memory, disk), here in fully async mode; weight_sync.check_equal
-    compares the engine's checksum with the trainer's (in the push dtype) after every push. The
-    sync run's first step equals the same step on one rank (same init, same samples): the
-    multi-rank driver splits the batch and averages as one rank does."""
-    two = _cli_run(tmp_path, prefect_server, 2, SERVER + extra)
+def test_miles_train_on_two_ranks_pushes_shards_to_an_engine_server(prefect_server, tmp_path):
+    """`miles train` with train.world_size=2 re-launches under torchrun; rank 0 runs the flow in
+    fully async mode, the two trainer ranks push bf16 weights to an engine server with p2p, each
+    rank its own FSDP shard (no gather: the shard path). weight_sync.check_equal compares the
+    engine's checksum with the trainer's (in the push dtype) after every push. Step 0 (samples
+    of the initial weights, in the data order and seeds of a sync run) equals the same step on
+    one rank: the multi-rank driver splits the batch and averages as one rank does. (The
+    gathered path on 2 ranks, `named_weights`, is test_two_rank_step_matches_one_rank's; every
+    gathered transport is tested on one rank in test_flow.py.)"""
+    two = _cli_run(tmp_path, prefect_server, 2, SERVER + P2P_ASYNC)
     assert len(two["train/loss"]) == 3
-    if "rollout.mode=fully_async" in extra:
-        return
-    one = _first_step_on_one_rank(tmp_path, SERVER + extra)
+    one = _first_step_on_one_rank(tmp_path, SERVER + P2P_ASYNC[:2])  # sync, one rank
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
     assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
     assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)
