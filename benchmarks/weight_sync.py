@@ -60,7 +60,7 @@ def bench(preset: str, reps: int) -> dict[str, float]:
         save_hf_dir(model, tok, tmp)
         engine_model, _ = build_model(preset, seed=1)
         colocated = EmbeddedEngine(engine_model, tok)
-        with EngineProcess(tmp, args=["--threads", "1"]) as proc:
+        with EngineProcess(tmp, args=["--threads", "1"], weight_roots=[tmp]) as proc:
             server = HttpEngine(proc.url)
             for name in TRANSPORTS:
                 if name == "p2p":  # sends from the trainer's own shards: a 1-rank FSDP trainer

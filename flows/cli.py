@@ -9,6 +9,7 @@
     miles tito verify --family qwen3   (or --family package.module:Class [--model DIR])
     miles evaluate --model say-a [--version 3 | --alias best-eval] [--force]
     miles eval serve --port 30200      (the reference service of eval.mode: external)
+    miles run unlock say-a --checkpoint-root checkpoints   (the lock of a run that is gone)
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
 flow, ranks 1..N-1 replay the trainer's calls.
@@ -84,6 +85,17 @@ def _parser() -> argparse.ArgumentParser:
     service = sub.add_parser("eval", help="evaluation service commands")
     service.add_argument("action", choices=["serve"], help="serve: the external-mode service")
     service.add_argument("rest", nargs=argparse.REMAINDER, help="--port P --host H")
+    run = sub.add_parser("run", help="run-name lock commands")
+    run.add_argument("action", choices=["unlock"], help="unlock: clear the lock of a dead run")
+    run.add_argument("name", help="the run name (config `name`)")
+    run.add_argument(
+        "--checkpoint-root",
+        default=os.environ.get("MILES_CHECKPOINT_ROOT", "checkpoints"),
+        help="the run's checkpoint.root (default: $MILES_CHECKPOINT_ROOT, else ./checkpoints)",
+    )
+    run.add_argument(
+        "--storage-options", default="{}", metavar="JSON", help="checkpoint.storage_options"
+    )
     tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
     tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
     from miles_core.tito import describe_choices
@@ -176,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         from flows.tito_verify import run_verify
 
         return run_verify(args.family, args.conversations, args.turns, args.seed, args.model)
+    if args.command == "run":
+        return _unlock(args.name, args.checkpoint_root, args.storage_options)
     try:
         config = load_config(args.config, args.overrides)
     except ValidationError as e:
@@ -193,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         distributed.follow()
         return 0
 
-    from miles_core.preflight import preflight
+    from miles_core.preflight import preflight, run_names
+    from miles_core.run_lock import RunClaim
 
     try:
         preflight(
@@ -201,10 +216,32 @@ def main(argv: list[str] | None = None) -> int:
             resume=getattr(args, "resume", False),
             resume_step=getattr(args, "resume_step", None),
         )
+        # the run's names, claimed before Prefect or MLflow start: of two runs of one name
+        # started together, one gets here (run_lock.py); released when the run ends
+        claim = RunClaim(
+            config.checkpoint.root, run_names(config), config.checkpoint.storage_options
+        )
     except (ValueError, OSError) as e:
         _shutdown(world, config.train.device)
         return _fail(str(e))
-    return _run(args, config, world)
+    with claim:
+        return _run(args, config, world)
+
+
+def _unlock(name: str, root: str, storage_options: str) -> int:
+    """`miles run unlock NAME`: removes the lock a run that is gone left (refused while its
+    owner runs on this host)."""
+    from miles_core.run_lock import unlock
+
+    try:
+        options = json.loads(storage_options)
+        if not isinstance(options, dict):
+            raise ValueError(f"--storage-options must be a JSON object, got {storage_options!r}")
+        owner = unlock(root, name, options)
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
+    print(f"run {name!r}: " + (f"removed the lock of {owner.describe()}" if owner else "no lock"))
+    return 0
 
 
 def _shutdown(world: int, device: str = "cpu") -> None:
@@ -226,6 +263,9 @@ def _run(args, config: RunConfig, world: int) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not args.no_progress and sys.stderr.isatty():
         set_reporter(RichReporter())
+    from flows.prefect_server import install
+
+    server = install()  # the ephemeral Prefect API (if one is used) stops with this process
     try:
         if args.command == "train":
             from flows.rl_train import rl_train
@@ -237,7 +277,11 @@ def _run(args, config: RunConfig, world: int) -> int:
 
             result = {"policy": sft(config)}
     finally:
-        _shutdown(world, config.train.device)
+        try:
+            _shutdown(world, config.train.device)
+        finally:
+            if server is not None:
+                server.stop()
     print(json.dumps(result))
     return 0
 

@@ -19,7 +19,9 @@ from prefect import flow
 
 from flows.sft import sft
 from miles_core.config import RunConfig
+from miles_core.preflight import run_names
 from miles_core.progress import reporter
+from miles_core.run_lock import RunClaim
 from miles_core.runtime import new_workdir
 from miles_core.steplog import StepLog
 from tasks import (
@@ -46,6 +48,13 @@ def rl_train(
     `train.num_steps` stays the run's total."""
     resume = resume or resume_step is not None
     check_inputs(config, resume, resume_step)
+    # the run's names are its own until it ends, also if it fails (a no-op under `miles train`,
+    # which claimed them before Prefect started): run_lock.py
+    with RunClaim(config.checkpoint.root, run_names(config), config.checkpoint.storage_options):
+        return _train(config, resume, resume_step)
+
+
+def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str, float | str]:
     tracker = start_tracking(
         config, config.tracking.run_name or config.name, resume=resume, resume_step=resume_step
     )

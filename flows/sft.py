@@ -13,6 +13,7 @@ import shutil
 from prefect import flow
 
 from miles_core.config import RunConfig
+from miles_core.run_lock import RunClaim
 from miles_core.runtime import new_workdir
 from tasks.setup import prepare_model, start_tracking
 from tasks.sft import sft_train
@@ -22,9 +23,11 @@ from tasks.sft import sft_train
 def sft(config: RunConfig, parent_run_id: str | None = None) -> str:
     if config.sft is None:
         raise ValueError("the sft flow needs an `sft:` section in the config")
-    tracker = start_tracking(config, f"{config.name}-sft", parent_run_id)
-    workdir = new_workdir()  # the starting model; the result is saved to the checkpoint root
-    try:
-        return sft_train(config, prepare_model(config, workdir), tracker)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    ck = config.checkpoint
+    with RunClaim(ck.root, [f"{config.name}-sft"], ck.storage_options):  # run_lock.py
+        tracker = start_tracking(config, f"{config.name}-sft", parent_run_id)
+        workdir = new_workdir()  # the starting model; the result is saved to the checkpoint root
+        try:
+            return sft_train(config, prepare_model(config, workdir), tracker)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)

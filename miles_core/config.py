@@ -17,7 +17,8 @@ from miles_core.data.tasks import get_task
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: `train.lr: .inf` or a NaN anywhere in the tree is refused up front
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -526,6 +527,15 @@ class NetworkConfig(_Strict):
         "rendezvous (default: any free port; gloo's peer connections stay ephemeral)",
         examples=["30000-30100"],
     )
+    api_key: str | None = Field(
+        None,
+        pattern=r"^[!-~]+$",  # one HTTP header token: printable ASCII, no spaces
+        exclude=True,  # a secret: never in MLflow params, checkpoints or Prefect parameters
+        repr=False,
+        description="the key the run's servers require ('Authorization: Bearer KEY') and its "
+        "clients send (default: MILES_API_KEY from the environment, else a random key per run; "
+        "prefer the variable, see docs/security.md)",
+    )
 
     @field_validator("port_range")
     @classmethod
@@ -659,8 +669,23 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ValueError(f"--set expects dotted.key=value, got {item!r}")
         key, _, raw = item.partition("=")
-        out.append((key.strip(), yaml.safe_load(raw)))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ValueError(
+                f"--set {item!r}: the value is not valid YAML ({_yaml_error(e)})"
+            ) from e
+        out.append((key.strip(), value))
     return out
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML error as 'line L, column C: problem' (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    if mark is None:
+        return problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -668,7 +693,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     tree: dict = {}
     if path is not None:
         with open(path) as f:
-            tree = yaml.safe_load(f) or {}
+            try:
+                tree = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"{path}: not valid YAML: {_yaml_error(e)}") from e
         if not isinstance(tree, dict):
             raise ValueError(f"{path}: the top level must be a mapping")
     for key, value in parse_overrides(overrides or []):

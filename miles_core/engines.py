@@ -32,6 +32,8 @@ class EngineSetup:
     seed: int
     workdir: Path
     port_range: Any = None  # miles_core.proc.ports.PortRange | None
+    api_key: str | None = None  # the run's key for the servers it starts (proc/auth.py)
+    weight_roots: tuple[str, ...] = ()  # where an engine server may load weights from disk
 
     @property
     def batch(self) -> int:
@@ -120,10 +122,17 @@ def _server(s: EngineSetup) -> BuiltEngine:
     if r.engine_threads:
         args += ["--threads", str(r.engine_threads)]
     process = EngineProcess(
-        s.model_dir, args=args, log_path=s.workdir / "engine.log", port_range=s.port_range
+        s.model_dir,
+        args=args,
+        log_path=s.workdir / "engine.log",
+        port_range=s.port_range,
+        api_key=s.api_key,  # in the child's environment, not its command line
+        weight_roots=s.weight_roots,  # the disk transport's root (weights/roots.py)
     ).start()
     # our engine server takes SGLang's batch form: one call per group
-    client = HttpEngine(process.url, concurrency=s.batch, batch_size=r.n_samples_per_prompt)
+    client = HttpEngine(
+        process.url, concurrency=s.batch, batch_size=r.n_samples_per_prompt, api_key=s.api_key
+    )
     return BuiltEngine(client, process)
 
 

@@ -18,6 +18,7 @@ from miles_core.engine_api import EngineUnavailable, RolloutEngine
 from miles_core.engines import EngineSetup, make_engine
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.supervisor import EngineSupervisor
+from miles_core.weights.disk import engine_weight_roots
 from miles_core.weights.remote import PushFailed
 
 log = logging.getLogger("miles")
@@ -28,6 +29,10 @@ class EngineFleet:
     for an in-process engine) and the process's supervisor (None until `supervise`)."""
 
     def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path):
+        from miles_core.proc.auth import run_key
+
+        # every server this run starts requires it, and only this run's clients send it
+        self.api_key: str = run_key(config.network.api_key)
         setup = EngineSetup(
             config.rollout,
             model,
@@ -36,6 +41,8 @@ class EngineFleet:
             config.rollout.seed + config.seed,
             workdir,
             config.network.ports,
+            self.api_key,
+            engine_weight_roots(config.weight_sync, workdir),  # disk pushes: their root only
         )
         built = make_engine(config.rollout.engine, setup)
         self.config = config

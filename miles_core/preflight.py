@@ -15,6 +15,7 @@ from miles_core.models.builder import preset_config
 from miles_core.resume_checks import check_buffer_resumable
 from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.storage import CheckpointStore, check_checkpoint_matches
+from miles_core.tracking import check_tracking_uri, resolve_tracking_uri
 
 
 def _model_config(config: RunConfig) -> dict:
@@ -23,11 +24,18 @@ def _model_config(config: RunConfig) -> dict:
         url = f"{config.model.path.rstrip('/')}/config.json"
         try:
             with fsspec.open(url, "rt", **config.checkpoint.storage_options) as f:
-                return json.load(f)
+                found = json.load(f)
         except FileNotFoundError as e:
             raise FileNotFoundError(
                 f"model.path {config.model.path!r} is not a model directory (no config.json)"
             ) from e
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{url}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+            ) from e
+        if not isinstance(found, dict):
+            raise ValueError(f"{url}: not a model config (a JSON object)")
+        return found
     tok = build_tokenizer()
     return preset_config(
         config.model.preset, len(tok), tok.pad_token_id, tok.eos_token_id
@@ -78,6 +86,50 @@ def _check_plugins(config: RunConfig) -> None:
         )
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_roles(rows: list[Example], where: str) -> None:
+    """Chat prompts use the roles chat templates know."""
+    for i, ex in enumerate(rows, start=1):
+        if isinstance(ex.prompt, list):
+            for j, message in enumerate(ex.prompt, start=1):
+                role = message.get("role") if isinstance(message, dict) else None
+                if role not in CHAT_ROLES:
+                    raise ValueError(
+                        f"{where}: row {i}: message {j} has role {role!r}; known: "
+                        f"{', '.join(CHAT_ROLES)}"
+                    )
+
+
+def _check_model(config: RunConfig, model_config: dict) -> None:
+    """The starting model, read by header only: sizes, safetensors files, the memory the run
+    needs against what the machine has (model_check.py)."""
+    from miles_core.device import resolve_device
+    from miles_core.model_check import check_memory, check_model_dir
+
+    where = f"model.path {config.model.path!r}" if config.model.path else "model.preset"
+    gpu_memory = None
+    if resolve_device(config.train.device).type == "cuda":
+        import torch
+
+        one = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        gpu_memory = one * config.train.world_size  # FSDP shards the trainer's state
+    check_memory(model_config, where, gpu_memory=gpu_memory)
+    if config.model.path:
+        check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
+
+
+def _check_unclaimed(config: RunConfig, names: list[str]) -> None:
+    """No other live run holds one of the names (run_lock.py); a dead owner's lock is taken
+    over by the claim."""
+    from miles_core.run_lock import check_unclaimed
+
+    ck = config.checkpoint
+    for name in names:
+        check_unclaimed(ck.root, name, ck.storage_options)
+
+
 def run_names(config: RunConfig) -> list[str]:
     """The checkpoint folders a run writes: its own, and its SFT warm start's."""
     return [config.name] + ([f"{config.name}-sft"] if config.sft is not None else [])
@@ -112,16 +164,25 @@ def clear_previous_checkpoints(config: RunConfig) -> None:
 
 def preflight(config: RunConfig, resume: bool = False, resume_step: int | None = None) -> None:
     """Raises ValueError / FileNotFoundError / OSError for: agent plug-ins that do not import,
-    unreadable or malformed datasets (row
-    number in the message), rows without the label the task scores against, prompts that do not
-    fit the context with max_new_tokens, SFT data without answers, a missing starting model, an
+    a tracking URI MLflow has no store for, a starting model whose config.json or safetensors
+    headers are malformed, truncated or disagree, or that does not fit the machine's memory
+    (model_check.py), unreadable or malformed datasets (row number in the message), chat roles
+    outside CHAT_ROLES, rows without the label the task scores against, prompts that do not
+    fit the context with max_new_tokens, SFT data without answers, a missing starting model, a
+    run name another live run holds (run_lock.py: RunLocked), an
     unwritable checkpoint root, a new run whose name already has checkpoints (unless
     checkpoint.overwrite), and on resume: no checkpoint (or none at `resume_step`), a
     checkpoint at or past train.num_steps, one whose model config differs from the configured
     model, or an async rollout buffer the config cannot continue (resume_checks.py)."""
     resume = resume or resume_step is not None
     _check_plugins(config)
+    explicit = config.tracking.tracking_uri
+    check_tracking_uri(
+        resolve_tracking_uri(explicit),
+        "tracking.tracking_uri" if explicit else "the tracking URI ($MLFLOW_TRACKING_URI)",
+    )
     model_config = _model_config(config)
+    _check_model(config, model_config)
     context = int(model_config.get("max_position_embeddings") or 0)
     tok = _tokenizer(config)
     data = config.data
@@ -133,6 +194,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
             raise ValueError(
                 f"{where}: row {missing} has no 'label' (task {data.task!r} scores against it)"
             )
+    _check_roles(rows, where)
     if tok is not None and context:
         _check_lengths(rows, tok, config.rollout.max_new_tokens, context, where, "rl")
     if config.sft is not None:
@@ -152,12 +214,14 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
             raise ValueError(
                 f"{sft_where}: row {missing} has no 'answer' (SFT needs reference answers)"
             )
+        _check_roles(sft_rows, sft_where)
         if tok is not None and context:
             _check_lengths(sft_rows, tok, 0, context, sft_where, "sft")
 
     store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
     try:
         store.check_writable()
+        _check_unclaimed(config, run_names(config))
         if not resume and not config.checkpoint.overwrite:
             _refuse_existing_runs(config)
         if resume:

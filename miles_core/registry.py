@@ -13,12 +13,22 @@ vetted. `import_object` is the import-path half alone (agent functions, hooks).
 from __future__ import annotations
 
 import importlib
+import traceback
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 __all__ = ["Registry", "import_object"]
+
+
+def _where(e: BaseException) -> str:
+    """'FILE:LINE: ' of an error raised while importing a module: the line a SyntaxError names,
+    else the innermost frame of its traceback (the plug-in's own code, or what it called)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}: "
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
 
 
 def import_object(
@@ -36,7 +46,13 @@ def import_object(
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        missing = getattr(e, "name", None)
+        if missing and missing != module_name and not module_name.startswith(f"{missing}."):
+            # the module exists, and an import inside it fails: where
+            raise error(f"cannot import {kind} {path!r}: {_where(e)}{type(e).__name__}: {e}") from e
         raise error(f"cannot import {kind} {path!r}: no module {module_name!r} ({e})") from e
+    except Exception as e:  # the module itself fails (SyntaxError, raises at import): where
+        raise error(f"cannot import {kind} {path!r}: {_where(e)}{type(e).__name__}: {e}") from e
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)

@@ -147,10 +147,13 @@ class AgenticRollouts(SyncRollouts):
                 *(f"--token-field={f}" for f in config.rollout.token_fields),
             ),
             port_range=config.network.ports,
+            api_key=fleet.api_key,  # the run's key: its engine requires it too
         ).start()
         try:
             generate, hooks = _agent_plugins(agent)
-            setup = RolloutSetup(config, prompts, self.session_process.url, generate, hooks)
+            setup = RolloutSetup(
+                config, prompts, self.session_process.url, generate, hooks, fleet.api_key
+            )
             from miles_core.agents.rollout import AgenticRollout
 
             self.agent_rollout = AgenticRollout(setup)

@@ -113,14 +113,20 @@ class CheckpointStore:
             return None
 
     def check_writable(self) -> None:
-        """Writes and removes a probe file, so bad credentials or paths fail before training."""
+        """Writes and removes a probe file, so bad credentials or paths fail before training; a
+        run folder it had to create is removed again (a refused run leaves none behind)."""
         probe = f"{self.base}/.write-probe"
+        made = self.is_local and not Path(self.base).exists()
         try:
             self.fs.makedirs(self.base, exist_ok=True)
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm(probe)
         except Exception as e:
             raise OSError(f"checkpoint root {self._url(self.base)} is not writable: {e}") from e
+        finally:
+            if made:
+                with contextlib.suppress(OSError):
+                    Path(self.base).rmdir()
 
     def latest_step(self) -> int | None:
         marker = f"{self.base}/latest"

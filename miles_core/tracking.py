@@ -53,6 +53,27 @@ def resolve_tracking_uri(explicit: str | None) -> str:
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
+def check_tracking_uri(uri: str, setting: str = "tracking.tracking_uri") -> None:
+    """Refuses (ValueError) a URI MLflow has no tracking store for (`bogus://x`), and a
+    `sqlite:///` file whose folder does not exist; opens nothing (preflight)."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    from mlflow.utils.uri import get_uri_scheme
+
+    registry = _tracking_store_registry._registry
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception as e:  # noqa: BLE001  (MLflow's own refusal; ours names the setting)
+        known = ", ".join(sorted(s for s in registry if s))
+        raise ValueError(
+            f"{setting} {uri!r}: MLflow has no tracking store for scheme "
+            f"{get_uri_scheme(uri)!r} (known: {known}; or a local path)"
+        ) from e
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise ValueError(f"{setting} {uri!r}: folder {folder} does not exist")
+
+
 def _artifact_root(tracking_uri: str, experiment: str) -> str | None:
     """For a SQLite store, artifacts live beside the DB file (`<db dir>/mlruns/<experiment>`),
     not in whatever directory the process happens to run in; other stores keep their default."""
@@ -61,6 +82,12 @@ def _artifact_root(tracking_uri: str, experiment: str) -> str | None:
     db = Path(tracking_uri.removeprefix("sqlite:///"))
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", experiment)
     return (db.parent / "mlruns" / safe).resolve().as_uri()
+
+
+REDACTED = "<redacted>"
+# a param whose own name ends in a credential word: fsspec/boto storage options (key, secret,
+# token, aws_secret_access_key, session_token), passwords, API keys
+_SECRET_KEY = re.compile(r"(^|_)(key|secret|token|password|passwd|credentials?)$", re.I)
 
 
 def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -72,6 +99,8 @@ def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
             flat.update(flatten_params(value, key))
             continue
         text = "{}" if isinstance(value, dict) else str(value)
+        if value is not None and _SECRET_KEY.search(str(raw_key)):
+            text = REDACTED  # credentials (storage_options, api keys) never reach MLflow
         flat[_BAD_KEY_CHARS.sub("_", key)] = text[:MAX_PARAM_VALUE_LENGTH]
     return flat
 

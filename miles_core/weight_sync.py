@@ -19,6 +19,7 @@ from miles_core.device import dist_backend
 from miles_core.fleet import EngineFleet
 from miles_core.train.backend import TrainerBackend
 from miles_core.weights import make_transport, weights_checksum
+from miles_core.weights.disk import push_root
 
 log = logging.getLogger("miles")
 
@@ -44,7 +45,7 @@ class WeightSync:
             dtype=ws.dtype,
             group_backend=dist_backend(trainer.device),
             group_ports=config.network.ports,  # the weight-group rendezvous (network.port_range)
-            root=ws.disk_root or str(workdir / "pushed_weights"),
+            root=push_root(ws, workdir),  # the root its engine servers read (fleet.py)
             storage_options=config.checkpoint.storage_options,
             keep=ws.keep_versions,
             delta=ws.disk_delta,

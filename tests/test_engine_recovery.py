@@ -66,7 +66,10 @@ class Saboteur:
         return self
 
     def _run(self) -> None:
-        with httpx.Client(base_url=self.process.url, timeout=2.0) as client:
+        # the run's engine requires the run's key (proc/auth.py)
+        with httpx.Client(
+            base_url=self.process.url, timeout=2.0, headers=self.process.headers
+        ) as client:
             while not self._stop.is_set():
                 try:
                     if client.get("/get_server_info").json()["running"] >= 1:

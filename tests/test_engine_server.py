@@ -23,7 +23,10 @@ from miles_core.rollout.rollout_fn import encode_prompt
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     proc = EngineProcess(
-        tiny_dir, args=["--threads", "1"], log_path=tmp_path_factory.mktemp("engine") / "log.txt"
+        tiny_dir,
+        args=["--threads", "1"],
+        log_path=tmp_path_factory.mktemp("engine") / "log.txt",
+        weight_roots=[tiny_dir],  # disk loads from the model dir only
     )
     proc.start()
     yield proc

@@ -221,7 +221,9 @@ def broken_services():
 def test_external_mode_scores_checkpoints_through_the_service(tmp_path):
     from miles_core.eval.service import EvalServiceProcess
 
-    with EvalServiceProcess(log_path=tmp_path / "service.log") as service:
+    ckpt = tmp_path / "ckpt"
+    service = EvalServiceProcess(log_path=tmp_path / "service.log", checkpoint_roots=[str(ckpt)])
+    with service:
         cfg = _config(tmp_path, "external", "eval.mode=external", f"eval.url={service.evaluations}")
         rt = _runtime(cfg, tmp_path)
         try:
@@ -290,7 +292,7 @@ def test_the_evaluation_service_refuses_malformed_jobs_with_4xx():
 
     from miles_core.eval.service import create_app
 
-    client = TestClient(create_app())
+    client = TestClient(create_app(checkpoint_roots=["/nowhere"]))
     spec = {"task": "say_a", "prompts": 4}
     assert client.post("/evaluations", json={"policy_version": 1, "spec": spec}).status_code == 422
     bad_task = {"checkpoint_uri": "/nowhere", "policy_version": 1, "spec": {"task": "nope"}}

@@ -129,11 +129,13 @@ def test_disk_weight_pushes_through_s3_reach_an_engine_server(
         "AWS_DEFAULT_REGION": "us-east-1",
     }.items():
         monkeypatch.setenv(var, value)
-    proc = EngineProcess(tiny_dir, args=["--threads", "1"], log_path=tmp_path / "engine.log")
+    root = f"s3://{BUCKET}/pushed"
+    proc = EngineProcess(
+        tiny_dir, args=["--threads", "1"], log_path=tmp_path / "engine.log", weight_roots=[root]
+    )
     proc.start()
     engine = HttpEngine(proc.url)
     try:
-        root = f"s3://{BUCKET}/pushed"
         transport = DiskTransport(root=root, storage_options=s3_server, keep=2, delta=True)
         transport.connect([engine])
         model, _ = load_hf_dir(tiny_dir)

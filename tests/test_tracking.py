@@ -66,6 +66,38 @@ def test_flatten_params() -> None:
     assert flatten_params({"a": 1}, prefix="cfg") == {"cfg.a": "1"}
 
 
+def test_credentials_in_the_config_never_reach_mlflow_params() -> None:
+    """S3 storage options and API keys are logged as `<redacted>`; look-alike names are not."""
+    from miles_core.tracking import REDACTED
+
+    config = {
+        "checkpoint": {
+            "storage_options": {
+                "endpoint_url": "http://127.0.0.1:9000",
+                "key": "AKIA-test",
+                "secret": "s3cr3t",
+                "aws_secret_access_key": "s3cr3t",
+                "session_token": "tok",
+                "client_kwargs": {"region_name": "eu"},
+            }
+        },
+        "network": {"api_key": "k", "port_range": None},
+        "agent": {"max_tokens": 5, "token_budget": 4, "api_key": None},
+    }
+    flat = flatten_params(config)
+    secrets = {k for k, v in flat.items() if v == REDACTED}
+    assert secrets == {
+        "checkpoint.storage_options.key",
+        "checkpoint.storage_options.secret",
+        "checkpoint.storage_options.aws_secret_access_key",
+        "checkpoint.storage_options.session_token",
+        "network.api_key",
+    }
+    assert not any(s in v for v in flat.values() for s in ("AKIA-test", "s3cr3t", "tok"))
+    assert flat["checkpoint.storage_options.endpoint_url"] == "http://127.0.0.1:9000"
+    assert flat["agent.token_budget"] == "4" and flat["agent.api_key"] == "None"
+
+
 def test_params_flattened_and_logged(make_tracker) -> None:
     params = {"train": {"lr": 0.001, "batch": 8}, "model": "tiny", "extra": {}}
     params.update({f"k{i}": i for i in range(150)})  # > 100 params: several log_batch calls

@@ -20,7 +20,10 @@ from miles_core.weights.source import Placement, TensorBuckets, TensorPlan, dim_
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     proc = EngineProcess(
-        tiny_dir, args=["--threads", "1"], log_path=tmp_path_factory.mktemp("eng") / "log.txt"
+        tiny_dir,
+        args=["--threads", "1"],
+        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
+        weight_roots=[tmp_path_factory.getbasetemp()],  # every test's tmp_path: disk pushes
     )
     proc.start()
     client = HttpEngine(proc.url)

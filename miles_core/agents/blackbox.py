@@ -1,6 +1,6 @@
 """Black-box agents: any program that takes an OpenAI base URL. `command_agent(argv)` is an
-agent function that runs the program with OPENAI_BASE_URL set to the session's URL and the task
-as JSON in MILES_TASK ({"prompt", "metadata"}); if its last stdout line is a JSON object with
+agent function that runs the program with OPENAI_BASE_URL set to the session's URL,
+OPENAI_API_KEY to the session server's key ("none" without one) and the task as JSON in MILES_TASK ({"prompt", "metadata"}); if its last stdout line is a JSON object with
 "reward" (and optional "metrics"-like numbers), that is the environment's reward. The program is
 killed if the episode is cancelled (timeout); a non-zero exit fails the episode.
 
@@ -32,7 +32,7 @@ def command_agent(argv: list[str], env: dict[str, str] | None = None):
                 **os.environ,
                 **(env or {}),
                 "OPENAI_BASE_URL": base_url,
-                "OPENAI_API_KEY": "none",
+                "OPENAI_API_KEY": _session_key(request_kwargs) or "none",
                 "MILES_TASK": json.dumps(task),
             },
         )
@@ -49,6 +49,12 @@ def command_agent(argv: list[str], env: dict[str, str] | None = None):
         return _result(out.decode(errors="replace"))
 
     return run_agent
+
+
+def _session_key(request_kwargs: dict) -> str | None:
+    """The session server's key, from the headers session_generate hands the agent."""
+    auth = (request_kwargs.get("extra_headers") or {}).get("Authorization", "")
+    return auth.removeprefix("Bearer ") or None
 
 
 def _result(stdout: str) -> dict[str, Any] | None:

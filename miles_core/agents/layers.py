@@ -53,6 +53,7 @@ class GenerateInput:
     request_kwargs: dict[str, Any]  # sampling: max_tokens, temperature, seed, ...
     rollout_id: str
     session_url: str  # the session server
+    api_key: str | None = None  # the session server's key (Authorization: Bearer), if it has one
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RolloutSetup:
     session_url: str
     generate: Callable[[GenerateInput], Awaitable[GenerateOutput]]
     rewards: RewardHooks | None = None  # None: the environment's reward as it is
+    api_key: str | None = None  # the session server's key, handed to every GenerateInput
 
 
 @dataclass

@@ -60,6 +60,7 @@ class AgenticRollout:
             },
             rollout_id=rollout_id,
             session_url=self.setup.session_url,
+            api_key=self.setup.api_key,
         )
         async with limit:
             try:
@@ -153,7 +154,12 @@ class AgenticRollout:
         `tito_first_divergence_mean` (mean position in a reply where it first differs)."""
         import httpx
 
-        async with httpx.AsyncClient(base_url=self.setup.session_url, timeout=30) as http:
+        from miles_core.proc.auth import bearer
+
+        headers = bearer(self.setup.api_key)
+        async with httpx.AsyncClient(
+            base_url=self.setup.session_url, timeout=30, headers=headers
+        ) as http:
             totals = (await http.get("/metrics")).json()
         step = {}
         for key in ("tito_token_edits", "tito_diverged_replies", "tito_first_divergence_sum"):

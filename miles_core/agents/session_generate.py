@@ -4,6 +4,11 @@ It opens a session, hands the agent `base_url = <server>/sessions/<id>/v1`, wait
 a timeout), then collects the session's samples (one per trajectory leaf) with the reward the
 environment set. An agent that raises or times out still yields its recorded turns, marked
 FAILED with the reason; the session is always closed.
+
+With a key (`GenerateInput.api_key`) every call carries `Authorization: Bearer KEY`, and the
+agent's `request_kwargs` carry it as `extra_headers`, the OpenAI client's per-request headers:
+an agent that passes them to `chat.completions.create(**request_kwargs)` is authenticated
+whatever `api_key` its client was built with.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import functools
 import httpx
 
 from miles_core.agents.layers import AgentFn, AgentResult, GenerateInput, GenerateOutput
+from miles_core.proc.auth import bearer
 from miles_core.types import Status, sample_from_json
 
 
@@ -22,7 +28,11 @@ async def session_generate(
 ) -> GenerateOutput:
     # no pooled connections: an episode may idle longer than the server keeps one open
     limits = httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=inp.session_url, timeout=60.0, limits=limits) as http:
+    headers = bearer(inp.api_key)
+    request_kwargs = dict(inp.request_kwargs) | ({"extra_headers": headers} if headers else {})
+    async with httpx.AsyncClient(
+        base_url=inp.session_url, timeout=60.0, limits=limits, headers=headers
+    ) as http:
         r = await http.post(
             "/sessions", json={"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
         )
@@ -34,7 +44,7 @@ async def session_generate(
                 agent(
                     f"{inp.session_url}/sessions/{sid}/v1",
                     list(inp.prompt),
-                    dict(inp.request_kwargs),
+                    request_kwargs,
                     dict(inp.metadata),
                 ),
                 timeout_s,

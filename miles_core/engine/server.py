@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -25,16 +25,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles_core.engine.disk_loads import (
+    LOAD_TIMEOUT_S,
+    DiskLoader,
+    DiskLoadRefused,
+    max_load_bytes,
+)
 from miles_core.engine.serving import PAUSE_MODES, PackedWeightsDiffer, ServingEngine
 from miles_core.engine_api import SERVER_ROUTES
+from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.weights.checker import mismatched_tensors
-from miles_core.weights.disk import load_weight_dir
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
+from miles_core.weights.roots import WeightRoots
 from miles_core.weights.shm import read_bucket
 
-MAX_BODY_BYTES = int(os.environ.get("MILES_MAX_BODY_BYTES", str(8 << 20)))
 log = logging.getLogger("miles.engine")
 
 
@@ -113,54 +119,6 @@ class CheckerBody(_Body):
     action: str = "checksum"
 
 
-class BodyLimit:
-    """Refuses bodies over `limit` bytes with 413, whether they declare a Content-Length or come
-    chunked: the body is read (at most `limit` bytes) before the app sees it."""
-
-    def __init__(self, app, limit: int):
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and int(declared) > self.limit:
-            return await self._refuse(
-                scope, receive, send, f"request body of {int(declared)} bytes"
-            )
-        body, more = b"", True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay(b"", receive, message), send)
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.limit:
-                return await self._refuse(scope, receive, send, "a request body")
-        await self.app(scope, _replay(body, receive), send)
-
-    async def _refuse(self, scope, receive, send, what: str) -> None:
-        response = _error(413, f"{what} exceeds the limit of {self.limit} bytes")
-        await response(scope, receive, send)
-
-
-def _replay(body: bytes, receive, first=None):
-    sent = False
-
-    async def replay():
-        nonlocal sent
-        if first is not None and not sent:
-            sent = True
-            return first
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
 def parse_version(value: str) -> int:
     try:
         version = int(value)
@@ -180,9 +138,18 @@ def _error(status: int, message: str) -> JSONResponse:
     )
 
 
-def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
+def create_app(
+    engine: ServingEngine,
+    model_path: str = "",
+    weight_roots: Sequence[str] | WeightRoots = (),
+    load_timeout_s: float = LOAD_TIMEOUT_S,
+) -> FastAPI:
+    """`weight_roots`: where `/update_weights_from_disk` may read (none: every disk load is
+    refused); `load_timeout_s`: how long one disk load may take (engine/disk_loads.py)."""
     app = FastAPI(title="miles engine", docs_url=None, redoc_url=None)
     snapshot: dict[str, torch.Tensor] = {}
+    disk = DiskLoader(weight_roots, timeout_s=load_timeout_s)
+    app.state.disk_loader = disk
 
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
@@ -298,16 +265,12 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: DiskBody):
         version = parse_version(body.weight_version) if body.weight_version is not None else None
-        try:
-            tensors = await asyncio.to_thread(
-                load_weight_dir,
-                body.model_path,
-                None,
-                engine.named_tensors(),
-                engine.weight_version,
+        try:  # on the loader's own pool, with a timeout: control routes never wait on it
+            tensors = await disk.load(
+                body.model_path, engine.named_tensors(), engine.weight_version
             )
-        except (FileNotFoundError, ValueError) as e:  # missing, corrupt, or not the manifest's
-            return _error(400, str(e))
+        except DiskLoadRefused as e:  # outside the roots, missing, corrupt, not the manifest's
+            return _error(e.status, str(e))
         try:
             await asyncio.to_thread(
                 engine.update_weights_from_tensor, tensors.items(), body.flush_cache
@@ -333,8 +296,11 @@ def create_app(engine: ServingEngine, model_path: str = "") -> FastAPI:
                 "use 'shared_memory' (buckets in /dev/shm on this host)",
             )
         version = parse_version(body.weight_version) if body.weight_version is not None else None
+        if not body.serialized_named_tensors:
+            return _error(400, "serialized_named_tensors is empty: a push names its buckets")
         try:
-            buckets = [read_bucket(d) for d in body.serialized_named_tensors]
+            limit = max_load_bytes(engine.named_tensors())
+            buckets = [read_bucket(d, limit) for d in body.serialized_named_tensors]
             tensors = [t for b in buckets for t in b.tensors]
             adopt = bool(buckets) and all(b.adopt for b in buckets)
             await asyncio.to_thread(
@@ -513,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from miles_core.models import load_hf_dir
+    from miles_core.proc.auth import protect
     from miles_core.proc.ports import add_port_arguments, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles engine serve")
@@ -539,7 +506,28 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "cpu", "cuda"],
         help="where weights and the KV cache live (auto: cuda when available)",
     )
+    ap.add_argument(
+        "--weight-roots",
+        nargs="*",
+        action="extend",
+        default=[],
+        metavar="ROOT",
+        help="where /update_weights_from_disk may read: absolute directories and fsspec "
+        "prefixes (s3://bucket/prefix); none given: every disk load is refused",
+    )
+    ap.add_argument(
+        "--weight-load-timeout",
+        type=float,
+        default=LOAD_TIMEOUT_S,
+        help="seconds one disk load may take before it is answered 408",
+    )
     args = ap.parse_args(argv)
+    try:  # a malformed root fails the start, before the model loads
+        weight_roots = WeightRoots(args.weight_roots)
+    except ValueError as e:
+        ap.error(f"--weight-roots: {e}")
+    if not args.weight_load_timeout > 0:
+        ap.error("--weight-load-timeout must be > 0")
     from miles_core.proc.parent_watch import watch_parent
     from miles_core.weights.shm import unlink_mapped
 
@@ -562,7 +550,8 @@ def main(argv: list[str] | None = None) -> None:
         scheduler="main",
         device=args.device,
     )
-    app = create_app(engine, args.model)
+    app = create_app(engine, args.model, weight_roots, args.weight_load_timeout)
+    app = protect(app, args.api_key)  # every route but /health
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -41,6 +41,7 @@ from miles_core.rollout.protocol import (
 )
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
 # thread: a scheduler thread steps the engine (requests from any thread, streaming handles);
 # caller: `generate` steps it on the calling thread (no second OpenMP pool in the process, see
 # `run` below); main: the process's main thread runs `run()` (the HTTP server does this)
@@ -187,8 +188,15 @@ class ServingEngine:
 
     def validate(self, req: GenerateRequest) -> None:
         validate_request(req, self.vocab_size, self.max_context)
+        seed = req.sampling_params.sampling_seed
+        if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise EngineRequestError(f"sampling_seed {seed} is outside [-2**63, 2**64)")
         if self._weights_released is not None:
             raise EngineRequestError("weights are released; resume memory occupation first")
+        if not self.runner.cache.kv:
+            raise EngineRequestError(
+                "the KV cache is released; resume memory occupation (tags: kv_cache) first"
+            )
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
         """Queues one request; the handle completes when it finishes. With the `caller` scheduler

@@ -1,5 +1,6 @@
 """Dedicated evaluation: a separate engine server loaded from the version's checkpoint scores
-it while training keeps going, then stops (by PID, also when the job fails)."""
+it while training keeps going, then stops (by PID, also when the job fails). Each of those
+servers requires a random key of this runner's (proc/auth.py), which only its client knows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from miles_core.eval.evaluators import EvalJob
 from miles_core.eval.scoring import EvalSpec, score_policy
+from miles_core.proc.auth import new_key
 
 
 class DedicatedRunner:
@@ -26,6 +28,7 @@ class DedicatedRunner:
         self.storage_options = storage_options or {}
         self.threads = threads
         self.port_range = port_range
+        self.api_key = new_key()
         self.logs = Path(tempfile.mkdtemp(prefix="miles-eval-"))
         self._stop = threading.Event()
 
@@ -51,11 +54,15 @@ class DedicatedRunner:
             args=args,
             log_path=self.logs / f"v{job.version}.log",
             port_range=self.port_range,
+            api_key=self.api_key,
         )
         try:
             process.start(timeout=_left(deadline))
             engine = HttpEngine(
-                process.url, concurrency=self.spec.prompts, request_timeout=_left(deadline)
+                process.url,
+                concurrency=self.spec.prompts,
+                request_timeout=_left(deadline),
+                api_key=self.api_key,
             )
             try:
                 checksum = engine.weights_checksum()

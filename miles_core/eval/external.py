@@ -20,6 +20,7 @@ import httpx
 
 from miles_core.eval.evaluators import EvalJob
 from miles_core.eval.scoring import EvalSpec
+from miles_core.proc.auth import bearer
 from miles_core.rollout.http_engine import error_message
 
 
@@ -28,8 +29,9 @@ class ExternalEvalFailed(RuntimeError):
 
 
 class ExternalRunner:
-    def __init__(self, url: str, spec: EvalSpec, poll_s: float = 1.0):
+    def __init__(self, url: str, spec: EvalSpec, poll_s: float = 1.0, api_key: str | None = None):
         self.url = url.rstrip("/")
+        self.headers = bearer(api_key)  # the service's key (`miles eval serve` with a key)
         self.spec = spec
         self.poll_s = poll_s
         self._stop = threading.Event()
@@ -44,7 +46,8 @@ class ExternalRunner:
             "weights_sha256": job.weights_sha256,
             "spec": dataclasses.asdict(self.spec),
         }
-        with httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+        timeout = httpx.Timeout(30.0, connect=5.0)
+        with httpx.Client(timeout=timeout, headers=self.headers) as client:
             r = _call(client.post, self.url, json=body)
             job_id = r.json()["id"]
             while True:

@@ -63,7 +63,11 @@ class RunEvaluation:
                 from miles_core.eval.external import ExternalRunner
 
                 assert e.url is not None
-                self._runner = ExternalRunner(e.url, spec, e.poll_s)
+                from miles_core.proc.auth import env_key
+
+                # a service the run did not start: the configured key, not the run's own
+                key = config.network.api_key or env_key()
+                self._runner = ExternalRunner(e.url, spec, e.poll_s, api_key=key)
             self.evaluator = BackgroundEvaluator(
                 self._runner, timeout, e.max_in_flight, self.mode, current_version
             )

@@ -4,6 +4,7 @@ the standalone flow: an engine in the evaluating process)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,14 @@ _ROLLOUT_ONLY = {  # rollout metrics that say nothing about the policy
 }
 
 
+# concurrent `from_pretrained` calls in one process break it for good: a load swaps
+# `PreTrainedModel.tie_weights` (a class attribute) for a no-op while it builds the model, two
+# loads at once restore each other's swap, the no-op stays, and every later load keeps an
+# untied meta-device `lm_head` ("can't convert meta device type tensor"); the evaluation
+# service scores jobs on several threads, so loads take turns
+_LOAD_LOCK = threading.Lock()
+
+
 def score_model_dir(model_dir: str | Path, spec: EvalSpec) -> tuple[dict[str, float], str]:
     """Scores an HF directory (a checkpoint) with an engine in this process; returns the
     metrics and the sha256 of the weights it measured."""
@@ -113,7 +122,8 @@ def score_model_dir(model_dir: str | Path, spec: EvalSpec) -> tuple[dict[str, fl
     from miles_core.models import load_hf_dir
     from miles_core.weights import weights_checksum
 
-    model, tokenizer = load_hf_dir(model_dir)
-    engine = EmbeddedEngine(model, tokenizer, seed=0)
+    with _LOAD_LOCK:  # one load at a time per process (see _LOAD_LOCK)
+        model, tokenizer = load_hf_dir(model_dir)
+        engine = EmbeddedEngine(model, tokenizer, seed=0)
     checksum = weights_checksum(engine.named_tensors().items())
     return score_policy(engine, tokenizer, spec), checksum

@@ -7,6 +7,11 @@ a file the parent names (`--port-file`, miles_core/proc/ports.py), so two server
 never race for one port; `port_range` keeps it inside a range the user allows. Once known, the
 port stays: a restart (rollout/supervisor.py) passes it explicitly, so every client's URL stays
 valid. For a program that cannot report its port the parent probes a free one (`free_port`).
+
+Key: with `api_key` the child gets it in its environment (`MILES_API_KEY`, proc/auth.py: never
+on a command line of ours, which `ps` shows) and requires it on every route but `/health`;
+`headers` is what a client of the process sends. Without one, an inherited MILES_API_KEY is
+removed from the child's environment: the child requires exactly the key its parent knows.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import httpx
 
 # ProcessUnavailable lives beside the engine protocol, so weights/ catches it without rollout/
 from miles_core.engine_api import ProcessUnavailable  # noqa: F401  (re-exported)
+from miles_core.proc.auth import API_KEY_ENV, bearer
 from miles_core.proc.identity import children, terminate
 from miles_core.proc.parent_watch import PARENT_ENV
 from miles_core.proc.ports import PortRange, free_port, read_port_file
@@ -47,8 +53,10 @@ class ManagedProcess:
         log_path: str | Path | None = None,
         host: str = "127.0.0.1",
         port_range: PortRange | str | None = None,
+        api_key: str | None = None,
     ):
         self.host = host
+        self.api_key = api_key or None
         self.port_range = PortRange.parse(port_range) if port_range else None
         if not port and not self.reports_port:
             port = free_port(host, self.port_range)
@@ -79,13 +87,26 @@ class ManagedProcess:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def headers(self) -> dict[str, str]:
+        """The headers a client of this process sends (its key, if it has one)."""
+        return bearer(self.api_key)
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment: ours, its parent's PID, and its key (or none)."""
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        return env
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
     def start(self, timeout: float = 120.0):
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # our servers exit when this process dies, even by SIGKILL (proc/parent_watch.py)
-        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        env = self.child_env()
         tmp = None
         if not self.port:
             tmp = Path(tempfile.mkdtemp(prefix="miles-port-"))
@@ -121,7 +142,9 @@ class ManagedProcess:
             if self.port:
                 try:
                     r = httpx.get(
-                        f"{self.url}{self.health_path}", timeout=max(2.0, self.health_poll_s)
+                        f"{self.url}{self.health_path}",
+                        headers=self.headers,  # /health is open; another probe may not be
+                        timeout=max(2.0, self.health_poll_s),
                     )
                     if r.status_code == 200:
                         return

@@ -4,7 +4,8 @@ that report instead of picking one that something else may take first.
 
 Server side (`add_port_arguments`, `bind_from_args`): `--port N` (0 = any), `--port-range LO-HI`,
 `--port-file PATH` (the bound port is written there, atomically, before the server loads
-anything). Parent side: `ManagedProcess` (proc/managed.py) passes a port file and reads it.
+anything), `--api-key` (or MILES_API_KEY: proc/auth.py; an address other than loopback is refused
+without a key). Parent side: `ManagedProcess` (proc/managed.py) passes a port file and reads it.
 For programs that cannot report their port (sglang-router, SGLang, torchrun) `free_port` probes
 one, within the range when one is set; only there does the race remain.
 """
@@ -134,12 +135,30 @@ def add_port_arguments(ap: argparse.ArgumentParser, default_port: int) -> None:
         help="bind the first free port in this range, e.g. 30000-30100",
     )
     ap.add_argument("--port-file", default=None, help="write the bound port to this file")
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+        "MILES_API_KEY environment variable, which is better: a command line shows in ps); "
+        "needed for any --host other than loopback",
+    )
     ap.set_defaults(_default_port=default_port)
 
 
 def bind_from_args(args: argparse.Namespace, what: str) -> socket.socket:
     """Binds as the parsed arguments say, reports the port (port file, and one line on stderr),
-    or exits non-zero naming the address and the reason."""
+    or exits non-zero naming the address and the reason. Resolves the server's key into
+    `args.api_key` (`--api-key`, else MILES_API_KEY; proc/auth.py) and refuses, before binding,
+    an address other than loopback without one."""
+    from miles_core.proc.auth import API_KEY_ENV, is_loopback, resolve_key
+
+    args.api_key = resolve_key(getattr(args, "api_key", None))
+    if not args.api_key and not is_loopback(args.host):
+        sys.exit(
+            f"{what}: refusing to serve on {args.host} without an API key: anyone who can reach "
+            f"it could drive it. Set {API_KEY_ENV} (or --api-key) so every route but /health "
+            "requires 'Authorization: Bearer KEY', or bind 127.0.0.1"
+        )
     port = args.port
     if port is None:
         port = 0 if args.port_range is not None else args._default_port

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from miles_core.engine_api import SERVER_ROUTES, EngineRequestRejected
+from miles_core.proc.auth import bearer
 from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
 from miles_core.proc.ports import PortRange
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, version_number
@@ -65,7 +66,9 @@ __all__ = ["EngineProcess", "EngineRequestRejected", "EngineUnavailable", "HttpE
 
 
 class EngineProcess(ManagedProcess):
-    """One `miles_core.engine.server` subprocess on 127.0.0.1, stopped by PID."""
+    """One `miles_core.engine.server` subprocess on 127.0.0.1, stopped by PID. `weight_roots`:
+    where its `/update_weights_from_disk` may read (the disk transport's root; none: no disk
+    loads)."""
 
     what = "engine"
     reports_port = True  # binds port 0 (or in `port_range`) itself and reports it
@@ -77,10 +80,13 @@ class EngineProcess(ManagedProcess):
         args: list[str] | None = None,
         log_path: str | Path | None = None,
         port_range: PortRange | str | None = None,
+        api_key: str | None = None,
+        weight_roots: list[str | Path] | tuple = (),
     ):
-        super().__init__(port=port, log_path=log_path, port_range=port_range)
+        super().__init__(port=port, log_path=log_path, port_range=port_range, api_key=api_key)
         self.model_dir = str(model_dir)
         self.args = args or []
+        self.weight_roots = [str(r) for r in weight_roots]
 
     def command(self) -> list[str]:
         return [
@@ -91,12 +97,14 @@ class EngineProcess(ManagedProcess):
             self.model_dir,
             *self.port_args(),
             *self.args,
+            *(["--weight-roots", *self.weight_roots] if self.weight_roots else []),
         ]
 
 
 class HttpEngine:
     """The client side of the engine protocol over HTTP. `weight_routes`: how the server takes
-    weights (ours: shared memory, disk, a group; SGLang: disk and a group, see `attach`)."""
+    weights (ours: shared memory, disk, a group; SGLang: disk and a group, see `attach`).
+    `api_key`: sent as `Authorization: Bearer` on every call (proc/auth.py)."""
 
     def __init__(
         self,
@@ -107,8 +115,10 @@ class HttpEngine:
         health_interval: float = 1.0,
         health_failures: int = 3,
         weight_routes: frozenset[str] = SERVER_ROUTES,
+        api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
+        self.headers = bearer(api_key)
         self.weight_routes = frozenset(weight_routes)
         self.per_request_seeds = True  # servers batch continuously: every request is seeded
         self.concurrency = concurrency
@@ -120,7 +130,9 @@ class HttpEngine:
         self.health_failures = health_failures
         # control calls may load a whole model (disk, last broadcast bucket): long reads, fast
         # connection failures
-        self._sync = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0))
+        self._sync = httpx.Client(
+            base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0), headers=self.headers
+        )
         # set by the owner of a supervised engine server: generate calls that die with the
         # engine wait for its replacement and are re-issued once (rollout/supervisor.py);
         # control calls still fail fast
@@ -135,7 +147,9 @@ class HttpEngine:
         context manager; `max_connections` defaults to `concurrency`."""
         n = max_connections or self.concurrency
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        return httpx.AsyncClient(base_url=self.url, timeout=self.request_timeout, limits=limits)
+        return httpx.AsyncClient(
+            base_url=self.url, timeout=self.request_timeout, limits=limits, headers=self.headers
+        )
 
     async def post_generate(
         self, client: httpx.AsyncClient, chunk: list[GenerateRequest]

@@ -6,6 +6,11 @@ one engine, so a session's turns hit the engine that holds its prefix; new keys 
 router's `min_group` assignment (observed: not a strict balance). The router health-checks its workers and stops sending to one
 that fails; `remove_worker` / `add_worker` let the runtime quarantine an engine and re-admit it
 once it serves the current weight version. Stopped by PID like the engines.
+
+Key: with `api_key` (the engines' key: sglang-router's `--api-key`) the router requires
+`Authorization: Bearer` from its clients, its `/workers` routes included, and sends it to its
+workers (tests/test_auth.py); our calls to it send it. It takes the key only on its command line,
+which `ps` shows: give it a key only on a host whose other users you trust.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ class RouterProcess(ManagedProcess):
         health_failures: int = 2,
         log_path: str | Path | None = None,
         port_range: PortRange | str | None = None,
+        api_key: str | None = None,
     ):
         # sglang-router binds the port it is given and cannot report one it picked: the port
         # is probed here (ports.free_port, inside `port_range` when set)
-        super().__init__(port=port, log_path=log_path, port_range=port_range)
+        super().__init__(port=port, log_path=log_path, port_range=port_range, api_key=api_key)
         self.worker_urls = list(worker_urls)
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
@@ -71,11 +77,12 @@ class RouterProcess(ManagedProcess):
             str(self.health_failures),
             "--health-success-threshold",
             "1",
+            *(["--api-key", self.api_key] if self.api_key else []),
         ]
 
     def workers(self) -> list[dict]:
         """The router's view: [{"url", "id", "is_healthy", "load", ...}]."""
-        r = httpx.get(f"{self.url}/workers", timeout=5.0)
+        r = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=5.0)
         r.raise_for_status()
         return list(r.json().get("workers", []))
 
@@ -83,13 +90,17 @@ class RouterProcess(ManagedProcess):
         return [w["url"] for w in self.workers() if w.get("is_healthy")]
 
     def add_worker(self, url: str, timeout: float = 30.0) -> None:
-        httpx.post(f"{self.url}/workers", json={"url": url}, timeout=10.0).raise_for_status()
+        httpx.post(
+            f"{self.url}/workers", json={"url": url}, headers=self.headers, timeout=10.0
+        ).raise_for_status()
         self._wait(lambda: url in self.healthy_urls(), timeout, f"{url} to join the router")
 
     def remove_worker(self, url: str, timeout: float = 30.0) -> None:
         ids = [w["id"] for w in self.workers() if w["url"] == url]
         for worker_id in ids:
-            httpx.delete(f"{self.url}/workers/{worker_id}", timeout=10.0).raise_for_status()
+            httpx.delete(
+                f"{self.url}/workers/{worker_id}", headers=self.headers, timeout=10.0
+            ).raise_for_status()
         self._wait(
             lambda: url not in {w["url"] for w in self.workers()},
             timeout,
@@ -103,7 +114,7 @@ class RouterProcess(ManagedProcess):
     def readmit_if_current(self, url: str, version: int) -> bool:
         """Re-admits a quarantined engine only once it serves weight version `version`."""
         try:
-            info = httpx.get(f"{url}/get_model_info", timeout=5.0).json()
+            info = httpx.get(f"{url}/get_model_info", headers=self.headers, timeout=5.0).json()
         except (httpx.HTTPError, ValueError):
             return False
         if str(info.get("weight_version")) != str(version):

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from miles_core.engine_api import DISK, DISTRIBUTED
+from miles_core.proc.auth import bearer
 from miles_core.proc.managed import ManagedProcess
 from miles_core.proc.ports import PortRange
 from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine
@@ -37,6 +38,9 @@ class SGLangLaunch:
     enable_memory_saver: bool = False  # needed for release/resume_memory_occupation (colocated)
     enable_return_routed_experts: bool = False  # MoE routing replay (R3)
     skip_tokenizer_init: bool = True  # we send token ids and read output_ids
+    # SGLang's --api-key (Authorization: Bearer on its routes); it takes the key only on its
+    # command line, which `ps` shows
+    api_key: str | None = None
     extra_args: list[str] = field(default_factory=list)
 
     def command(self) -> list[str]:
@@ -51,6 +55,7 @@ class SGLangLaunch:
             "mem_fraction_static": self.mem_fraction_static,
             "max_running_requests": self.max_running_requests,
             "random_seed": self.random_seed,
+            "api_key": self.api_key,
         }
         for name, value in values.items():
             if value is not None:
@@ -80,7 +85,11 @@ class SGLangProcess(ManagedProcess):
     ):
         # SGLang binds the port it is given: probed here (inside `port_range` when set)
         super().__init__(
-            port=launch.port or None, log_path=log_path, host=launch.host, port_range=port_range
+            port=launch.port or None,
+            log_path=log_path,
+            host=launch.host,
+            port_range=port_range,
+            api_key=launch.api_key,  # for our health probe; SGLang reads it from its flag
         )
         launch.port = self.port
         self.launch = launch
@@ -95,21 +104,29 @@ class SGLangProcess(ManagedProcess):
 
 
 def attach(
-    urls: list[str], expected_model: str | None = None, timeout: float = 10.0
+    urls: list[str],
+    expected_model: str | None = None,
+    timeout: float = 10.0,
+    api_key: str | None = None,
 ) -> list[HttpEngine]:
     """Clients for already-running servers (SGLang's or ours); refuses unreachable ones and, when
-    `expected_model` is given, servers that serve another model."""
+    `expected_model` is given, servers that serve another model. `api_key`: the servers' key."""
     engines = []
     for url in urls:
         try:
-            info = httpx.get(f"{url.rstrip('/')}/get_model_info", timeout=timeout).json()
+            r = httpx.get(
+                f"{url.rstrip('/')}/get_model_info", headers=bearer(api_key), timeout=timeout
+            )
+            info = r.json() if r.status_code != 401 else None
         except (httpx.HTTPError, ValueError) as e:
             raise EngineUnavailable(f"cannot attach to engine at {url}: {e!r}") from e
+        if info is None:
+            raise EngineUnavailable(f"engine at {url} refused the key (HTTP 401): pass its api_key")
         if expected_model is not None and info.get("model_path") != expected_model:
             raise ValueError(
                 f"engine at {url} serves {info.get('model_path')!r}, expected {expected_model!r}"
             )
-        engines.append(HttpEngine(url, weight_routes=server_routes(info)))
+        engines.append(HttpEngine(url, weight_routes=server_routes(info), api_key=api_key))
     return engines
 
 

@@ -24,8 +24,10 @@ class SessionServerProcess(ManagedProcess):
         log_path: str | Path | None = None,
         args: tuple[str, ...] = (),
         port_range: PortRange | str | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(port, log_path, port_range=port_range)
+        # `api_key`: required from its clients and sent to the engine (one key per run)
+        super().__init__(port, log_path, port_range=port_range, api_key=api_key)
         self.engine_url = engine_url
         self.family = family
         self.args = list(args)

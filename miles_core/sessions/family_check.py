@@ -9,6 +9,7 @@ import time
 
 import httpx
 
+from miles_core.proc.auth import bearer
 from miles_core.tito import TitoFamily
 from miles_core.tito.check import check_family_matches
 
@@ -17,13 +18,17 @@ class FamilyMismatch(ValueError):
     """The family cannot be shown to tokenize like the engine's model."""
 
 
-def engine_tokenizer_path(engine_url: str, timeout_s: float = 30.0) -> str:
+def engine_tokenizer_path(
+    engine_url: str, timeout_s: float = 30.0, api_key: str | None = None
+) -> str:
     """The tokenizer directory the engine reports (`tokenizer_path`, else `model_path`); waits
     up to `timeout_s` for an engine that is still starting."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            r = httpx.get(f"{engine_url.rstrip('/')}/get_model_info", timeout=10.0)
+            r = httpx.get(
+                f"{engine_url.rstrip('/')}/get_model_info", headers=bearer(api_key), timeout=10.0
+            )
             break
         except httpx.TransportError as e:
             if time.monotonic() > deadline:
@@ -32,6 +37,11 @@ def engine_tokenizer_path(engine_url: str, timeout_s: float = 30.0) -> str:
                     "start the engine first, or pass --no-family-check"
                 ) from e
             time.sleep(0.5)
+    if r.status_code == 401:
+        raise FamilyMismatch(
+            f"the engine at {engine_url} refused the session server's key (HTTP 401): start "
+            "both with the same MILES_API_KEY"
+        )
     info = r.json() if r.status_code == 200 else {}
     path = info.get("tokenizer_path") or info.get("model_path")
     if not path:
@@ -42,11 +52,13 @@ def engine_tokenizer_path(engine_url: str, timeout_s: float = 30.0) -> str:
     return str(path)
 
 
-def check_engine_family(engine_url: str, family: TitoFamily, name: str) -> None:
+def check_engine_family(
+    engine_url: str, family: TitoFamily, name: str, api_key: str | None = None
+) -> None:
     """FamilyMismatch unless `family` renders like the tokenizer of the engine's model."""
     from transformers import AutoTokenizer
 
-    path = engine_tokenizer_path(engine_url)
+    path = engine_tokenizer_path(engine_url, api_key=api_key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -3,12 +3,12 @@ use: messages with tool calls and reasoning, tools, max tokens, sampling, seed).
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from miles_core.proc.http_limits import BadJson, parse_json
 from miles_core.tito import Message
 
 
@@ -20,10 +20,12 @@ class FunctionCall(BaseModel):
     @field_validator("arguments")
     @classmethod
     def _json(cls, v: str) -> str:
-        try:
-            json.loads(v)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"tool-call arguments are not JSON ({e.msg})") from None
+        try:  # strictly, as bodies are: a 50k-deep string here must not reach json's recursion
+            if not v.strip():
+                raise BadJson("tool-call arguments are not JSON (empty)")
+            parse_json(v, what="tool-call arguments")
+        except BadJson as e:
+            raise ValueError(str(e)) from None
         return v
 
 
@@ -74,7 +76,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -82,7 +84,9 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    # torch's seed range (what the engine's sampling_seed accepts); agent evaluation episodes
+    # use negative seeds (agents/rollout.py)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     n: int = 1
     stream: bool = False
 

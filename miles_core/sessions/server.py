@@ -17,14 +17,20 @@ Bad input never stops the server: unknown session 404; malformed messages, tool-
 that are not JSON or a conversation longer than the engine's context 400 with the reason; a
 generation the engine aborted 503 (nothing recorded); an engine that fails or answers with
 something that is not a generate response 502. Sessions idle longer than `--session-ttl-s` are
-dropped (a harness that died without deleting its session does not hold memory forever).
+dropped by a sweep every few seconds (a harness that died without deleting its session does
+not hold memory forever).
+
+Bounded against a hostile or broken client: bodies over `MAX_BODY_BYTES` (8 MiB, as the engine's)
+are 413 before they are read; more than `--max-sessions` live sessions 429; a turn that would take
+a session past `--max-session-ids` stored token ids 413. Bodies are strict JSON (`parse_json`):
+NaN/Infinity anywhere (metadata, sampling settings, rewards) and nesting deeper than
+`MAX_JSON_DEPTH` are 400, so nothing is stored that cannot be given back.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 import uuid
@@ -37,8 +43,10 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from miles_core.proc.auth import bearer, protect
+from miles_core.proc.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
 from miles_core.proc.managed import KEEP_ALIVE_S
 from miles_core.rollout.http_engine import error_message, generate_payload
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
@@ -49,13 +57,18 @@ from miles_core.tito import TitoFamily, describe_choices, get_family
 from miles_core.token_fields import load_token_fields
 from miles_core.types import sample_to_json
 
+MAX_SESSIONS = 4096  # live sessions (a run keeps agent.concurrency of them open)
+MAX_SESSION_IDS = 1 << 20  # token ids one session may store over all its turns (≈ 8 MB)
+
 
 class CreateBody(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
     rollout_id: str | None = None
     metadata: dict[str, Any] = {}
 
 
 class SamplesBody(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
     reward: float | None = None
 
 
@@ -82,6 +95,19 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
+def _json_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that reads its body itself (strict JSON), so the
+    schema (and a schema fuzzer) still knows it."""
+    schema = {"content": {"application/json": {"schema": model.model_json_schema()}}}
+    return {"requestBody": schema | {"required": False}}
+
+
+def _validation_message(e: ValidationError) -> str:
+    first = e.errors()[0]
+    where = ".".join(str(x) for x in first["loc"])
+    return f"{where}: {first['msg']}".removeprefix(": ")
+
+
 def create_app(
     engine_url: str,
     family: TitoFamily,
@@ -90,10 +116,20 @@ def create_app(
     engine_timeout_s: float = 600.0,
     session_ttl_s: float = 3600.0,
     clock: Callable[[], float] = time.monotonic,
+    max_sessions: int = MAX_SESSIONS,
+    max_session_ids: int = MAX_SESSION_IDS,
+    sweep_s: float | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
     """`session_ttl_s`: a session nobody used for that long (a harness that crashed without
-    deleting it) is dropped when the next session is created, counted in `expired_sessions`."""
+    deleting it) is dropped by the sweep that runs every `sweep_s` (default: a quarter of the
+    TTL, at most 30 s) and when a session is created, counted in `expired_sessions`.
+    `max_sessions` live sessions (429 past it), `max_session_ids` stored ids per session (413)."""
     app = FastAPI(title="miles session server")
+    app.add_middleware(BodyLimit, limit=max_body_bytes, respond=_error)
+    sweep_every = sweep_s if sweep_s is not None else min(max(session_ttl_s / 4, 0.5), 30.0)
+    sweeper: dict[str, asyncio.Task] = {}
     sessions: dict[str, Session] = {}
     counters: Counter = Counter()
     # aiohttp, not httpx: with hundreds of sessions in flight, httpcore's pool re-scans every
@@ -106,13 +142,37 @@ def create_app(
                 engine_url,
                 connector=aiohttp.TCPConnector(limit=1024),
                 timeout=aiohttp.ClientTimeout(total=engine_timeout_s),
+                headers=bearer(api_key),  # one key per run: the engine requires it too
             )
         return engine["session"]
 
+    async def _sweep() -> None:
+        while True:
+            await asyncio.sleep(sweep_every)
+            _expire_idle()
+
+    @app.on_event("startup")
+    async def _start_sweep() -> None:
+        sweeper["task"] = asyncio.create_task(_sweep())
+
     @app.on_event("shutdown")
     async def _close() -> None:
+        if "task" in sweeper:
+            sweeper.pop("task").cancel()
         if "session" in engine:
             await engine["session"].close()
+
+    async def _body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
+        """The request's body as `model`, read as strict JSON (an empty body: the defaults)."""
+        try:
+            data = parse_json(await request.body())
+            return model.model_validate({} if data is None else data)  # no body: the defaults
+        except BadJson as e:
+            counters["errors_4xx"] += 1
+            return _error(400, str(e))
+        except ValidationError as e:
+            counters["errors_4xx"] += 1
+            return _error(400, _validation_message(e))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -147,10 +207,21 @@ def create_app(
                 _retire(sessions.pop(sid))
                 counters["expired_sessions"] += 1
 
-    @app.post("/sessions", status_code=201)
-    async def create(body: CreateBody | None = None):
-        body = body or CreateBody()
+    @app.post("/sessions", status_code=201, openapi_extra=_json_body(CreateBody))
+    async def create(request: Request):
+        body = await _body(request, CreateBody)
+        if isinstance(body, JSONResponse):
+            return body
         _expire_idle()
+        if len(sessions) >= max_sessions:
+            counters["errors_4xx"] += 1
+            counters["refused_sessions"] += 1
+            return _error(
+                429,
+                f"{len(sessions)} live sessions, the server's cap (--max-sessions "
+                f"{max_sessions}): delete finished sessions or retry later",
+                "rate_limit_error",
+            )
         sid = uuid.uuid4().hex[:16]
         sessions[sid] = Session(
             sid, Trajectory(family, body.rollout_id or sid), body.metadata, clock()
@@ -205,16 +276,14 @@ def create_app(
         if isinstance(s, JSONResponse):
             return s
         try:
-            body = ChatRequest.model_validate(await request.json())
+            body = ChatRequest.model_validate(parse_json(await request.body()))
             messages = body.plain_messages()
-        except json.JSONDecodeError:
+        except BadJson as e:
             counters["errors_4xx"] += 1
-            return _error(400, "the body is not JSON")
+            return _error(400, str(e))
         except ValidationError as e:
             counters["errors_4xx"] += 1
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            return _error(400, f"{where}: {first['msg']}".removeprefix(": "))
+            return _error(400, _validation_message(e))
         except ValueError as e:
             counters["errors_4xx"] += 1
             return _error(400, str(e))
@@ -235,6 +304,14 @@ def create_app(
             # mistral-common's own exceptions: the request's fault, never the server's)
             counters["errors_4xx"] += 1
             return _error(400, f"cannot render these messages: {e}")
+        if t.total_ids + len(turn.ids) > max_session_ids:
+            counters["errors_4xx"] += 1
+            return _error(
+                413,
+                f"session {s.id} holds {t.total_ids} token ids; this turn's {len(turn.ids)} "
+                f"would pass the cap of {max_session_ids} (--max-session-ids): start a new "
+                "session",
+            )
         sampling = SamplingParams(
             max_new_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -295,17 +372,21 @@ def create_app(
             out.output_ids,
         )
 
-    @app.post("/sessions/{sid}/samples")
-    async def samples(sid: str, body: SamplesBody | None = None):
+    @app.post("/sessions/{sid}/samples", openapi_extra=_json_body(SamplesBody))
+    async def samples(sid: str, request: Request):
         s = _session(sid)
         if isinstance(s, JSONResponse):
             return s
-        reward = body.reward if body else None
+        body = await _body(request, SamplesBody)
+        if isinstance(body, JSONResponse):
+            return body
+        reward = body.reward
         async with s.lock:
             out = s.trajectory.samples(reward)
         return {"rollout_id": s.trajectory.rollout_id, "samples": [_sample_json(x) for x in out]}
 
-    return app
+    # `api_key`: every route but /health (the OpenAI ones too) needs it (proc/auth.py)
+    return protect(app, api_key)
 
 
 def _sample_json(sample) -> dict:
@@ -333,12 +414,27 @@ def main(argv: list[str] | None = None) -> None:
         "--session-ttl-s", type=float, default=3600.0, help="drop sessions idle this long"
     )
     ap.add_argument(
+        "--max-sessions",
+        type=int,
+        default=MAX_SESSIONS,
+        help="live sessions at most (POST /sessions answers 429 past it)",
+    )
+    ap.add_argument(
+        "--max-session-ids",
+        type=int,
+        default=MAX_SESSION_IDS,
+        help="token ids one session may store over all its turns (413 past it)",
+    )
+    ap.add_argument(
         "--token-field",
         action="append",
         default=[],
         help="a declared per-token field to record (import path pkg.mod:FIELD; repeatable)",
     )
     args = ap.parse_args(argv)
+    for flag in ("max_sessions", "max_session_ids", "session_ttl_s"):
+        if not getattr(args, flag) > 0:
+            ap.error(f"--{flag.replace('_', '-')} must be > 0")
     from miles_core.proc.parent_watch import watch_parent
 
     watch_parent()  # started by a run: exit with it
@@ -347,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         load_token_fields(args.token_field)
         family = get_family(args.family)
         if not args.no_family_check:  # a wrong family would answer 200 with garbage
-            check_engine_family(args.engine_url, family, args.family)
+            check_engine_family(args.engine_url, family, args.family, api_key=args.api_key)
     except ValueError as e:
         sys.exit(f"miles sessions serve: error: {e}")
     app = create_app(
@@ -356,6 +452,9 @@ def main(argv: list[str] | None = None) -> None:
         args.model_name,
         args.max_tokens,
         session_ttl_s=args.session_ttl_s,
+        max_sessions=args.max_sessions,
+        max_session_ids=args.max_session_ids,
+        api_key=args.api_key,
     )
     config = uvicorn.Config(
         app,

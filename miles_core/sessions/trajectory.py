@@ -94,6 +94,7 @@ class Trajectory:
         # engine's ids: (node id, first differing position in the reply), and the edits
         self.divergences: list[tuple[int, int]] = []
         self.token_edits = 0  # single-token edits (Levenshtein) over those replies
+        self.total_ids = 0  # token ids stored over all nodes (the session server caps it)
 
     def attach(self, messages: list[Message], tools: list[dict] | None) -> Turn:
         """The node this request extends (deepest match), or a fresh branch."""
@@ -161,6 +162,7 @@ class Trajectory:
         if turn.parent is not None:
             turn.parent.children.append(node.id)
         self.nodes.append(node)
+        self.total_ids += len(node.ids)
         return node
 
     def count_mismatches(self, turn: Turn, messages: list[Message]) -> int:

@@ -11,6 +11,8 @@ Both halves of the wire format live here: a bucket flattened per dtype and broad
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
@@ -23,18 +25,55 @@ BACKENDS = ("gloo", "nccl")
 def host_store(
     host: str, world_size: int, timeout_s: float = 120.0, ports: range | None = None
 ) -> TCPStore:
-    """The rendezvous, hosted here: bound to port 0 (or the first free port of `ports`); every
-    member, this process's too, joins it with `open_group(host, store.port, …)`."""
+    """The rendezvous, hosted here: listening on `host` only (127.0.0.1 by default in the
+    transports; TCPStore on its own would listen on every interface), on port 0 or the first
+    free port of `ports`; every member, this process's too, joins it with
+    `open_group(host, store.port, …)`."""
     timeout = datetime.timedelta(seconds=timeout_s)
     last: Exception | None = None
     for port in ports or (0,):
         try:
-            return TCPStore(
-                host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-            )
-        except (RuntimeError, OSError) as e:  # that port is taken: the next one
+            fd = _listening_socket(host, port)
+        except OSError as e:  # that port is taken: the next one
             last = e
-    raise OSError(f"no free port for the weight-group rendezvous in {ports}: {last}")
+            continue
+        try:  # the store owns the descriptor from here on
+            return TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+            )
+        except (RuntimeError, OSError) as e:
+            os.close(fd)
+            last = e
+    raise OSError(f"no free port for the weight-group rendezvous on {host} in {ports}: {last}")
+
+
+def _listening_socket(host: str, port: int) -> int:
+    """A TCP socket bound to host:port and listening; its descriptor (detached)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def local_address(peer: str) -> str:
+    """The address of this host's interface that reaches `peer` (no packet is sent): what a
+    member's gloo pairs listen on, instead of every interface or the peer's own address."""
+    family = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family[0], socket.SOCK_DGRAM) as s:
+        s.connect(family[4][:2] if family[0] == socket.AF_INET else family[4])
+        return s.getsockname()[0]
 
 
 STREAMS = 2  # TCP connections per peer: one stream tops out near 1.5 GB/s on loopback, two ≈4.5
@@ -61,7 +100,8 @@ def open_group(
         nccl._timeout = timeout
         return store, ProcessGroupNCCL(store, rank, world_size, nccl)
     opts = ProcessGroupGloo._Options()
-    opts._devices = [ProcessGroupGloo.create_device(hostname=host) for _ in range(STREAMS)]
+    here = local_address(host)  # this member's pairs listen on the interface towards host
+    opts._devices = [ProcessGroupGloo.create_device(hostname=here) for _ in range(STREAMS)]
     opts._threads = STREAMS
     opts._timeout = timeout
     return store, ProcessGroupGloo(store, rank, world_size, opts)

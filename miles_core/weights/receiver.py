@@ -16,6 +16,8 @@ engine's `update_weights_from_tensor(tensors, flush_cache, adopt)` and `params` 
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +76,17 @@ class GroupReceiver:
             )
         if name in self._groups:
             raise ReceiveRefused(f"weight update group {name!r} already exists")
+        if not 1 <= rank < world:  # rank 0 is the trainer's sending rank (the broadcast root)
+            raise ReceiveRefused(
+                f"rank_offset {rank} in a group of {world}: an engine joins as one of ranks "
+                f"1..{world - 1}, after the trainer ranks that send"
+            )
+        if _wildcard(host):
+            raise ReceiveRefused(
+                f"master_address {host!r} is not an address: give the trainer's (127.0.0.1 on "
+                "one host)"
+            )
+        _reachable(host, port, min(PROBE_TIMEOUT_S, self.timeout_s))
         try:
             store, pg = open_group(host, port, rank, world, self.timeout_s, backend)
         except Exception as e:  # noqa: BLE001  (rendezvous failures: timeout, refused)
@@ -119,6 +132,8 @@ class GroupReceiver:
             group.staged += received
             if last:
                 tensors, group.staged = group.staged, []
+                if not tensors:  # a version with no weights behind it: refused, version kept
+                    raise ReceiveRefused("nothing was received for this push; nothing to load")
                 try:
                     self._load(tensors, flush_cache)
                 except (KeyError, ValueError) as e:
@@ -133,7 +148,7 @@ class GroupReceiver:
     def _receive_bucket(self, group: _Group, names, dtypes, shapes) -> list:
         try:
             flat_layout(names, dtypes, shapes)
-        except ValueError as e:  # sizes unknown: nothing can be received in step
+        except (ValueError, OverflowError) as e:  # sizes unknown: nothing received in step
             raise ReceiveRefused(str(e)) from e
         self._check_size(group, names, shapes)
         refusal = self._misfit(list(zip(names, shapes, strict=True)))
@@ -147,8 +162,9 @@ class GroupReceiver:
             tensors = [TensorPlan.from_json(t) for t in plan or []]
             check_plan(tensors, int(senders or 0))
             flat_layout(names, [t.dtype for t in tensors], [t.shape for t in tensors])
-        except (KeyError, TypeError, ValueError) as e:  # sizes unknown: cannot stay in step
-            raise ReceiveRefused(f"malformed p2p placement plan: {e}") from e
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as e:
+            # sizes unknown: cannot stay in step with the senders
+            raise ReceiveRefused(f"malformed p2p placement plan: {e!r}") from e
         if [t.name for t in tensors] != list(names):
             raise ReceiveRefused("the p2p plan does not list the names of the request")
         if not 0 < int(senders or 0) <= group.rank:
@@ -189,6 +205,14 @@ class GroupReceiver:
         return ""
 
 
+def _wildcard(host: str) -> bool:
+    """0.0.0.0, ::, an empty name: listening there would open the engine on every interface."""
+    try:
+        return not host or ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a host name
+        return False
+
+
 def _transfer(receive: Callable[..., list], *args) -> list:
     """A receive whose transfer failed (a sender that went away, a timeout: gloo / nccl raise
     RuntimeError) is refused like any other push, not an engine error."""
@@ -196,3 +220,18 @@ def _transfer(receive: Callable[..., list], *args) -> list:
         return receive(*args)
     except RuntimeError as e:
         raise ReceiveRefused(f"the transfer failed: {e}") from e
+
+
+PROBE_TIMEOUT_S = 5.0  # the trainer's store listens before it asks an engine to join
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> None:
+    """Fails fast where the rendezvous would wait its whole timeout: an address that does not
+    resolve, or a port where nothing listens (the trainer opens its store before it asks)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        raise ReceiveRefused(
+            f"no weight-group rendezvous answers at {host}:{port} ({e.strerror or e}); the "
+            "trainer opens it before it asks engines to join"
+        ) from e
