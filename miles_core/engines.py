@@ -127,7 +127,7 @@ def _server(s: EngineSetup) -> BuiltEngine:
         log_path=s.workdir / "engine.log",
         port_range=s.port_range,
         api_key=s.api_key,  # in the child's environment, not its command line
-        weight_roots=s.weight_roots,  # the disk transport's root (weights/roots.py)
+        weight_roots=s.weight_roots,  # the disk transport's root (miles_core/roots.py)
     ).start()
     # our engine server takes SGLang's batch form: one call per group
     client = HttpEngine(

@@ -45,6 +45,19 @@ def mlflow_store(tmp_path, mlflow_template) -> str:
 
 
 @pytest.fixture(scope="session")
+def moto_s3():
+    """One S3-compatible server (moto) on 127.0.0.1 for the session; yields fsspec/s3fs
+    storage options. Each module makes its own bucket."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A seeded tiny Qwen3 model + tokenizer saved as an HF directory."""
     model, tok = build_model("tiny", seed=0)

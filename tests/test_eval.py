@@ -4,13 +4,11 @@ and evaluations that fail or hang while training goes on."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from mlflow.tracking import MlflowClient
 
@@ -21,6 +19,7 @@ from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.proc.identity import children
 from miles_core.runtime import RLRuntime, prepare_model_dir
 from miles_core.tracking import NEWEST_POLICY_ALIAS, Tracker
+from tests.servers import served
 
 
 def _config(tmp_path: Path, name: str, *extra: str):
@@ -184,17 +183,6 @@ def test_dedicated_mode_in_the_flow_then_the_evaluate_flow_scores_a_version(
         evaluate("dedicated", version="99", tracking_uri=uri)
 
 
-def _serve(app: FastAPI) -> tuple[uvicorn.Server, threading.Thread, str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:  # uvicorn sets it once it listens
-        thread.join(0.05)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture
 def broken_services():
     """Two evaluation services on 127.0.0.1: one that accepts jobs and never finishes them,
@@ -209,11 +197,8 @@ def broken_services():
 
         return JSONResponse({"message": "evaluator out of GPUs"}, status_code=500)
 
-    servers = [_serve(hanging), _serve(failing)]
-    yield [f"{url}/evaluations" for _, _, url in servers]
-    for server, thread, _ in servers:
-        server.should_exit = True
-        thread.join(10)
+    with served(hanging) as a, served(failing) as b:
+        yield [f"{a}/evaluations", f"{b}/evaluations"]
 
 
 @pytest.mark.slow

@@ -17,8 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from miles_core.eval.roots import CheckpointRoots, OutsideRoots
 from miles_core.eval.service import EvalServiceProcess, create_app
+from miles_core.roots import AllowedRoots, MalformedUri, OutsideRoots
 
 SPEC = {"task": "say_a", "prompts": 2, "max_new_tokens": 2}
 
@@ -102,7 +102,6 @@ def test_checkpoints_outside_the_roots_are_refused_alike_and_urls_are_never_fetc
         f"{url}/step_1": "a URL on another host",
         str(outside): "an existing directory outside the roots",
         str(tmp_path / "missing"): "a missing one",
-        f"{root}/run/../../secret": "a .. escape",
         f"{root}/run/link": "a symlink out of the roots",
         f"{root}-evil/x": "a sibling sharing the root's prefix",
         "s3://bucket/step_1": "another scheme",
@@ -116,6 +115,7 @@ def test_checkpoints_outside_the_roots_are_refused_alike_and_urls_are_never_fetc
         ("relative/step_1", "absolute"),
         (f"simplecache::{url}/x", "chained"),
         (f"{root}/x?version=1", "'?'"),
+        (f"{root}/run/../../secret", "'..'"),  # a .. escape: malformed before it is resolved
     ]:
         r = client.post("/evaluations", json=_job(uri))
         assert r.status_code == 400 and words in r.json()["detail"], (uri, r.text)
@@ -126,7 +126,7 @@ def test_checkpoints_outside_the_roots_are_refused_alike_and_urls_are_never_fetc
 
 
 def test_fsspec_prefix_roots_match_whole_segments_of_their_bucket():
-    roots = CheckpointRoots.parse(["s3://bucket/runs/", "/data/ckpt"])
+    roots = AllowedRoots.parse(["s3://bucket/runs/", "/data/ckpt"])
     assert roots.check("s3://bucket/runs/a/step_1") == "s3://bucket/runs/a/step_1"
     assert roots.check("S3://bucket/runs") == "s3://bucket/runs"
     for uri in ("s3://bucket/runs-x/a", "s3://other/runs/a", "gs://bucket/runs/a", "/data/c"):
@@ -138,12 +138,12 @@ def test_fsspec_prefix_roots_match_whole_segments_of_their_bucket():
         "s3://bucket/runs/a::x",
         "s3://bucket/runs/%2E%2E/x",
     ):
-        with pytest.raises(ValueError, match="not accepted"):
+        with pytest.raises(MalformedUri, match="not accepted"):
             roots.check(uri)
     with pytest.raises(OutsideRoots, match="none configured"):
-        CheckpointRoots.parse([]).check("/data/ckpt/x")  # no roots: nothing is served
+        AllowedRoots.parse([]).check("/data/ckpt/x")  # no roots: nothing is served
     with pytest.raises(ValueError, match="absolute"):
-        CheckpointRoots.parse(["ckpt"])
+        AllowedRoots.parse(["ckpt"])
 
 
 def test_the_job_table_is_bounded_and_drops_finished_jobs_first(tmp_path):

@@ -205,18 +205,12 @@ def test_claims_nest_in_one_process_and_are_released_when_the_run_fails(tmp_path
 
 
 @pytest.fixture(scope="module")
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
+def s3(moto_s3):
+    """The session's moto server (conftest.py), with this module's bucket."""
     import fsspec
 
-    fsspec.filesystem("s3", **options).mkdir(BUCKET)
-    yield options
-    server.stop()
+    fsspec.filesystem("s3", **moto_s3).mkdir(BUCKET)
+    return moto_s3
 
 
 def test_on_s3_the_claim_is_a_conditional_write(s3):

@@ -6,18 +6,17 @@ of a real HTTP "engine" on 127.0.0.1 that answers every turn with the same five 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from miles_core.proc.http_limits import BadJson, parse_json
 from miles_core.sessions.server import create_app
 from miles_core.tito import get_family
+from tests.servers import served
 
 FAMILY = get_family("tiny")
 REPLY = FAMILY.completion({"role": "assistant", "content": "abcdefgh"})[:5]
@@ -48,18 +47,10 @@ def _engine_app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def engine():
-    """(url, app) of the scripted engine: uvicorn in a thread, stopped in teardown."""
+    """(url, app) of the scripted engine, served in a thread (tests/servers.py)."""
     app = _engine_app()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:  # uvicorn sets it once it listens
-        thread.join(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    server.should_exit = True
-    thread.join(10)
+    with served(app) as url:
+        yield url, app
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_core.weights.disk import WeightLoadError, WeightsNotFound, load_weight_dir
-from miles_core.weights.roots import WeightPathRefused, WeightRoots
+from miles_core.roots import AllowedRoots, RootRefusal
+from miles_core.weights.disk import WeightLoadError, WeightsNotFound, confine, load_weight_dir
 
 LOAD_TIMEOUT_S = 600.0
 LOAD_WORKERS = 2
@@ -42,11 +42,13 @@ def max_load_bytes(params: dict[str, torch.Tensor]) -> int:
 class DiskLoader:
     def __init__(
         self,
-        roots: Sequence[str] | WeightRoots = (),
+        roots: Sequence[str] | AllowedRoots = (),
         timeout_s: float = LOAD_TIMEOUT_S,
         workers: int = LOAD_WORKERS,
     ):
-        self.roots = roots if isinstance(roots, WeightRoots) else WeightRoots(roots)
+        self.roots = (
+            roots if isinstance(roots, AllowedRoots) else AllowedRoots.parse(roots, "weight root")
+        )
         self.timeout_s = timeout_s
         self.workers = workers
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -60,8 +62,8 @@ class DiskLoader:
     ) -> dict[str, torch.Tensor]:
         """The tensors at `path` (checked against its manifest), or DiskLoadRefused."""
         try:  # lexical and real-path checks first: nothing outside the roots is touched
-            self.roots.confine(path)
-        except WeightPathRefused as e:
+            confine(self.roots, path)
+        except RootRefusal as e:
             raise DiskLoadRefused(e.status, str(e)) from None
         with self._lock:
             if self._busy >= self.workers:
@@ -92,7 +94,7 @@ class DiskLoader:
                 roots=self.roots,
                 max_bytes=max_load_bytes(current),
             )
-        except WeightPathRefused as e:
+        except RootRefusal as e:
             raise DiskLoadRefused(e.status, str(e)) from None
         except WeightsNotFound as e:  # missing, unreadable or not a regular file: one answer
             raise DiskLoadRefused(403, str(e)) from None

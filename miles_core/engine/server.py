@@ -36,9 +36,9 @@ from miles_core.engine_api import SERVER_ROUTES
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
+from miles_core.roots import AllowedRoots
 from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
-from miles_core.weights.roots import WeightRoots
 from miles_core.weights.shm import read_bucket
 
 log = logging.getLogger("miles.engine")
@@ -141,7 +141,7 @@ def _error(status: int, message: str) -> JSONResponse:
 def create_app(
     engine: ServingEngine,
     model_path: str = "",
-    weight_roots: Sequence[str] | WeightRoots = (),
+    weight_roots: Sequence[str] | AllowedRoots = (),
     load_timeout_s: float = LOAD_TIMEOUT_S,
 ) -> FastAPI:
     """`weight_roots`: where `/update_weights_from_disk` may read (none: every disk load is
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     try:  # a malformed root fails the start, before the model loads
-        weight_roots = WeightRoots(args.weight_roots)
+        weight_roots = AllowedRoots.parse(args.weight_roots, "weight root")
     except ValueError as e:
         ap.error(f"--weight-roots: {e}")
     if not args.weight_load_timeout > 0:

@@ -8,7 +8,8 @@ What a client may ask for is what the service was started with:
   built-in tasks); a job naming another task is 400 and nothing is imported for it;
 - checkpoints: under `--checkpoint-roots` (local directories, fsspec prefixes such as
   `s3://bucket/prefix`; none by default: every checkpoint is refused until roots are given);
-  another URI is 403 (400 when malformed), the same answer whether it exists or not (roots.py);
+  another URI is 403 (400 when malformed), the same answer whether it exists or not
+  (miles_core/roots.py);
 - jobs: at most `--max-jobs` kept (the oldest finished ones are dropped first; 429 when all are
   pending or running), run by `--workers` threads; models load one at a time (a lock in
   scoring.py: concurrent `from_pretrained` in one process leaves transformers' `tie_weights`
@@ -35,12 +36,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from miles_core.eval.roots import CheckpointRoots, OutsideRoots
 from miles_core.eval.scoring import EvalSpec, score_model_dir
 from miles_core.proc.auth import protect
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S, ManagedProcess
 from miles_core.proc.ports import add_port_arguments, bind_from_args
+from miles_core.roots import AllowedRoots, MalformedUri, OutsideRoots
 
 MAX_JOBS = 1024
 WORKERS = 1
@@ -91,7 +92,7 @@ def resolve_tasks(tasks: Sequence[str] | None) -> tuple[str, ...]:
 
 def create_app(
     tasks: Sequence[str] | None = None,
-    checkpoint_roots: Sequence[str] | CheckpointRoots = (),
+    checkpoint_roots: Sequence[str] | AllowedRoots = (),
     workers: int = WORKERS,
     max_jobs: int = MAX_JOBS,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -103,8 +104,8 @@ def create_app(
     served = resolve_tasks(tasks)
     roots = (
         checkpoint_roots
-        if isinstance(checkpoint_roots, CheckpointRoots)
-        else CheckpointRoots.parse(checkpoint_roots)
+        if isinstance(checkpoint_roots, AllowedRoots)
+        else AllowedRoots.parse(checkpoint_roots, "checkpoint root")
     )
     app = FastAPI(title="miles evaluation service")
     app.add_middleware(
@@ -175,10 +176,14 @@ def create_app(
                 "start the service with --tasks to serve others)",
             )
         try:
-            uri = roots.check(body.checkpoint_uri)
-        except OutsideRoots as e:
-            raise HTTPException(403, str(e)) from None
-        except ValueError as e:
+            uri = roots.check(body.checkpoint_uri, "checkpoint_uri")
+        except OutsideRoots:
+            raise HTTPException(
+                403,
+                f"checkpoint_uri {body.checkpoint_uri!r} is not under the service's checkpoint "
+                f"roots ({roots.describe()}; start it with --checkpoint-roots to serve others)",
+            ) from None
+        except MalformedUri as e:
             raise HTTPException(400, str(e)) from None
         job = JobState(id=uuid.uuid4().hex, policy_version=body.policy_version)
         admit(job)
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     split = lambda values: [v for value in values for v in value.split(",")]  # noqa: E731
     try:  # bad settings stop the start-up, before the port is bound
         tasks = resolve_tasks(split(args.tasks)) if args.tasks is not None else None
-        roots = CheckpointRoots.parse(split(args.checkpoint_roots))
+        roots = AllowedRoots.parse(split(args.checkpoint_roots), "checkpoint root")
     except ValueError as e:
         p.error(str(e))
     sock = bind_from_args(args, "evaluation service")

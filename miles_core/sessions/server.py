@@ -275,15 +275,11 @@ def create_app(
         s = _session(sid)
         if isinstance(s, JSONResponse):
             return s
+        body = await _body(request, ChatRequest)
+        if isinstance(body, JSONResponse):
+            return body
         try:
-            body = ChatRequest.model_validate(parse_json(await request.body()))
             messages = body.plain_messages()
-        except BadJson as e:
-            counters["errors_4xx"] += 1
-            return _error(400, str(e))
-        except ValidationError as e:
-            counters["errors_4xx"] += 1
-            return _error(400, _validation_message(e))
         except ValueError as e:
             counters["errors_4xx"] += 1
             return _error(400, str(e))

@@ -10,7 +10,8 @@ or out-of-order file is refused and the engine keeps its weights. The only pause
 own load (between two scheduler steps); the write overlaps generation. Older versions are
 removed, keeping `keep` of them.
 
-An engine server reads only under its `--weight-roots` (weights/roots.py), only regular files,
+An engine server reads only under its `--weight-roots` (miles_core/roots.py, `confine`), and
+answers a path outside them as a missing one inside (`not_found_message`); only regular files,
 each no further than the manifest's size and the most bytes its model can hold.
 """
 
@@ -29,9 +30,9 @@ import torch
 from safetensors.torch import load, save
 
 from miles_core.engine_api import DISK, EngineRequestRejected, ProcessUnavailable
+from miles_core.roots import AllowedRoots, OutsideRoots
 from miles_core.weights import delta
 from miles_core.weights.remote import PushFailed, check_reachable
-from miles_core.weights.roots import WeightRoots, not_found_message
 from miles_core.weights.source import TrainerWeights
 from miles_core.weights.transport import (
     PushStats,
@@ -68,12 +69,31 @@ def engine_weight_roots(weight_sync, workdir) -> tuple[str, ...]:
     return (push_root(weight_sync, workdir),)
 
 
+def not_found_message(path: str) -> str:
+    """The one answer for a path outside the roots and for a missing or unreadable one inside."""
+    return f"no safetensors weights at {path!r} under this engine's weight roots"
+
+
+def confine(roots: AllowedRoots, path: str) -> str:
+    """The path an engine reads for a disk load of `path` (miles_core/roots.py), or a
+    RootRefusal: no roots configured, 403; malformed, 400; outside the roots, 403 with
+    `not_found_message`, the answer of a missing path."""
+    if not roots:
+        raise OutsideRoots(
+            "this engine loads no weights from disk: it was started without --weight-roots"
+        )
+    try:
+        return roots.check(path, "model_path")
+    except OutsideRoots:
+        raise OutsideRoots(not_found_message(path)) from None
+
+
 def load_weight_dir(
     path: str,
     storage_options: dict | None = None,
     current: dict[str, torch.Tensor] | None = None,
     current_version: int | None = None,
-    roots: WeightRoots | None = None,
+    roots: AllowedRoots | None = None,
     max_bytes: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Reads every *.safetensors file of a directory (local or fsspec URL), or one file. With a
@@ -81,12 +101,12 @@ def load_weight_dir(
     delta is decoded against `current` (the engine's weights), which must be at its base
     version; it returns only the changed tensors.
 
-    An engine server passes `roots` (the path must lie under one: weights/roots.py) and
+    An engine server passes `roots` (the path must lie under one: `confine`) and
     `max_bytes` (no file, and not all files together, may hold more). Only regular files are
     read, each no further than its size (the manifest's, when it names one); a missing,
     unreadable or non-regular path is "no safetensors weights" (WeightsNotFound), a file that is
     not safetensors or a store that cannot be reached is a WeightLoadError."""
-    where = roots.confine(path) if roots is not None else path
+    where = confine(roots, path) if roots is not None else path
     try:
         return _load(path, where, storage_options, current, current_version, roots, max_bytes)
     except _Gone:  # missing or unreadable midway: the answer of a missing path
@@ -195,7 +215,7 @@ def _expected_sizes(path: str, manifest: dict | None, files: list) -> dict[str, 
     return sizes
 
 
-def _reader(path: str, storage_options: dict | None, roots: WeightRoots | None):
+def _reader(path: str, storage_options: dict | None, roots: AllowedRoots | None):
     if "://" not in path or path.startswith("file://"):
         return _LocalReader(roots)
     try:
@@ -213,7 +233,7 @@ class _LocalReader:
     """Local files by their real path: regular files only, opened without following a final
     symlink and without blocking (a FIFO is refused, not waited on), read to their size."""
 
-    def __init__(self, roots: WeightRoots | None):
+    def __init__(self, roots: AllowedRoots | None):
         self.roots = roots
 
     def listing(self, path: str):
