@@ -252,6 +252,19 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return True
 
 
+def _kill_run_and_expect_gone(run: subprocess.Popen, server: int, timeout: float) -> None:
+    """SIGKILL of the run (no cleanup of its own runs); its server must exit by itself."""
+    run.send_signal(signal.SIGKILL)
+    run.wait(10)
+    assert _wait_gone(server, timeout), "the server outlived its run"
+
+
+def _stop(run: subprocess.Popen, server: int) -> None:
+    if psutil.pid_exists(server):
+        os.kill(server, signal.SIGKILL)
+    run.kill()
+
+
 def test_the_ephemeral_server_wrapper_exits_when_its_run_is_killed(tmp_path):
     """`python -m flows.prefect_server` (how a run starts its ephemeral Prefect API) serves what
     uvicorn serves, and exits once the process that started it is killed with SIGKILL (issue 14:
@@ -284,13 +297,9 @@ def test_the_ephemeral_server_wrapper_exits_when_its_run_is_killed(tmp_path):
             except httpx.TransportError:
                 assert time.monotonic() < deadline and psutil.pid_exists(server)
                 time.sleep(0.1)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(10)
-        assert _wait_gone(server, 20), "the server outlived its run"
+        _kill_run_and_expect_gone(parent, server, 20)
     finally:
-        if psutil.pid_exists(server):
-            os.kill(server, signal.SIGKILL)
-        parent.kill()
+        _stop(parent, server)
 
 
 @pytest.mark.slow  # a real ephemeral Prefect server (≈10 s to start)
@@ -318,13 +327,9 @@ def test_a_killed_runs_prefect_server_stops(tmp_path):
     server = int(run.stdout.readline())
     try:
         assert "flows.prefect_server" in " ".join(psutil.Process(server).cmdline())
-        run.send_signal(signal.SIGKILL)
-        run.wait(10)
-        assert _wait_gone(server, 30), "the Prefect server outlived its run"
+        _kill_run_and_expect_gone(run, server, 30)
     finally:
-        if psutil.pid_exists(server):
-            os.kill(server, signal.SIGKILL)
-        run.kill()
+        _stop(run, server)
 
 
 @pytest.mark.slow  # a `miles train` process (on the session's Prefect server)
