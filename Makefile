@@ -15,7 +15,7 @@ export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: venv system demo test test-fast docs docs-check lint format bench clean stack-up stack-down stack-status ui-check
+.PHONY: venv system demo test test-fast docs docs-check lint format bench bench-trl clean stack-up stack-down stack-status ui-check
 
 venv: $(STAMP)
 
@@ -72,6 +72,19 @@ format: venv
 
 bench: venv
 	$(BIN)/python benchmarks/step_time.py
+
+# ours vs TRL's GRPOTrainer (benchmarks/vs_trl.py); TRL (a peer, never a dependency) in .venv-trl
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed
+$(TRL_STAMP): $(STAMP)
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q "torch==2.13.0" \
+	  "transformers==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("transformers"))')" \
+	  "trl==1.16.0" "accelerate==1.15.0" "datasets==5.2.0" numpy
+	touch $(TRL_STAMP)
+
+bench-trl: venv $(TRL_STAMP)
+	$(BIN)/python benchmarks/vs_trl.py
 
 # the local production stack (infra/local_stack.py): Prefect server, MLflow server, S3 (moto)
 stack-up: venv

@@ -131,6 +131,27 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
         )
     out = _table(["preset", "MB", "memcpy GB/s", *transports], rows)
     out += ["", "GB/s per push (fraction of memcpy in brackets).", ""]
+    raw = r.get("fraction_of_raw")
+    if raw:  # the group transports against a raw torch.distributed call of the same bytes
+        wire = list(next(iter(raw.values())))
+        raw_rows = [
+            [
+                preset,
+                *(
+                    f"{_num(gbps[preset][t], '.2f')} / {_num(gbps[preset].get(t + '_raw'), '.2f')}"
+                    f" ({_num(raw[preset][t], '.2f')})"
+                    for t in wire
+                ),
+            ]
+            for preset in raw
+        ]
+        out += _table(["preset", *(f"{t} / raw {t} GB/s" for t in wire)], raw_rows)
+        out += [
+            "",
+            "Transport GB/s against a raw `torch.distributed` broadcast (send for p2p) of the "
+            "same bytes over the same group in the same run (fraction of raw in brackets).",
+            "",
+        ]
     delta_rows = [
         [
             preset,
@@ -149,8 +170,13 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
         out += [
             "",
             "Targets: shared_memory ≥ "
-            f"{t.get('shared_memory')} of memcpy, broadcast ≥ {t.get('broadcast')}, disk delta ≤ "
-            f"{t.get('delta_bytes_fraction')} of a full push.",
+            f"{t.get('shared_memory')} of memcpy, broadcast ≥ {t.get('broadcast')}, "
+            + (
+                f"broadcast and p2p ≥ {t['fraction_of_raw']} of raw, "
+                if "fraction_of_raw" in t
+                else ""
+            )
+            + f"disk delta ≤ {t.get('delta_bytes_fraction')} of a full push.",
         ]
     return out
 
@@ -254,6 +280,67 @@ def session_load(r: dict[str, Any]) -> list[str]:
     )
 
 
+def vs_trl(r: dict[str, Any]) -> list[str]:
+    labels = {"trl": "TRL `GRPOTrainer`", "miles_embedded": "ours, embedded engine"}
+    labels["miles_serving"] = "ours, serving engine"
+    threshold = r.get("threshold")
+    rows = []
+    for preset, d in r["presets"].items():
+        base = d["trl"]["s_per_step"]
+        size = f"{preset} ({d['params'] / 1e6:.2f}M)" if d.get("params") else preset
+        for side in [k for k in d if k == "trl" or k.startswith("miles_")]:
+            s = d[side]
+            phases = ", ".join(
+                f"(of which generate {v:.3f})"
+                if k == "rollout_generate"
+                else f"{k.replace('_', ' ')} {v:.3f}"
+                for k, v in s["phase_s"].items()
+            )
+            steps = s["steps_to_threshold"]
+            rows.append(
+                [
+                    size,
+                    labels.get(side, side),
+                    _num(s["s_per_step"], ".3f"),
+                    f"**{_ratio(s['s_per_step'], base)}**" if side != "trl" else "1",
+                    phases,
+                    ", ".join("—" if x is None else str(x) for x in steps),
+                    _num(s["reward_last5"][0], ".3f"),
+                    _num(s.get("mean_length"), ".1f"),
+                    ", ".join(f"{x:.0f}" for x in s.get("outside_steps_s_by_round", [])) or "—",
+                    f"{d['rounds']} × {d['steps']}",
+                    _num(d.get("measured_at", "")[:16].replace("T", " ")),
+                ]
+            )
+    out = _table(
+        [
+            "preset",
+            "side",
+            "s/step",
+            "× TRL",
+            "phases, median s",
+            f"steps to reward ≥ {threshold}, per round",
+            "reward, last 5 steps",
+            "tokens / completion",
+            "s outside the steps, per round",
+            "rounds × steps",
+            "measured (UTC)",
+        ],
+        rows,
+    )
+    w = r.get("workload", {})
+    out += [
+        "",
+        "Median s/step over the timed steps of the interleaved rounds; "
+        f"{w.get('prompts_per_step')} prompts × {w.get('samples_per_prompt')} samples × "
+        f"{w.get('max_new_tokens')} new tokens, constant lr {w.get('lr')}; —: not reached within "
+        "the run; s outside the steps: the process's wall time less its steps (start, imports, "
+        "Prefect and MLflow start-up, model load, final checkpoint, exit). Target: ≤ "
+        f"{r.get('target')}× TRL's s/step, same steps to the threshold within noise.",
+    ]
+    return out
+
+
 def _generic(r: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
 
@@ -265,6 +352,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "async_vs_sync": async_vs_sync,
     "step_time": step_time,
     "session_load": session_load,
+    "vs_trl": vs_trl,
 }
 
 

@@ -1,9 +1,11 @@
 """Per-phase step time of the sync RL loop, and the share Prefect + MLflow add.
 
 For each preset (tiny, small) the same config runs side by side in this process:
-  1. the `rl-train` Prefect flow (ephemeral Prefect server, MLflow on SQLite): per-phase seconds
-     from its own perf/* metrics; orchestration = step wall time − (rollout + train + weight sync),
-     i.e. Prefect task machinery + MLflow writes + flow bookkeeping in the flow's thread;
+  1. the `rl-train` Prefect flow (the ephemeral Prefect server `miles train` starts,
+     flows/prefect_server.py; MLflow on SQLite): per-phase seconds from its own perf/* metrics;
+     orchestration = step wall time − (rollout + train + weight sync), i.e. Prefect task
+     machinery + MLflow writes + flow bookkeeping in the flow's thread; the run's last step,
+     which saves a checkpoint (one more task), is left out (the plain loop saves none);
   2. the same phases called in a plain Python loop (no Prefect, no MLflow), once before and once
      after the flow, averaged.
 Two shares are reported: `orchestration_share` = orchestration / step time inside the flow, and
@@ -30,7 +32,8 @@ from miles_core.config import RunConfig, load_config
 from miles_core.runtime import RLRuntime, new_workdir, prepare_model_dir
 from miles_core.steplog import PHASES as STEP_PHASES
 
-PHASES = STEP_PHASES[:3]  # rollout, train, weight sync (no checkpoints in this benchmark)
+PHASES = STEP_PHASES[:3]  # rollout, train, weight sync
+CHECKPOINT = STEP_PHASES[3]  # the run's last step saves: left out of the flow's rows
 WARMUP = 2
 
 
@@ -102,11 +105,14 @@ def run_flow(config: RunConfig) -> tuple[list[dict[str, float]], float]:
     client = MlflowClient(config.tracking.tracking_uri)
     exp = client.get_experiment_by_name(config.tracking.experiment)
     run = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{config.name}'")[0]
-    keys = (*PHASES, "perf/orchestration_time_s", "perf/step_time_s")
+    keys = (*PHASES, "perf/orchestration_time_s", "perf/step_time_s", CHECKPOINT)
     hist = {
         k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in keys
     }
-    rows = [{k: hist[k][s] for k in keys} for s in range(WARMUP, config.train.num_steps)]
+    # a step that saves a checkpoint (the run's last) is left out: the plain loop saves none
+    saved = hist.pop(CHECKPOINT)
+    steps = [s for s in range(WARMUP, config.train.num_steps) if s not in saved]
+    rows = [{k: hist[k][s] for k in keys[:-1]} for s in steps]
     return rows, server_cpu / config.train.num_steps
 
 
@@ -142,6 +148,9 @@ def measure(preset: str, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
+    from flows.prefect_server import install
+
+    install()  # the ephemeral Prefect server `miles train` runs (flows/cli.py)
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--presets", default="tiny,small")
@@ -169,7 +178,7 @@ def main() -> None:
             }
             for p, r in results.items()
         },
-        "steps_measured": args.steps - WARMUP,
+        "steps_measured": args.steps - WARMUP - 1,  # the last one saves a checkpoint
     }
     print(json.dumps(result))
     from record import record_result  # benchmarks/record.py: results/<name>.json + docs

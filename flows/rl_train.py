@@ -1,9 +1,12 @@
-"""RL training flow: one Prefect flow per run, one task per phase of each step.
+"""RL training flow: one Prefect flow per run; in sync mode one task per phase of each step.
 
     check inputs → MLflow run → [SFT warm start] → prepare runtime → for each step:
         rollout_batch → train_step → update_weights → [save_checkpoint] → log metrics
         → [evaluate_policy] (eval.mode or agent.eval_episodes) → log finished evaluations
     → final checkpoint, pending evaluations, reward curve, MLflow run closed
+
+In one_step_off / fully_async the same steps, in the same order, run inside four concurrent
+long-running tasks (rollout producer, training, weight update, evaluation): flows/rl_async.py.
 
 The config (a pydantic model) is the parameter, so the Prefect UI renders it as a form.
 Simplifications, stated: sync mode (rollout, then train, then push); one embedded engine in this
@@ -17,6 +20,7 @@ import time
 
 from prefect import flow
 
+from flows.rl_async import long_running, train_concurrently
 from flows.sft import sft
 from miles_core.config import RunConfig
 from miles_core.preflight import run_names
@@ -68,27 +72,30 @@ def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str
         rt = prepare_runtime(config, prepare_model(config, workdir), tracker, resume, resume_step)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
-        if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
-            evaluate_policy(rt, 0)
-        for step in range(rt.start_step, config.train.num_steps):
-            t0 = time.perf_counter()
-            rollout = rollout_batch(rt, step)
-            train_metrics = train_step(rt, rollout)
-            sync_metrics = update_weights(rt)
-            phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
-            saved = save_checkpoint(rt, step, phases) if rt.is_save_step(step) else {}
-            log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
-            if rt.eval_due(step + 1):  # the policy after step + 1 training steps
-                evaluate_policy(rt, step + 1)
-            if rt.evaluation is not None:
-                for version, metrics in collect_evaluations(rt):
-                    log.evaluation(version, metrics)
+        if long_running(config):  # async modes: concurrent long-running tasks (rl_async.py)
+            train_concurrently(rt, log)
+        else:  # sync: one short task per phase of each step
+            if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
+                evaluate_policy(rt, 0)
+            for step in range(rt.start_step, config.train.num_steps):
+                t0 = time.perf_counter()
+                rollout = rollout_batch(rt, step)
+                train_metrics = train_step(rt, rollout)
+                sync_metrics = update_weights(rt)
+                phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
+                saved = save_checkpoint(rt, step, phases) if rt.is_save_step(step) else {}
+                log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
+                if rt.eval_due(step + 1):  # the policy after step + 1 training steps
+                    evaluate_policy(rt, step + 1)
+                if rt.evaluation is not None:
+                    for version, metrics in collect_evaluations(rt):
+                        log.evaluation(version, metrics)
 
-        if rt.last_saved_step != config.train.num_steps - 1:
-            save_checkpoint(rt, config.train.num_steps - 1)
-        if rt.evaluation is not None:  # the evaluations still pending
-            for version, metrics in collect_evaluations(rt, wait=True):
-                log.evaluation(version, metrics)
+            if rt.last_saved_step != config.train.num_steps - 1:
+                save_checkpoint(rt, config.train.num_steps - 1)
+            if rt.evaluation is not None:  # the evaluations still pending
+                for version, metrics in collect_evaluations(rt, wait=True):
+                    log.evaluation(version, metrics)
     except BaseException:
         tracker.finish("FAILED")
         raise

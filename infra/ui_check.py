@@ -3,12 +3,14 @@
     1. Debian `chromium` (installed with apt-get when missing)
     2. the local stack (`.local-stack/`, or $MILES_STACK_DIR): used when up, else started and
        stopped again at the end (only the services this script started)
-    3. `deployments/serve.py`, then two tiny say_a runs (lr 3e-3 and 1e-2) triggered through the
-       Prefect REST API like the UI's "Custom run"; both must complete
-    4. screenshots into `ui-check/`: the Prefect flow-run page of the first run, the training
+    3. `deployments/serve.py`, then two tiny say_a runs (lr 3e-3 and 1e-2) and a tiny
+       fully_async run (engine server, shared-memory pushes, shared evaluation) triggered
+       through the Prefect REST API like the UI's "Custom run"; all must complete
+    4. screenshots into `ui-check/`: the Prefect flow-run page of the first run and of the async
+       run (its four long-running task runs side by side in the run graph), the training
        deployment's run form (the RunConfig parameter), MLflow's compare-runs page and the
-       `rollout/reward_mean` chart of both runs; each page's rendered text is checked (names,
-       states, no error banner) and each PNG for colours and non-background pixels
+       `rollout/reward_mean` chart of the two sync runs; each page's rendered text is checked
+       (names, states, no error banner) and each PNG for colours and non-background pixels
 
 Exit code 0 when every run completed and every screenshot passed the check.
 """
@@ -40,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "ui-check"
 EXPERIMENT = "ui-check"
 RUNS = {"ui-check-a": 3e-3, "ui-check-b": 1e-2}  # run name -> learning rate
+ASYNC_RUN = "ui-check-async"  # fully_async: the long-running tasks of flows/rl_async.py
+LOOP_TASKS = ("rollout_loop", "train_loop", "weight_update_loop", "evaluation_loop")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # ms of virtual time Chromium lets the page run before the shot (the SPAs fetch, then render)
 VIRTUAL_TIME_MS = int(os.environ.get("MILES_UI_CHECK_WAIT_MS", "20000"))
@@ -89,6 +93,15 @@ def tiny_config(name: str, lr: float, client_env: dict[str, str]) -> dict:
     }
 
 
+def async_config(client_env: dict[str, str]) -> dict:
+    """A tiny fully_async run with an evaluation: all four long-running tasks."""
+    config = tiny_config(ASYNC_RUN, 3e-3, client_env)
+    config["rollout"] |= {"engine": "server", "engine_threads": 1, "mode": "fully_async"}
+    config["weight_sync"] = {"transport": "shared_memory"}
+    config["eval"] = {"mode": "shared", "every": 6, "prompts": 8}
+    return config
+
+
 def start_serve(client_env: dict[str, str], workdir: Path) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -126,8 +139,10 @@ def run_trainings(
 
     dep = wait_for(deployment_id, 120, "serve.py to register rl-train/train")
     ids = {}
-    for name, lr in RUNS.items():
-        body = {"parameters": {"config": tiny_config(name, lr, client_env)}}
+    configs = {name: tiny_config(name, lr, client_env) for name, lr in RUNS.items()}
+    configs[ASYNC_RUN] = async_config(client_env)
+    for name, config in configs.items():
+        body = {"parameters": {"config": config}}
         r = api_call("POST", f"{api}/deployments/{dep}/create_flow_run", json=body, timeout=30)
         r.raise_for_status()
         ids[name] = r.json()["id"]
@@ -140,7 +155,7 @@ def run_trainings(
         }
         return states if all(s["type"] in TERMINAL for s in states.values()) else None
 
-    states = wait_for(all_done, 600, "both training runs")
+    states = wait_for(all_done, 900, "the training runs")
     bad = {n: s["type"] for n, s in states.items() if s["type"] != "COMPLETED"}
     if bad:
         raise CheckFailed(f"training runs did not complete: {bad}")
@@ -153,7 +168,9 @@ def mlflow_runs(tracking_uri: str, flow_run_ids: dict[str, str]) -> tuple[str, l
     client = MlflowClient(tracking_uri)
     experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
     run_ids = []
-    for flow_run_id in flow_run_ids.values():
+    for name, flow_run_id in flow_run_ids.items():
+        if name not in RUNS:
+            continue
         (run,) = client.search_runs([experiment], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
         run_ids.append(run.info.run_id)
     return experiment, run_ids
@@ -241,18 +258,24 @@ def main() -> int:
     try:
         t0 = time.monotonic()
         deployment, flow_runs = run_trainings(api, client_env, proc, seen)
-        print(f"both training runs completed in {time.monotonic() - t0:.0f} s")
+        print(f"the training runs completed in {time.monotonic() - t0:.0f} s")
         experiment, run_ids = mlflow_runs(client_env["MLFLOW_TRACKING_URI"], flow_runs)
         key = "rollout/reward_mean"
         runs_json = json.dumps(run_ids, separators=(",", ":"))
         exps_json = json.dumps([experiment], separators=(",", ":"))
         run_a = api_call("GET", f"{api}/flow_runs/{flow_runs['ui-check-a']}", timeout=10).json()
+        run_async = api_call("GET", f"{api}/flow_runs/{flow_runs[ASYNC_RUN]}", timeout=10).json()
         # (file, URL, texts the rendered page must show); MLflow's URLs as its UI builds them
         pages = [
             (
                 "prefect_flow_run.png",
                 f"{prefect_ui}/runs/flow-run/{run_a['id']}",
                 [run_a["name"], "Completed", "rl-train", "Task Runs"],
+            ),
+            (  # the async run's shape: four long-running task runs Running side by side
+                "prefect_async_flow_run.png",
+                f"{prefect_ui}/runs/flow-run/{run_async['id']}",
+                [run_async["name"], "Completed", "rl-train", *LOOP_TASKS],
             ),
             (  # the RunConfig parameter as a form ("Custom run")
                 "prefect_run_form.png",

@@ -34,8 +34,12 @@ DISTRIBUTED = "distributed"
 LORA = "lora"
 WEIGHT_ROUTES = frozenset({TENSOR, SHARED_MEMORY, DISK, DISTRIBUTED, LORA})
 
+# not a route but a way of taking one: the weight call itself carries `pause_mode` and the engine
+# pauses (mode), loads, sets the version and continues within it (one HTTP call per push instead
+# of pause, load, continue); our engine server declares it, SGLang does not
+PAUSED_PUSH = "paused_push"
 # the routes of an engine server over HTTP (ours, or SGLang's)
-SERVER_ROUTES = frozenset({SHARED_MEMORY, DISK, DISTRIBUTED})
+SERVER_ROUTES = frozenset({SHARED_MEMORY, DISK, DISTRIBUTED, PAUSED_PUSH})
 # the route of an engine in the trainer's own process
 IN_PROCESS_ROUTES = frozenset({TENSOR})
 

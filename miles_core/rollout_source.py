@@ -21,7 +21,7 @@ from pathlib import Path
 from miles_core.data import PromptSource
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.fleet import EngineFleet
-from miles_core.rollout.producer import RolloutProducer
+from miles_core.rollout.producer import Launch, RolloutProducer, start_thread
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 
 
@@ -81,6 +81,9 @@ class AsyncRollouts(SyncRollouts):
         self.engine_version = engine_version
         self.producer: RolloutProducer | None = None
         self._restored: dict | None = None  # a resumed checkpoint's buffer, for the producer
+        # where the producer's loop runs: its own thread, or a flow's long-running task
+        # (set before the first `take`: miles_core/run_loops.py)
+        self.launch: Launch = start_thread
 
     def take(self, step: int) -> RolloutResult:
         if self.producer is None:  # first call: after a resume has set the data position
@@ -95,6 +98,7 @@ class AsyncRollouts(SyncRollouts):
                 r,
                 version=self.engine_version,
                 first_group=step * r.prompts_per_step,
+                launch=self.launch,
             )
             if self._restored is not None:  # groups buffered at the resumed checkpoint
                 self.producer.restore(self._restored)

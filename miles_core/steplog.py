@@ -1,5 +1,6 @@
 """Per-step bookkeeping of the flow: timing split (rollout / train / sync / orchestration),
-one batched MLflow write per step, the progress line, and the run's closing summary."""
+one batched MLflow write per step (sent by the tracker's writer thread while the next step runs;
+`finish` waits for it), the progress line, and the run's closing summary."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class StepLog:
         self.history.append(metrics)
         t_flush = time.perf_counter()
         self.tracker.log_metrics(metrics, step)
-        self.tracker.flush()
+        self.tracker.flush(wait=False)  # the tracker's writer thread sends it, in step order
         self._carry = time.perf_counter() - t_flush
         fields = {"reward": metrics["rollout/reward_mean"], "step_s": step_time}
         if "rollout/exact_match" in metrics:

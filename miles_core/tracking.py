@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -124,6 +126,49 @@ def _is_finite_number(value: Any) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
+class _MetricWriter:
+    """A daemon thread that sends metric batches to one run in the order they were put (the
+    flow's per-step write, ≈17 ms on SQLite at the tiny preset, off the step loop's thread);
+    `wait` blocks until all are sent and raises the first error met meanwhile."""
+
+    def __init__(self, client: MlflowClient, run_id: str):
+        self.client, self.run_id = client, run_id
+        self.pending: queue.Queue[list[Metric] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="mlflow-metrics", daemon=True)
+        self.thread.start()
+
+    def put(self, metrics: list[Metric]) -> None:
+        self._raise()
+        if metrics:
+            self.pending.put(metrics)
+
+    def _run(self) -> None:
+        while (metrics := self.pending.get()) is not None:
+            try:
+                if self.error is None:  # after an error the rest is dropped, and it is raised
+                    for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+                        self.client.log_batch(self.run_id, metrics=chunk)
+            except BaseException as e:  # noqa: BLE001  (raised in the caller's thread)
+                self.error = e
+            finally:
+                self.pending.task_done()
+        self.pending.task_done()
+
+    def wait(self) -> None:
+        self.pending.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join(timeout=60)
+
+
 class Tracker:
     """One MLflow run: params at start, buffered metrics, artifacts and policy versions."""
 
@@ -141,6 +186,7 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_name = run_name
         self._buffer: list[Metric] = []
+        self._writer: _MetricWriter | None = None  # flush(wait=False): the run's writer thread
         # key -> step -> value; a step logged again (e.g. re-run after a resume) replaces the old point
         self._history: dict[str, dict[int, float]] = defaultdict(dict)
         self._artifact_dir: Path | None = None
@@ -205,9 +251,19 @@ class Tracker:
             self._buffer.append(Metric(key, val, timestamp, int(step)))
             self._history[key][int(step)] = val
 
-    def flush(self) -> None:
-        """Send buffered metrics, one ``log_batch`` per <=1000 of them."""
+    def flush(self, wait: bool = True) -> None:
+        """Send buffered metrics, one ``log_batch`` per <=1000 of them. ``wait=False`` hands
+        them to this run's writer thread, which sends them in order, and returns at once (a
+        step loop need not wait for the store's write); ``wait=True`` first waits for those and
+        raises the first error one of them met."""
         buffered, self._buffer = self._buffer, []
+        if not wait:
+            if self._writer is None:
+                self._writer = _MetricWriter(self.client, self.run_id)
+            self._writer.put(buffered)
+            return
+        if self._writer is not None:
+            self._writer.wait()
         for chunk in _chunks(buffered, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
 
@@ -327,6 +383,9 @@ class Tracker:
             self.flush()
             self.client.set_terminated(self.run_id, status)
         finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
             if self._artifact_dir is not None:
                 shutil.rmtree(self._artifact_dir, ignore_errors=True)
                 self._artifact_dir = None

@@ -1,7 +1,8 @@
 """The trainer of an RL run: the backend chosen by `train.backend` (from the backend registry,
 train/registry.py) and the RL train phase on it — GRPO advantages of the rollout's groups, one
 `TrainBatch`, the old log-probs, one optimizer step per `train.global_batch_size` rollouts with
-the loss named by `train.loss`."""
+the loss named by `train.loss`. With one optimizer step per rollout the old log-probs are the
+training forward's own (`TrainBatch.old_is_current`); with several, they are recomputed first."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ def train_on_rollout(trainer: TrainerBackend, config, result: RolloutResult) -> 
     """The optimizer steps of one rollout; returns their `train/*` metrics, averaged."""
     advantages = grpo_advantages(result.groups, config.train.normalize_advantage_std)
     batch = TrainBatch.from_samples(result.samples, advantages, config.rollout.temperature)
-    batch.old_log_probs = trainer.compute_log_probs(batch)
-    per_step: list[dict[str, float]] = []
     # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
-    for start, end in rollout_slices(batch.sample_ids, config.train.global_batch_size):
+    slices = rollout_slices(batch.sample_ids, config.train.global_batch_size)
+    if len(slices) == 1:  # one optimizer step: π_old is the policy it trains (no recompute)
+        batch.old_is_current = True
+    else:  # later steps need the log-probs of the weights before the first one
+        batch.old_log_probs = trainer.compute_log_probs(batch)
+    per_step: list[dict[str, float]] = []
+    for start, end in slices:
         per_step.append(trainer.train_step(batch.slice(start, end), loss=config.train.loss))
     keys = per_step[0].keys()
     return {f"train/{k}": sum(m[k] for m in per_step) / len(per_step) for k in keys}

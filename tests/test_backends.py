@@ -14,11 +14,16 @@ from pydantic import ValidationError
 
 from miles_core.config import OffPolicyConfig, RunConfig, load_config
 from miles_core.device import check_device, dist_backend, resolve_device
-from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.rollout.rollout_fn import RolloutResult, encode_prompt
 from miles_core.train import distributed
+from miles_core.train.advantages import grpo_advantages
 from miles_core.train.batch import TrainBatch
 from miles_core.train.losses.policy import OffPolicySettings, PolicyLossConfig
 from miles_core.train.registry import backend_names, make_backend, register_loss
+from miles_core.training import build_trainer, train_on_rollout
+from miles_core.types import Sample, SampleGroup
 from tests.plugins import backend as plugin
 
 PLUGIN = "tests.plugins.backend:RecordingBackend"
@@ -132,6 +137,90 @@ def test_a_custom_loss_is_used_by_name_or_import_path_and_an_unknown_one_refused
         _trainer(tiny_dir).train_step(batch, loss="nope")
 
 
+def _rollout_result(model, tok, groups=4, n=2) -> RolloutResult:
+    """`groups` GRPO groups of `n` samples of the tiny model (3–6 tokens), seeded rewards."""
+    prompt = encode_prompt(tok, "say a")
+    reqs = [
+        GenerateRequest(
+            input_ids=prompt,
+            sampling_params=SamplingParams(max_new_tokens=3 + i % 4, stop_token_ids=[]),
+        )
+        for i in range(groups * n)
+    ]
+    out = EmbeddedEngine(model, tok, seed=0).generate(reqs)
+    samples = [
+        Sample(
+            group_index=i // n,
+            index=i % n,
+            rollout_id=f"r{i}",
+            prompt="say a",
+            tokens=prompt + o.output_ids,
+            response_length=len(o.output_ids),
+            loss_mask=[1] * len(o.output_ids),
+            rollout_log_probs=list(o.output_log_probs),
+            reward=float(i % 3),
+        )
+        for i, o in enumerate(out)
+    ]
+    return RolloutResult([SampleGroup(g, samples[g * n : (g + 1) * n]) for g in range(groups)])
+
+
+def _rl_config(*overrides):
+    base = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2"]
+    base += ["train.micro_batch_size=4", f"train.backend={PLUGIN}", "train.device=cpu"]
+    return load_config(None, [*base, *overrides])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        [],
+        # the corrections and mismatch stats compare π_old with the engine's log-probs
+        ["train.off_policy.mode=tis", "train.kl_coef=0.1", "train.entropy_coef=0.01"],
+        ["train.loss_agg=seq_mean_token_mean", "train.off_policy.mode=icepop"],
+    ],
+)
+def test_one_optimizer_step_per_rollout_takes_old_log_probs_from_its_own_forward(
+    tiny_dir, tiny, settings
+):
+    """global_batch_size covers the rollout: no recompute (`old_is_current`), and every metric
+    and every weight after the step is bitwise what the recompute gives."""
+    config = _rl_config("train.global_batch_size=8", *settings)
+    result = _rollout_result(*tiny)
+    plugin.CALLS.clear()
+    fast = build_trainer(config, tiny_dir)
+    metrics = train_on_rollout(fast, config, result)
+    assert plugin.CALLS == ["init", "train_step:policy:8"]
+
+    ref = build_trainer(config, tiny_dir)
+    adv = grpo_advantages(result.groups, config.train.normalize_advantage_std)
+    batch = TrainBatch.from_samples(result.samples, adv, config.rollout.temperature)
+    batch.old_log_probs = ref.compute_log_probs(batch)
+    expected = {f"train/{k}": v for k, v in ref.train_step(batch).items()}
+    assert metrics == expected
+    assert metrics["train/ppo_kl"] == 0.0 and metrics["train/pg_clipfrac"] == 0.0
+    assert metrics["train/train_rollout_logprob_abs_diff"] > 0.0  # the engine's, compared
+    for a, b in zip(fast.model.parameters(), ref.model.parameters(), strict=True):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_several_optimizer_steps_per_rollout_recompute_the_old_log_probs_first(tiny_dir, tiny):
+    config = _rl_config("train.global_batch_size=4")
+    plugin.CALLS.clear()
+    metrics = train_on_rollout(build_trainer(config, tiny_dir), config, _rollout_result(*tiny))
+    assert plugin.CALLS == ["init", "compute_log_probs:8"] + ["train_step:policy:4"] * 2
+    assert metrics["train/ppo_kl"] != 0.0  # the second step is off the old policy
+
+
+def test_a_loss_without_old_log_probs_is_a_clear_error(tiny_dir, tiny):
+    config = _rl_config("train.global_batch_size=8")
+    result = _rollout_result(*tiny)
+    adv = grpo_advantages(result.groups, config.train.normalize_advantage_std)
+    batch = TrainBatch.from_samples(result.samples, adv, config.rollout.temperature)
+    with pytest.raises(ValueError, match="needs the old log-probs"):
+        build_trainer(config, tiny_dir).train_step(batch)
+
+
 def test_devices_resolve_and_cuda_without_cuda_is_a_clear_error():
     assert resolve_device("cpu") == torch.device("cpu")
     assert dist_backend("cpu") == "gloo"
@@ -193,7 +282,8 @@ def test_a_backend_from_the_test_tree_trains_through_the_flow(
     )
     state = rl_train(config, return_state=True)
     assert state.is_completed()
-    assert plugin.CALLS == ["init"] + ["compute_log_probs:8", "train_step:policy:8"] * 2 + ["save"]
+    # one optimizer step per rollout: its old log-probs are its own forward's (no recompute)
+    assert plugin.CALLS == ["init"] + ["train_step:policy:8"] * 2 + ["save"]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("plugin-backend").experiment_id])[0]
     assert run.data.params["train.backend"] == PLUGIN

@@ -200,25 +200,33 @@ def server_reference(prefect_server, tmp_path_factory, mlflow_template):
     return _histories(client, run_id, KEYS)
 
 
+RESUME_CHAIN = ["shared_memory", "disk", "broadcast", "p2p"]  # one invocation (step) each
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
-@pytest.mark.parametrize("transport", ["shared_memory", "disk", "broadcast", "p2p"])
 def test_resume_on_an_engine_server_continues_the_same_run_bit_identically(
-    prefect_server, server_reference, tmp_path, monkeypatch, transport
+    prefect_server, server_reference, tmp_path, monkeypatch
 ):
-    """Each transport: a run of 2 steps (checkpoint after step 1), resumed to 4, gives the
-    reference run's metrics bit for bit, steps 2 and 3 included."""
+    """One run, stopped after every step and resumed on a new engine server through the next
+    transport (a resume may change `weight_sync.transport`): each transport's first push to a
+    fresh engine and its pushes after it give the reference run's metrics bit for bit."""
+    from flows.rl_train import rl_train
+
     monkeypatch.chdir(tmp_path)
-    _resume(tmp_path, [*SERVER, f"weight_sync.transport={transport}"], SERVER_STEPS, 2)
+    assert len(RESUME_CHAIN) == SERVER_STEPS
+    for steps, transport in enumerate(RESUME_CHAIN, start=1):
+        extra = [*SERVER, f"weight_sync.transport={transport}"]
+        rl_train(_tiny_config(tmp_path, "part", steps, extra), resume=steps > 1)
 
     client, runs = _runs(tmp_path)
-    assert set(runs) == {"part"}  # the resumed job re-attached to its MLflow run
+    assert set(runs) == {"part"}  # every resumed invocation re-attached to its MLflow run
     assert runs["part"].data.tags["miles.resume.train.num_steps"] == str(SERVER_STEPS)
     _assert_engine_gauges(client, runs["part"].info.run_id, SERVER_STEPS)
     part = _histories(client, runs["part"].info.run_id, KEYS)
     for k in KEYS:
         assert [s for s, _ in part[k]] == list(range(SERVER_STEPS)), k
-        assert part[k] == server_reference[k], k  # bit-identical, the resumed steps included
+        assert part[k] == server_reference[k], k  # bit-identical, every resumed step
 
 
 @pytest.mark.slow
@@ -254,6 +262,27 @@ def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, m
     assert (tmp_path / "ckpt" / "warm-sft" / "step_000020" / "model.safetensors").exists()
 
 
+LOOP_NAMES = ("rollout_loop", "train_loop", "weight_update_loop", "evaluation_loop")
+
+
+def _loop_runs(flow_run_id) -> dict:
+    """The flow run's long-running task runs by task name, read back from the Prefect API."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterName,
+    )
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="_loop-")),
+        )
+    return {r.name.rsplit("-", 1)[0]: r for r in runs if r.name.rsplit("-", 1)[0] in LOOP_NAMES}
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
 def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_path, monkeypatch):
@@ -261,6 +290,7 @@ def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_pa
     from flows.rl_train import rl_train
 
     extra = [*SERVER, "weight_sync.transport=shared_memory", "rollout.mode=fully_async"]
+    extra += ["eval.mode=shared", "eval.every=3", "eval.prompts=4"]  # the evaluation loop too
     state = rl_train(_tiny_config(tmp_path, "async", 6, extra), return_state=True)
     assert state.is_completed()
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
@@ -269,6 +299,13 @@ def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_pa
     assert len(worst) == 6 and max(m.value for m in worst) <= 1
     for key in ("rollout/weight_version/mixed_version_ratio", "buffer/size"):
         assert len(client.get_metric_history(run.info.run_id, key)) == 6, key
+    evals = client.get_metric_history(run.info.run_id, "eval/policy_version")
+    assert sorted((m.step, m.value) for m in evals) == [(0, 0.0), (3, 3.0), (6, 6.0)]
+    # the run's shape: four long-running task runs, all Running at once, all completed
+    loops = _loop_runs(state.state_details.flow_run_id)
+    assert sorted(loops) == sorted(LOOP_NAMES)
+    assert {r.state_type.value for r in loops.values()} == {"COMPLETED"}
+    assert max(r.start_time for r in loops.values()) < min(r.end_time for r in loops.values())
 
 
 @pytest.mark.slow
@@ -298,3 +335,35 @@ def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeyp
     with pytest.raises(SystemExit, match="reward function stopped the run"):
         rl_train(_tiny_config(tmp_path, "fails", 4, extra))
     assert engine_children() == before  # stopped by PID in the flow's finally, not left running
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
+def test_a_failing_long_running_task_fails_the_run_and_ends_the_others(
+    prefect_server, tmp_path, monkeypatch
+):
+    """fully_async: the reward raises inside the producer's loop at the second step; the run
+    fails with it, every other loop returns (none left Running), MLflow says FAILED."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "scripts"))
+    from flows.rl_train import rl_train
+
+    extra = [
+        *SERVER,
+        "weight_sync.transport=shared_memory",
+        "rollout.mode=fully_async",
+        "data.task=failing_task:FailsOnSecondRollout",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=8",
+    ]
+    state = rl_train(_tiny_config(tmp_path, "fails-async", 4, extra), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="rollout producer failed.*reward function stopped"):
+        state.result()
+    loops = _loop_runs(state.state_details.flow_run_id)
+    assert sorted(loops) == sorted(LOOP_NAMES[:3])  # no evaluation configured: no eval loop
+    states = {name: r.state_type.value for name, r in loops.items()}
+    assert "FAILED" in states.values() and set(states.values()) <= {"FAILED", "COMPLETED"}
+    client, runs = _runs(tmp_path)
+    assert runs["fails-async"].info.status == "FAILED"

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from miles_core.tracking import (
@@ -148,6 +149,27 @@ def test_metrics_buffered_until_flush(make_tracker) -> None:
 
     tracker.flush()  # buffer was cleared: nothing is logged twice
     assert len(client.get_metric_history(tracker.run_id, "loss")) == 3
+
+
+def test_flush_without_waiting_sends_in_order_and_raises_a_failed_write(make_tracker) -> None:
+    """`flush(wait=False)` (the step loop's): the writer thread sends each step's batch in
+    order; `flush()` / `finish` wait for it; a write that failed is raised in the caller."""
+    tracker = make_tracker()
+    for step in range(5):
+        tracker.log_metrics({"loss": float(step), "n": 2.0 * step}, step=step)
+        tracker.flush(wait=False)
+    tracker.flush()  # waits for the writer
+    history = tracker.client.get_metric_history(tracker.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(s, float(s)) for s in range(5)]
+    tracker.log_metrics({"bad key!": 1.0}, step=0)  # MLflow refuses the name
+    tracker.flush(wait=False)
+    with pytest.raises(MlflowException, match="bad key!"):
+        tracker.flush()
+    tracker.log_metrics({"loss": 9.0}, step=9)
+    tracker.finish()  # the next batch is sent, then the run ends
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["loss"] == 9.0
+    assert tracker._writer is None  # its thread stopped
 
 
 def test_log_policy_version(make_tracker, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from miles_core.models import load_hf_dir
 from miles_core.rollout.http_engine import EngineProcess, EngineRequestRejected, HttpEngine
 from miles_core.weights import make_transport, weights_checksum
 from miles_core.weights.disk import DiskTransport, version_dir
-from miles_core.weights.group import open_group
+from miles_core.weights.group import open_group, send_pieces
 from miles_core.weights.remote import PushFailed
 from miles_core.weights.shm import ShmBucketWriter
 from miles_core.weights.source import Placement, TensorBuckets, TensorPlan, dim_chunks, dtype_name
@@ -284,17 +284,14 @@ class _TwoRankShards:
     def send_shards(self, engine_ranks, dtype=None):
         plan = self.shard_plan(dtype)
 
-        def send(rank):
-            pg, sent = self.groups[rank][1], 0
-            for tag, t in enumerate(plan):
-                for p in t.pieces:
-                    if p.rank != rank or p.length == 0:
-                        continue
-                    piece = self.weights[t.name].narrow(p.dim, p.start, p.length).contiguous()
-                    for dst in engine_ranks:
-                        pg.send([piece], dst, tag).wait()
-                        sent += piece.numel() * piece.element_size()
-            return sent
+        def send(rank):  # the wire's own sender half, as a backend's send_shards calls it
+            pieces = {
+                i: self.weights[t.name].narrow(p.dim, p.start, p.length)
+                for i, t in enumerate(plan)
+                for p in t.pieces
+                if p.rank == rank and p.length > 0
+            }
+            return send_pieces(self.groups[rank][1], plan, rank, pieces, engine_ranks)
 
         return self._both(send)[0]
 
@@ -331,3 +328,42 @@ def test_a_transport_refuses_an_engine_without_its_weight_route(tiny):
         make_transport("colocated").connect([sglang_like])
     make_transport("colocated").connect([EmbeddedEngine(model, tok)])
     sglang_like.close()
+
+
+def test_one_call_pushes_continue_the_engine_and_a_wire_probe_loads_nothing(server, tiny_dir):
+    """To our engine server a push is one call that pauses and continues the engine itself,
+    also when the push is refused; a wire probe (benchmarks' raw rows) receives the bytes and
+    changes neither weights nor version, and is refused with a version."""
+    from miles_core.weights.group import broadcast
+    from miles_core.weights.receiver import PROBE_FORMAT
+
+    shm = make_transport("shared_memory")
+    shm.connect([server])
+    weights = _new_weights(tiny_dir, 21)
+    shm.push(_buckets(weights), version=70, pause_mode="retract")
+    assert server.server_info()["paused"] is None
+    with pytest.raises(EngineRequestRejected, match="do not fit"):
+        shm.push(TensorBuckets([[("model.nope.weight", torch.zeros(3))]]), version=71)
+    assert server.server_info()["paused"] is None and server.weight_version == 70
+    shm.close()
+    transport = make_transport("broadcast")
+    transport.connect([server])
+    try:
+        bucket = [(n, torch.full_like(t, 7.0)) for n, t in weights.items()]
+        body = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": transport.group_name,
+            "load_format": PROBE_FORMAT,
+        }
+        with pytest.raises(EngineRequestRejected, match="loads nothing"):
+            server.post("/update_weights_from_distributed", {**body, "weight_version": "72"})
+        call = transport._pool.submit(server.post, "/update_weights_from_distributed", body)
+        broadcast(transport.group[1], torch.zeros(1))
+        broadcast(transport.group[1], torch.cat([t.reshape(-1) for _, t in bucket]))
+        assert call.result(timeout=60)["message"] == "staged 0 tensors"
+        assert server.weights_checksum() == weights_checksum(weights.items())
+        assert server.weight_version == 70
+    finally:
+        transport.close()

@@ -7,8 +7,9 @@ Two entry points, both returning last-position logits (fp32):
 
 The computation is `Qwen3ForCausalLM.forward` (RMSNorm, q/k norms, RoPE, SDPA with GQA, SwiGLU)
 with fewer, fused ops, because a decode step on small models is bound by per-op dispatch:
-- q, k, v and the q/k-norm weights with the RoPE half-rotation are packed into two GEMMs (the
-  rotation is a signed permutation, so folding it into a matrix is exact in fp32);
+- q, k and v (input-norm weight folded in) are one GEMM; RoPE is x·cos + swap_halves(x)·sin±
+  with the sign of rotate_half folded into the sin table (exact: the same products and sum as
+  x·cos + rotate_half(x)·sin);
 - the MLP's SiLU, gate·up product and both residual adds are GEMM epilogues (oneDNN);
 - on CPU, GEMMs use oneDNN prepacked weights (packed once per weight change with a batch-size
   hint of 32; MKL takes a generic path on some CPUs, e.g. AMD, and runs 1.3–1.8× slower);
@@ -48,16 +49,6 @@ class _Weights:
     lm_head: torch.Tensor  # final-norm weight folded in
 
 
-def _rotate_matrix(head_dim: int) -> torch.Tensor:
-    """P with x @ P == rotate_half(x) = cat(-x[half:], x[:half])."""
-    half = head_dim // 2
-    p = torch.zeros(head_dim, head_dim)
-    idx = torch.arange(half)
-    p[idx + half, idx] = -1.0
-    p[idx, idx + half] = 1.0
-    return p
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two (possibly oneDNN-packed) weights."""
     a = a.to_dense() if a.is_mkldnn else a
@@ -90,10 +81,13 @@ class Qwen3Runner:
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = getattr(model.model.rotary_emb, "attention_scaling", 1.0)
-        # [max_len, 2*head_dim]: (cos, sin) side by side, matching the packed rope GEMM's output
-        self.cos_sin = torch.cat((emb.cos() * scale, emb.sin() * scale), dim=-1).to(self.device)
+        # [max_len, head_dim] each; rotate_half(x)·sin == swap_halves(x)·sin± with sin± the sin
+        # table with its first half negated (a sign flip commutes exactly with the product)
+        half = self.head_dim // 2
+        sin = emb.sin() * scale
+        self.cos = (emb.cos() * scale).to(self.device)
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
         self.scaling = self.head_dim**-0.5
-        self.rot: torch.Tensor | None = None
         self.cache = SlotKVCache(
             cfg.num_hidden_layers,
             slots,
@@ -140,10 +134,6 @@ class Qwen3Runner:
         return bad
 
     def _build(self) -> _Weights:
-        if self.rot is None:  # [I | P]ᵀ, fp32 like the q/k path it multiplies
-            hd = self.head_dim
-            rot = torch.cat((torch.eye(hd), _rotate_matrix(hd)), dim=1).t().to(self.device)
-            self.rot = self._pack(rot, torch.float32)
         m = self.model.model
         layers = []
         for layer in m.layers:
@@ -201,17 +191,20 @@ class Qwen3Runner:
         return x * torch.rsqrt(ss.div_(x.shape[-1]).add_(self.eps)).unsqueeze(-1).to(x.dtype)
 
     # ------------------------------------------------------------------ forward
-    def _layers(self, w: _Weights, h: torch.Tensor, cos_sin: torch.Tensor, write, read, mask):
-        """h [B, T, D]; cos_sin [B, T, 1, 2hd]; `write(layer, kv)` stores kv [B, T, 2·KVH, hd];
+    def _layers(self, w: _Weights, h: torch.Tensor, positions: torch.Tensor, write, read, mask):
+        """h [B, T, D]; positions [B, T]; `write(layer, kv)` stores kv [B, T, 2·KVH, hd];
         `read(layer)` gives keys and values [B, KVH, K, hd]; mask [B, 1, T, K] (bool)."""
         b, t, _ = h.shape
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        half = hd // 2
+        cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, hd], shared by every layer
+        sin = self.sin_signed[positions].unsqueeze(2)
         for i, lw in enumerate(w.layers):
             qkv = self._mm(self._rms(h), lw.qkv).view(b, t, nh + 2 * nkv, hd).float()
             qk = self._rms(qkv[:, :, : nh + nkv]) * lw.qk_norm
-            # RoPE for q and k at once: qk @ [I | P] = (qk, rotate_half(qk)), times (cos, sin)
-            qk = self._mm(qk.view(-1, hd), self.rot).view(b, t, nh + nkv, 2 * hd).mul_(cos_sin)
-            qk = qk.view(b, t, nh + nkv, 2, hd).sum(3)
+            # RoPE for q and k at once: qk·cos + rotate_half(qk)·sin
+            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            qk = (qk * cos).add_(swapped.mul_(sin))
             q = qk[:, :, :nh]
             write(i, torch.cat((qk[:, :, nh:], qkv[:, :, nh + nkv :]), dim=2))
             keys, values = read(i)
@@ -262,7 +255,7 @@ class Qwen3Runner:
         def read(layer: int):
             return self._split(kv[layer][slot_t, :total])
 
-        h = self._layers(w, w.embed[ids], self.cos_sin[positions].unsqueeze(2), write, read, mask)
+        h = self._layers(w, w.embed[ids], positions, write, read, mask)
         last = self._ids([n - 1 for n in lens])
         return self._logits(w, h[torch.arange(bsz, device=self.device), last])
 
@@ -289,7 +282,7 @@ class Qwen3Runner:
             return self._split(kv[layer][slot_t, :total])
 
         h = w.embed[self._ids(tokens)].view(bsz, 1, -1)
-        h = self._layers(w, h, self.cos_sin[pos_t].view(bsz, 1, 1, -1), write, read, mask)
+        h = self._layers(w, h, pos_t.view(bsz, 1), write, read, mask)
         return self._logits(w, h[:, 0])
 
     def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,6 +82,9 @@ class TensorBody(_Body):
     load_format: str | None = None
     weight_version: str | None = None
     flush_cache: bool = True
+    # ours beyond SGLang's struct (engine_api.PAUSED_PUSH): pause, load, continue in this call
+    pause_mode: str | None = None
+    extensions: ClassVar[frozenset[str]] = frozenset({"pause_mode"})
 
 
 class GroupBody(_Body):
@@ -103,8 +106,11 @@ class DistributedBody(_Body):
     load_format: str | None = None  # "p2p_shards": trainer ranks send their own shards
     plan: list[dict] | None = None  # p2p: each tensor's pieces per trainer rank (source.py)
     senders: int | None = None  # p2p: trainer ranks in the group
-    # fields of our own beyond SGLang's struct (only read with load_format "p2p_shards")
-    extensions: ClassVar[frozenset[str]] = frozenset({"plan", "senders"})
+    # engine_api.PAUSED_PUSH: paused (mode) for the receive, continued after the push's last call
+    pause_mode: str | None = None
+    # fields of our own beyond SGLang's struct (plan, senders: only read with load_format
+    # "p2p_shards")
+    extensions: ClassVar[frozenset[str]] = frozenset({"plan", "senders", "pause_mode"})
 
 
 class DestroyGroupBody(_Body):
@@ -129,6 +135,30 @@ def parse_version(value: str) -> int:
     if version < 0:
         raise EngineRequestError(f"unknown weight version {value!r}: versions are >= 0")
     return version
+
+
+def _check_pause_mode(mode: str | None) -> None:
+    if mode is not None and mode not in PAUSE_MODES:
+        raise EngineRequestError(f"unknown pause mode {mode!r}; choose one of {list(PAUSE_MODES)}")
+
+
+async def _paused_call(engine: ServingEngine, mode: str | None, call, continues: bool):
+    """A weight call that carries `pause_mode` (engine_api.PAUSED_PUSH): the engine pauses
+    (mode; `in_place` needs no pause), runs `call`, and continues when `continues` (the push's
+    last call) or when the call failed; the call's result either way."""
+    if mode is None:
+        return await call()
+    if mode == "in_place":  # swapped between two decode steps: running requests keep going
+        return await call()
+    await asyncio.to_thread(engine.pause, mode)
+    try:
+        result = await call()
+    except BaseException:
+        engine.resume()
+        raise
+    if continues or isinstance(result, JSONResponse):  # done, or refused (4xx)
+        engine.resume()
+    return result
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -298,19 +328,24 @@ def create_app(
         version = parse_version(body.weight_version) if body.weight_version is not None else None
         if not body.serialized_named_tensors:
             return _error(400, "serialized_named_tensors is empty: a push names its buckets")
-        try:
-            limit = max_load_bytes(engine.named_tensors())
-            buckets = [read_bucket(d, limit) for d in body.serialized_named_tensors]
-            tensors = [t for b in buckets for t in b.tensors]
-            adopt = bool(buckets) and all(b.adopt for b in buckets)
-            await asyncio.to_thread(
-                engine.update_weights_from_tensor, tensors, body.flush_cache, adopt
-            )
-        except (KeyError, ValueError) as e:
-            return _error(400, f"weights do not fit this model: {e}")
-        if version is not None:
-            engine.set_weight_version(version)
-        return {"success": True, "message": f"loaded {len(tensors)} tensors"}
+        _check_pause_mode(body.pause_mode)
+
+        async def load():
+            try:
+                limit = max_load_bytes(engine.named_tensors())
+                buckets = [read_bucket(d, limit) for d in body.serialized_named_tensors]
+                tensors = [t for b in buckets for t in b.tensors]
+                adopt = bool(buckets) and all(b.adopt for b in buckets)
+                await asyncio.to_thread(
+                    engine.update_weights_from_tensor, tensors, body.flush_cache, adopt
+                )
+            except (KeyError, ValueError) as e:
+                return _error(400, f"weights do not fit this model: {e}")
+            if version is not None:
+                engine.set_weight_version(version)
+            return {"success": True, "message": f"loaded {len(tensors)} tensors"}
+
+        return await _paused_call(engine, body.pause_mode, load, continues=True)
 
     receiver = GroupReceiver(
         engine.named_tensors,
@@ -340,25 +375,30 @@ def create_app(
         """One broadcast bucket, or every trainer rank's p2p shards (weights/receiver.py);
         loaded all or nothing by the call that carries `weight_version`."""
         version = parse_version(body.weight_version) if body.weight_version is not None else None
-        try:
-            n = await asyncio.to_thread(
-                receiver.receive,
-                body.group_name,
-                body.names,
-                body.dtypes,
-                body.shapes,
-                version is not None,
-                body.flush_cache,
-                body.load_format,
-                body.plan,
-                body.senders,
-            )
-        except ReceiveRefused as e:
-            return _error(400, str(e))
-        if version is None:
-            return {"success": True, "message": f"staged {n} tensors"}
-        engine.set_weight_version(version)
-        return {"success": True, "message": f"loaded {n} tensors"}
+        _check_pause_mode(body.pause_mode)
+
+        async def receive():
+            try:
+                n = await asyncio.to_thread(
+                    receiver.receive,
+                    body.group_name,
+                    body.names,
+                    body.dtypes,
+                    body.shapes,
+                    version is not None,
+                    body.flush_cache,
+                    body.load_format,
+                    body.plan,
+                    body.senders,
+                )
+            except ReceiveRefused as e:
+                return _error(400, str(e))
+            if version is None:
+                return {"success": True, "message": f"staged {n} tensors"}
+            engine.set_weight_version(version)
+            return {"success": True, "message": f"loaded {n} tensors"}
+
+        return await _paused_call(engine, body.pause_mode, receive, continues=version is not None)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(body: DestroyGroupBody):
@@ -374,6 +414,8 @@ def create_app(
             await asyncio.to_thread(engine.release_memory, body.tags if body else None)
         except RuntimeError as e:
             return _error(400, str(e))
+        if body is None or not body.tags or "weights" in body.tags:
+            receiver.drop_buffers()  # the weight group's kept receive buffers go too
         return None
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])

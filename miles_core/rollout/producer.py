@@ -1,5 +1,7 @@
-"""The asynchronous rollout producer: a long-lived thread that keeps an engine server busy
-while the trainer trains, and hands the trainer whole batches of groups.
+"""The asynchronous rollout producer: a long-lived loop that keeps an engine server busy
+while the trainer trains, and hands the trainer whole batches of groups. The loop runs where its
+`launch` puts it: a thread of its own by default (`start_thread`), or a long-running task of the
+flow (`miles_core/run_loops.py: HostedLoop`, the `rollout_loop` Prefect task).
 
 Group i (0-based over the run) belongs to step i // B (B = prompts per step) and uses the same
 prompt order and sampling seeds as a sync run. Admission is paced, not filtered:
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 
@@ -77,6 +80,29 @@ class _Ticket:
     versions: list[list[int]] = field(default_factory=list)
 
 
+class ProducerStopped(RuntimeError):
+    """Raised to a trainer waiting on groups that a stopped producer will never complete."""
+
+
+class LoopHandle(Protocol):
+    """A started producer loop: `join` waits for it to return (at most `timeout` seconds)."""
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
+
+
+# starts `run` (the producer's loop) somewhere; `stop` asks it to return (without waiting)
+Launch = Callable[[Callable[[], None], Callable[[], None]], LoopHandle]
+
+
+def start_thread(run: Callable[[], None], stop: Callable[[], None]) -> LoopHandle:
+    """The default `Launch`: a daemon thread "miles-producer" (runtime users without a flow)."""
+    thread = threading.Thread(target=run, name="miles-producer", daemon=True)
+    thread.start()
+    return thread
+
+
 def continuation_request(req: GenerateRequest, out_ids: list[int], rid: str) -> GenerateRequest:
     """`req` continued from its prompt + the `out_ids` generated before a pause-abort: the
     tokens left, and a sampling seed of its own (`continuation_seed`), so the continuation does
@@ -106,6 +132,7 @@ class RolloutProducer:
         cfg: RolloutConfig,
         version: Callable[[], int],
         first_group: int = 0,
+        launch: Launch = start_thread,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -128,11 +155,12 @@ class RolloutProducer:
         self._error: BaseException | None = None
         self.counters = collections.Counter()
         self._last_done = time.monotonic()  # when a group last completed (the watchdog's clock)
-        self._thread = threading.Thread(target=self._run, name="miles-producer", daemon=True)
+        self._launch = launch
+        self._loop: LoopHandle | None = None  # the running loop, once started
 
     # ------------------------------------------------------------------ trainer side
     def start(self) -> RolloutProducer:
-        self._thread.start()
+        self._loop = self._launch(self._run, self._request_stop)
         return self
 
     def notify_version(self) -> None:
@@ -146,10 +174,11 @@ class RolloutProducer:
         warned = time.monotonic()
         with self._cond:
             while True:
-                self._raise_if_failed()
+                self.raise_if_failed()
                 picked = self._pick(step)
                 if picked is not None:
                     break
+                self._raise_if_stopped(f"step {step} waits for its groups")
                 now = time.monotonic()
                 if now - max(self._last_done, warned) >= self.cfg.watchdog_s:
                     log.warning(self._waiting_on(step, now - self._last_done))
@@ -199,7 +228,8 @@ class RolloutProducer:
         """Blocks until no admitted group is still generating."""
         with self._cond:
             while any(t.group is None for t in self._tickets.values()):
-                self._raise_if_failed()
+                self.raise_if_failed()
+                self._raise_if_stopped("a push waits for the groups in flight")
                 self._cond.wait(1.0)
 
     def snapshot(self) -> dict:
@@ -244,7 +274,7 @@ class RolloutProducer:
         handed to the trainer as they are; generating ones start again first (same rids and
         seeds), then the retry queue; new prompts continue after the last admitted one."""
         check_buffer(data, self.batch, self.n, self.cfg.stale_policy)
-        if self._thread.is_alive():
+        if self._loop is not None:
             raise RuntimeError("RolloutProducer.restore must come before start()")
         with self._cond:
             self._next_index = int(data["next_index"])
@@ -274,12 +304,17 @@ class RolloutProducer:
                     self._resumed.append(ticket)
 
     def stop(self) -> None:
+        self._request_stop()
+        if self._loop is not None:
+            self._loop.join(timeout=30)
+
+    def _request_stop(self) -> None:
+        """The loop returns soon: no group starts any more, the engine's requests are aborted."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         with contextlib.suppress(Exception):
             self.engine.abort()
-        self._thread.join(timeout=30)
 
     # ------------------------------------------------------------------ selection
     def _pick(self, step: int) -> list[_Ticket] | None:
@@ -316,11 +351,18 @@ class RolloutProducer:
     def _may_resume(self) -> bool:
         return bool(self._resumed) and not self._held
 
-    def _raise_if_failed(self) -> None:
+    def _raise_if_stopped(self, waiter: str) -> None:
+        """A stopped producer completes no group: whoever waits for one is told, not left hanging
+        (a run stopping while its trainer waits)."""
+        if self._stop:
+            raise ProducerStopped(f"the rollout producer was stopped; {waiter}")
+
+    def raise_if_failed(self) -> None:
+        """Raises what ended the producer's loop, if it failed (e.g. the engine died)."""
         if self._error is not None:
             raise RuntimeError(f"the rollout producer failed: {self._error!r}") from self._error
 
-    # ------------------------------------------------------------------ producer thread
+    # ------------------------------------------------------------------ producer loop
     def _run(self) -> None:
         try:
             asyncio.run(self._produce())

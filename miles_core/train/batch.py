@@ -25,6 +25,10 @@ class TrainBatch:
     advantages: list[float] | None = None
     rollout_log_probs: list[list[float]] | None = None
     old_log_probs: list[list[float]] | None = None
+    # the old policy (PPO's denominator) is the one this step trains: one optimizer step per
+    # rollout, so π_old = π_θ before the step and the old log-probs are the training forward's
+    # own, detached (`MicroBatch.old_log_probs`), with no recompute; `old_log_probs` stays None
+    old_is_current: bool = False
     temperature: float = 1.0
     sample_ids: list[str] = field(default_factory=list)  # rollout ids: siblings share one
     # per row: the loss-mask total of its whole rollout (loss_agg rollout_mean_token_mean)

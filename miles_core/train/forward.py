@@ -49,6 +49,20 @@ class MicroBatch:
         """One float per row, as a [B] tensor on the device."""
         return torch.tensor(values, dtype=torch.float32, device=self.mask.device)
 
+    def old_log_probs(self, current: torch.Tensor) -> torch.Tensor:
+        """π_old's per-token log-probs [B, R], no gradient: the batch's recomputed
+        `old_log_probs`, or, when `old_is_current` (one optimizer step per rollout), `current`
+        (this forward's log-probs) detached: the same values a recompute would give, without
+        the second forward."""
+        if self.batch.old_is_current:
+            return current.detach()
+        if self.batch.old_log_probs is None:
+            raise ValueError(
+                "this loss needs the old log-probs: set TrainBatch.old_log_probs "
+                "(trainer.compute_log_probs) or old_is_current"
+            )
+        return self.per_token(self.batch.old_log_probs)
+
 
 @dataclass
 class TokenOutputs:

@@ -1,4 +1,6 @@
-"""FSDP2 trainer backend: `fully_shard` per decoder layer and at the root, AdamW.
+"""FSDP2 trainer backend: `fully_shard` per decoder layer and at the root, AdamW. One CPU rank
+trains the plain module (nothing to shard; the checkpoint, state-dict and weight-transport code
+below takes both: `DTensor` parameters or plain ones).
 
 The step loop (sharding, micro-batches, global denominators, metric reduction) is
 `miles_core.train.step`, the losses are `miles_core.train.losses`; this file holds what is FSDP2's
@@ -83,15 +85,19 @@ class FSDPBackend:
             self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
         if on_cuda:
             model.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        mp = {}
-        if on_cuda:  # bf16 compute, fp32 gradient reduction; the sharded fp32 params stay
-            mp["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-            )
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, **mp)
-        fully_shard(model, mesh=mesh, **mp)
+        if self.world > 1 or on_cuda:
+            mesh = init_device_mesh(self.device.type, (self.world,))
+            mp = {}
+            if on_cuda:  # bf16 compute, fp32 gradient reduction; the sharded fp32 params stay
+                mp["mp_policy"] = MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                )
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, **mp)
+            fully_shard(model, mesh=mesh, **mp)
+        # else one CPU rank: nothing to shard or reduce, and FSDP2's per-layer all-gather and
+        # reduce-scatter hooks and DTensor optimizer ops cost 20 % of the tiny preset's train
+        # step; the plain module runs the same fp32 AdamW over the same parameters, bitwise
         self.model = model
         self.optimizer = torch.optim.AdamW(
             model.parameters(),
@@ -277,12 +283,14 @@ class FSDPBackend:
         )
 
     def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
-        pg = self._transfer_group[1]
+        from miles_core.weights.group import Scratch, send_pieces
+
+        scratch = self.__dict__.setdefault("_send_scratch", Scratch())  # kept from push to push
         plan = self.shard_plan(dtype)
-        sent = 0
+        pieces = {}  # tensor index in the plan: this rank's slice, sent in one flat buffer
         with torch.no_grad():
             params = self.model.named_parameters()
-            for tag, ((_, param), t) in enumerate(zip(params, plan, strict=True)):
+            for i, ((_, param), t) in enumerate(zip(params, plan, strict=True)):
                 mine = [p for p in t.pieces if p.rank == self.rank and p.length > 0]
                 if not mine:
                     continue
@@ -292,11 +300,9 @@ class FSDPBackend:
                 else:
                     local = param.detach().reshape(-1) if not t.shape else param.detach()
                     local = local.narrow(piece.dim, piece.start, piece.length)
-                local = local.detach().to(dtype or local.dtype).contiguous()
-                for dst in engine_ranks:
-                    pg.send([local], dst, tag).wait()
-                    sent += local.numel() * local.element_size()
-        return sent
+                pieces[i] = local.detach().to(dtype or local.dtype)
+            pg = self._transfer_group[1]
+            return send_pieces(pg, plan, self.rank, pieces, engine_ranks, scratch)
 
     def _named_weights(
         self, bucket_bytes: int, dtype: torch.dtype | None = None

@@ -7,16 +7,17 @@ together, all or nothing, at the last bucket, which carries the new version; an 
 refuses a bucket still receives its bytes (the group stays in step), drops what it staged and
 answers 400, so the next push starts clean (weights/receiver.py). Every push is pause (mode) →
 broadcast → version → continue; an engine that cannot be paused fails the push before anything
-was sent.
+was sent. One engine that takes `paused_push` (our server) pauses and continues itself within the
+bucket calls (`pause_mode` in the body): no separate pause and continue round trips.
 """
 
 from __future__ import annotations
 
 import time
 
-from miles_core.weights.group import flat_layout, open_group, send_bucket
+from miles_core.weights.group import Scratch, flat_layout, open_group, send_bucket
 from miles_core.weights.group_transport import GroupTransport
-from miles_core.weights.remote import paused
+from miles_core.weights.remote import one_call, paused
 from miles_core.weights.source import TrainerWeights, dtype_name
 from miles_core.weights.transport import PushStats, register_transport
 
@@ -28,6 +29,7 @@ class BroadcastTransport(GroupTransport):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self.group = None
+        self.scratch = Scratch()  # the flat send buffers, kept from push to push
 
     def connect(self, engines: list) -> None:
         """Opens the group: each engine joins over HTTP while this process joins as rank 0."""
@@ -59,10 +61,14 @@ class BroadcastTransport(GroupTransport):
             bodies.append(body)
         pg = self.group[1]
         nbytes = 0
-        with paused(self.engines, pause_mode):
+        self.scratch.start()
+        alone = one_call(self.engines)
+        with paused(self.engines, pause_mode, skip=alone, check=not alone):
             for bucket, body in zip(buckets, bodies, strict=True):
+                if alone:  # the engine pauses for the first bucket, continues after the last
+                    body["pause_mode"] = pause_mode
                 calls = self._post_all("/update_weights_from_distributed", body)
-                nbytes += send_bucket(pg, bucket)
+                nbytes += send_bucket(pg, bucket, self.scratch)
                 self._wait(calls, "failed to load")
         return self._record(nbytes * len(self.engines), t0, version)
 

@@ -7,7 +7,9 @@ holds dim-0 chunks). The plan travels with `/update_weights_from_distributed`
 (`load_format: "p2p_shards"`, field `plan`); the engine checks it, receives each tensor's pieces
 from their ranks into one full tensor and loads the whole set, all or nothing, with the new
 version. The group (trainer ranks 0..N-1, engines N..N+E-1) is formed at the first push: every
-trainer rank joins through the trainer's SPMD calls.
+trainer rank joins through the trainer's SPMD calls. On the wire each trainer rank sends one
+flat buffer per dtype to each engine (weights/group.py `send_pieces`), not one per tensor; one
+engine that takes `paused_push` gets the whole push in one HTTP call.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 from miles_core.weights.group_transport import GroupTransport
 from miles_core.weights.receiver import P2P_FORMAT
-from miles_core.weights.remote import paused
+from miles_core.weights.remote import one_call, paused
 from miles_core.weights.source import TrainerWeights
 from miles_core.weights.transport import PushStats, register_transport
 
@@ -50,7 +52,10 @@ class P2PTransport(GroupTransport):
             "senders": world,
             "weight_version": str(version),
         }
-        with paused(self.engines, pause_mode):
+        alone = one_call(self.engines)
+        if alone:  # the engine pauses, receives, loads and continues within this one call
+            body["pause_mode"] = pause_mode
+        with paused(self.engines, pause_mode, skip=alone, check=not alone):
             calls = self._post_all("/update_weights_from_distributed", body)
             sent = source.send_shards([world + i for i in range(len(self.engines))], self.dtype)
             self._wait(calls, "failed to load")

@@ -27,14 +27,24 @@ import torch
 from miles_core.device import dist_backend
 from miles_core.weights.group import (
     BACKENDS,
+    DTYPES,
+    Scratch,
+    broadcast,
     flat_layout,
+    fresh,
     open_group,
     receive_bucket,
     receive_shards,
+    recv_flat,
 )
 from miles_core.weights.source import TensorPlan, check_plan
 
 P2P_FORMAT = "p2p_shards"
+# the wire alone, for benchmarks/weight_sync.py's raw rows: a bucket's bytes received as the
+# transport's wire sends them (after a one-element broadcast from rank 0 that starts the
+# sender's clock) into buffers kept for the next probe, then dropped: nothing staged or loaded,
+# bounded by the model's size like any push
+PROBE_FORMAT = "wire_probe"
 
 
 class ReceiveRefused(ValueError):
@@ -48,6 +58,13 @@ class _Group:
     pg: object
     rank: int  # this engine's rank: trainer ranks (the senders) come before it
     staged: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    probe: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # PROBE_FORMAT's
+    # CPU receive buffers in two sets, kept from push to push (a fresh buffer is mostly page
+    # faults): a push fills the set the parameters are not views of (`live`: the set of the
+    # last load, which the engine adopted), so a push never writes what the engine serves from
+    sets: tuple[Scratch, Scratch] = field(default_factory=lambda: (Scratch(), Scratch()))
+    live: int | None = None
+    filling: int = 0
     busy: threading.Lock = field(default_factory=threading.Lock)  # one receive at a time
 
 
@@ -123,6 +140,14 @@ class GroupReceiver:
         if not group.busy.acquire(blocking=False):  # a second call would interleave the wire
             raise ReceiveRefused(f"weight update group {name!r} is receiving another push")
         try:
+            if not group.staged:  # a push starts: the set the engine does not serve from
+                group.filling = 1 if group.live == 0 else 0
+                group.sets[group.filling].start()
+            if load_format == PROBE_FORMAT:
+                if last:
+                    raise ReceiveRefused("a wire probe loads nothing: send it without a version")
+                self._probe(group, names, dtypes, shapes, senders)
+                return 0
             if load_format == P2P_FORMAT:
                 received = self._receive_plan(group, names, plan, senders)
             elif load_format:
@@ -138,6 +163,7 @@ class GroupReceiver:
                     self._load(tensors, flush_cache)
                 except (KeyError, ValueError) as e:
                     raise ReceiveRefused(f"weights do not fit this model: {e}") from e
+                group.live = group.filling  # the parameters may be views of this set now
             return len(received)
         except BaseException:
             group.staged = []  # a failed push leaves nothing behind for the next one
@@ -152,7 +178,9 @@ class GroupReceiver:
             raise ReceiveRefused(str(e)) from e
         self._check_size(group, names, shapes)
         refusal = self._misfit(list(zip(names, shapes, strict=True)))
-        received = _transfer(receive_bucket, group.pg, names, dtypes, shapes, self.device)
+        received = _transfer(
+            receive_bucket, group.pg, names, dtypes, shapes, self.device, self._alloc(group)
+        )
         if refusal:  # received in step with the sender, then dropped
             raise ReceiveRefused(f"weights do not fit this model: {refusal}")
         return received
@@ -173,10 +201,48 @@ class GroupReceiver:
             )
         self._check_size(group, names, [t.shape for t in tensors])
         refusal = self._misfit([(t.name, t.shape) for t in tensors])
-        received = _transfer(receive_shards, group.pg, tensors, self.device)
+        received = _transfer(receive_shards, group.pg, tensors, self.device, self._alloc(group))
         if refusal:  # received in step with the senders, then dropped
             raise ReceiveRefused(f"weights do not fit this model: {refusal}")
         return received
+
+    def _alloc(self, group: _Group):
+        """Kept buffers on CPU; on CUDA the caching allocator already reuses its memory."""
+        return group.sets[group.filling].take if self.device.type == "cpu" else fresh
+
+    def drop_buffers(self) -> None:
+        """Lets the kept receive buffers go (the engine releases its memory): the next push
+        allocates again."""
+        for group in self._groups.values():
+            for scratch in group.sets:
+                scratch.clear()
+            group.probe.clear()
+
+    def _probe(self, group: _Group, names, dtypes, shapes, senders) -> None:
+        """PROBE_FORMAT: per dtype, one flat buffer broadcast from rank 0 (`senders` unset, the
+        broadcast wire) or sent by rank 0 alone (`senders` 1, the p2p wire)."""
+        try:
+            sizes, _ = flat_layout(names, dtypes, shapes)
+        except (ValueError, OverflowError) as e:
+            raise ReceiveRefused(str(e)) from e
+        if senders not in (None, 1):
+            raise ReceiveRefused("a wire probe has one sender, rank 0")
+        self._check_size(group, names, shapes)
+        for dtype, n in sizes.items():  # one buffer per dtype and size (bucket)
+            if (dtype, n) not in group.probe:
+                group.probe[(dtype, n)] = torch.empty(n, dtype=DTYPES[dtype], device=self.device)
+
+        def wire(pg) -> list:
+            broadcast(pg, torch.zeros(1, device=self.device))  # the sender's clock starts here
+            for tag, dtype in enumerate(sorted(sizes)):
+                if senders is None:
+                    broadcast(pg, group.probe[(dtype, sizes[dtype])])
+                else:
+                    for w in recv_flat(pg, group.probe[(dtype, sizes[dtype])], 0, tag):
+                        w.wait()
+            return []
+
+        _transfer(wire, group.pg)
 
     def _check_size(self, group: _Group, names, shapes) -> None:
         """Refuses, before allocating anything, a push larger than this model (what is staged

@@ -7,7 +7,7 @@ import contextlib
 
 import httpx
 
-from miles_core.engine_api import ProcessUnavailable
+from miles_core.engine_api import PAUSED_PUSH, ProcessUnavailable
 
 
 class PushFailed(RuntimeError):
@@ -15,11 +15,13 @@ class PushFailed(RuntimeError):
 
 
 @contextlib.contextmanager
-def paused(engines: list, mode: str, skip: bool = False):
+def paused(engines: list, mode: str, skip: bool = False, check: bool = True):
     """Pauses every engine (failing before any load if one cannot be reached), then continues
-    them all, also when the load fails. With `skip`, only checks that every engine answers."""
+    them all, also when the load fails. With `skip`, only checks that every engine answers (and
+    not even that without `check`: an engine that pauses itself in the load call, `one_call`)."""
     if skip:
-        check_reachable(engines)
+        if check:
+            check_reachable(engines)
         yield
         return
     done = []
@@ -37,6 +39,14 @@ def paused(engines: list, mode: str, skip: bool = False):
         yield
     finally:
         _resume(done)
+
+
+def one_call(engines: list) -> bool:
+    """One engine that pauses and continues itself within its weight calls (`pause_mode` in the
+    body, engine_api.PAUSED_PUSH): a push needs no separate pause and continue calls. With
+    several engines every one is paused first, so that an unreachable one fails the push before
+    any engine loads."""
+    return len(engines) == 1 and PAUSED_PUSH in getattr(engines[0], "weight_routes", ())
 
 
 def check_reachable(engines: list) -> None:

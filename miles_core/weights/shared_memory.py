@@ -7,14 +7,20 @@ Pausing first doubles as the reachability check: if any engine cannot be paused,
 loaded anywhere and the push fails naming it, so every engine keeps its previous weights and
 version. `in_place` needs no pause call: the engine swaps weights between two decode steps and
 its running requests keep their KV, which is what in_place means.
+
+One engine that takes `paused_push` (engine_api.PAUSED_PUSH: our engine server) gets the whole
+push in one HTTP call: the call carries `pause_mode` and the engine pauses, maps, loads, sets the
+version and continues within it (three fixed round trips were most of a small push). An engine
+that cannot be reached then fails that call, before it loaded anything. Several engines keep the
+three steps, so that every one is paused before any loads.
 """
 
 from __future__ import annotations
 
 import time
 
-from miles_core.engine_api import SHARED_MEMORY
-from miles_core.weights.remote import paused
+from miles_core.engine_api import SHARED_MEMORY, ProcessUnavailable
+from miles_core.weights.remote import PushFailed, one_call, paused
 from miles_core.weights.shm import ShmBucketWriter
 from miles_core.weights.source import TrainerWeights
 from miles_core.weights.transport import PushStats, TransportBase, register_transport
@@ -37,9 +43,12 @@ class SharedMemoryTransport(TransportBase):
             descriptions.append(self.writer.write(i, bucket, self._parity, adopt=True))
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         try:
-            with paused(self.engines, pause_mode, skip=pause_mode == "in_place"):
-                for e in self.engines:
-                    e.update_weights_from_shared_memory(descriptions, version)
+            if one_call(self.engines):
+                _one_call(self.engines[0], descriptions, version, pause_mode)
+            else:
+                with paused(self.engines, pause_mode, skip=pause_mode == "in_place"):
+                    for e in self.engines:
+                        e.update_weights_from_shared_memory(descriptions, version)
         except BaseException:
             # an engine may now serve from either file set (some took the push, some did not):
             # later pushes go to fresh files, so no set an engine may hold is ever written again
@@ -51,6 +60,22 @@ class SharedMemoryTransport(TransportBase):
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _one_call(engine, descriptions: list[str], version: int, pause_mode: str) -> None:
+    """Pause (mode), load, version, continue: one `/update_weights_from_tensor` call."""
+    body = {
+        "serialized_named_tensors": descriptions,
+        "load_format": "shared_memory",
+        "weight_version": str(version),
+        "pause_mode": pause_mode,
+    }
+    try:
+        engine.post("/update_weights_from_tensor", body)
+    except (ProcessUnavailable, OSError) as err:
+        raise PushFailed(
+            f"weight push aborted: engine at {engine.url} cannot be reached ({err})"
+        ) from err
 
 
 register_transport("shared_memory", SharedMemoryTransport)

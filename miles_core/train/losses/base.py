@@ -34,7 +34,12 @@ class Loss(Protocol):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(this micro-batch's loss, already divided by the global `denom`; its stats). A stat
         named `_x` is a token sum, reported as `x` divided by the global token count; any other
-        stat is summed over micro-batches and ranks as it is."""
+        stat is summed over micro-batches and ranks as it is.
+
+        The old policy's log-probs come from `mb.old_log_probs(out.log_probs)`, never from
+        `mb.batch.old_log_probs` directly: with one optimizer step per rollout the batch is
+        `old_is_current` (no recompute ran, `old_log_probs` is None) and π_old is this forward's
+        log-probs, detached."""
         ...
 
 

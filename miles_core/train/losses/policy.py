@@ -61,11 +61,13 @@ class PolicyLoss:
         self, out: TokenOutputs, mb: MicroBatch, cfg: PolicyLossConfig, denom: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         batch, lp, agg = mb.batch, out.log_probs, cfg.loss_agg
-        if batch.old_log_probs is None or batch.advantages is None:
-            raise ValueError("policy loss needs old_log_probs (compute_log_probs) and advantages")
+        if batch.advantages is None:
+            raise ValueError("policy loss needs advantages")
         mask = mb.mask
         rows = None if batch.rollout_tokens is None else mb.per_row(batch.rollout_tokens)
-        old = mb.per_token(batch.old_log_probs)
+        # π_old: recomputed, or this forward's own detached (old_is_current: the ratio is 1);
+        # the mismatch stats and corrections below compare it with the engine's log-probs
+        old = mb.old_log_probs(lp)
         adv = mb.per_row(batch.advantages).unsqueeze(1).expand_as(mask)
         eps_high = cfg.eps_clip_high or cfg.eps_clip
         pg, clipped, approx_kl = ppo_clip_loss(lp, old, adv, cfg.eps_clip, eps_high)

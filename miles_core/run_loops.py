@@ -1,0 +1,231 @@
+"""The async modes' run as four long-running loops around one `RLRuntime`, for a flow that runs
+each loop as a concurrent task (`flows/rl_async.py`); nothing here knows about Prefect.
+
+    rollout   hosts the producer's loop (`RolloutProducer._run`) from the first rollout on
+    train     take → train → hand the new policy to `weights` → save → StepLog → tell `evaluate`
+    weights   pushes each new policy (`RLRuntime.update_weights`: before_push, the weights lock,
+              after_push), one at a time, in the order the trainer hands them over
+    evaluate  (runs with an evaluation only) submits the versions due, logs the finished ones,
+              and waits for the pending ones once training ended
+
+The step order is the sync loop's (`flows/rl_train.py`): the trainer waits for each hand-over
+to be done (the push before the save and the next rollout, the evaluation's submit and collect
+before the next step), so staleness, versions, checkpoints and metrics are those of the
+one-thread loop, bit for bit in `one_step_off`. What overlaps is what overlapped before: the
+producer generating while the trainer trains, and background evaluations.
+
+A loop that raises ends the run: the first error is kept (`error`), every loop waiting on a
+hand-over gets `Stopped` and returns, the producer is asked to stop, and the flow re-raises the
+error. The phases are the flow's step functions (`Phases`: its Prefect tasks, or plain calls).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from miles_core.runtime import RLRuntime
+from miles_core.steplog import StepLog
+
+log = logging.getLogger("miles.loops")
+LOOPS = ("rollout", "train", "weights", "evaluate")
+_END = object()  # the trainer's last hand-over
+
+
+class Stopped(Exception):
+    """Another loop failed: this one returns without finishing its work."""
+
+
+@dataclass(frozen=True)
+class Phases:
+    """The step functions the loops call, with the sync loop's signatures (tasks/)."""
+
+    rollout: Callable[[RLRuntime, int], Any]  # → RolloutResult with perf/rollout_time_s
+    train: Callable[[RLRuntime, Any], dict[str, float]]
+    push: Callable[[RLRuntime], dict[str, float]]
+    save: Callable[..., dict[str, float]]  # (rt, step[, metrics])
+    evaluate: Callable[[RLRuntime, int], None]
+    collect: Callable[..., list[tuple[int, dict[str, float]]]]  # (rt[, wait])
+
+
+class HostedLoop:
+    """A producer `Launch` whose loop runs in whichever thread calls `serve` (a long-running
+    task). `end` asks a launched loop to stop; a launch after `end` raises `Stopped`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._run: Callable[[], None] | None = None
+        self._stop: Callable[[], None] | None = None
+        self._ended = False
+        self._done = threading.Event()
+
+    def launch(self, run: Callable[[], None], stop: Callable[[], None]) -> HostedLoop:
+        with self._cond:
+            if self._ended:
+                raise Stopped("the run ended before its producer started")
+            if self._run is not None:
+                raise RuntimeError("HostedLoop hosts one loop")
+            self._run, self._stop = run, stop
+            self._cond.notify_all()
+        return self
+
+    def serve(self) -> None:
+        """Runs the launched loop here once it is launched; returns at once if the run ends
+        without one."""
+        with self._cond:
+            while self._run is None and not self._ended:
+                self._cond.wait()
+            run = self._run
+        if run is None:
+            return
+        try:
+            run()
+        finally:
+            self._done.set()
+
+    def end(self) -> None:
+        with self._cond:
+            self._ended = True
+            stop = self._stop
+            self._cond.notify_all()
+        if stop is not None:
+            stop()
+
+    # LoopHandle
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return self._run is not None and not self._done.is_set()
+
+
+class RunLoops:
+    def __init__(self, rt: RLRuntime, log: StepLog, phases: Phases):
+        self.rt = rt
+        self.log = log
+        self.phases = phases
+        self.host = HostedLoop()
+        rt.rollouts.launch = self.host.launch  # the producer's loop runs in `rollout`
+        self.loops = [n for n in LOOPS if n != "evaluate" or rt.evaluation is not None]
+        self.error: BaseException | None = None  # the first loop failure
+        self._cond = threading.Condition()
+        self._running = set(self.loops) - {"rollout"}  # rollout ends when these have
+        self._to_push: collections.deque = collections.deque()
+        self._pushed: collections.deque = collections.deque()
+        self._to_eval: collections.deque = collections.deque()
+        self._evaluated: collections.deque = collections.deque()
+        self._over = False
+
+    def run(self, name: str) -> str:
+        """Runs loop `name` to its end: "done", or "stopped" when another loop failed; raises
+        (after stopping the others) if this one fails."""
+        try:
+            getattr(self, f"_{name}")()
+            return "done"
+        except Stopped:
+            return "stopped"
+        except BaseException as e:
+            if self.error is not None:  # the run was ending: this is how the wait ended
+                log.warning("loop %s stopped after the run failed: %r", name, e)
+                return "stopped"
+            self.fail(e)
+            raise
+        finally:
+            self._ended(name)
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the run: every waiting loop gets `Stopped`, the producer stops."""
+        with self._cond:
+            if self.error is None:
+                self.error = error
+            self._over = True
+            self._cond.notify_all()
+        self.host.end()
+
+    def _ended(self, name: str) -> None:
+        with self._cond:
+            self._running.discard(name)
+            last = not self._running and not self._over
+            if last:
+                self._over = True
+        if last:  # training and evaluation are done: the producer's loop may end
+            self.host.end()
+
+    # ------------------------------------------------------------------ hand-overs
+    def _put(self, box: collections.deque, item: Any) -> None:
+        with self._cond:
+            box.append(item)
+            self._cond.notify_all()
+
+    def _get(self, box: collections.deque) -> Any:
+        with self._cond:
+            while True:
+                if self.error is not None:
+                    raise Stopped
+                if box:
+                    return box.popleft()
+                if self._over:
+                    raise Stopped
+                self._cond.wait()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise Stopped
+
+    # ------------------------------------------------------------------ the loops
+    def _rollout(self) -> None:
+        self.host.serve()
+        if self.rt.producer is not None and self.error is None:
+            self.rt.producer.raise_if_failed()
+
+    def _train(self) -> None:
+        rt, p, log = self.rt, self.phases, self.log
+        steps = rt.config.train.num_steps
+        try:
+            if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
+                self._evaluate_at(0, due=True, collect=False)
+            for step in range(rt.start_step, steps):
+                self._check()
+                t0 = time.perf_counter()
+                rollout = p.rollout(rt, step)
+                train_metrics = p.train(rt, rollout)
+                self._put(self._to_push, step)
+                sync_metrics = self._get(self._pushed)
+                phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
+                saved = p.save(rt, step, phases) if rt.is_save_step(step) else {}
+                log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
+                if rt.evaluation is not None:  # the policy after step + 1 training steps
+                    self._evaluate_at(step + 1, due=rt.eval_due(step + 1), collect=True)
+            if rt.last_saved_step != steps - 1:
+                p.save(rt, steps - 1)
+        finally:
+            self._put(self._to_push, _END)
+            if rt.evaluation is not None:
+                self._put(self._to_eval, _END)
+
+    def _evaluate_at(self, version: int, due: bool, collect: bool) -> None:
+        self._put(self._to_eval, (version, due, collect))
+        self._get(self._evaluated)
+
+    def _weights(self) -> None:
+        while self._get(self._to_push) is not _END:
+            self._put(self._pushed, self.phases.push(self.rt))
+
+    def _evaluate(self) -> None:
+        rt, p = self.rt, self.phases
+        while (item := self._get(self._to_eval)) is not _END:
+            version, due, collect = item
+            if due:
+                p.evaluate(rt, version)
+            if collect:
+                for done, metrics in p.collect(rt):
+                    self.log.evaluation(done, metrics)
+            self._put(self._evaluated, None)
+        self._check()
+        for done, metrics in p.collect(rt, wait=True):  # the evaluations still pending
+            self.log.evaluation(done, metrics)
