@@ -1,7 +1,7 @@
-"""RL training flow: one Prefect flow per run; in sync mode one task per phase of each step.
+"""RL training flow: one Prefect flow per run; in sync mode one task per step.
 
     check inputs → MLflow run → [SFT warm start] → prepare runtime → for each step:
-        rollout_batch → train_step → update_weights → [save_checkpoint] → log metrics
+        rl_step (rollout → train → weight update) → [save_checkpoint] → log metrics
         → [evaluate_policy] (eval.mode or agent.eval_episodes) → log finished evaluations
     → final checkpoint, pending evaluations, reward curve, MLflow run closed
 
@@ -35,11 +35,9 @@ from tasks import (
     prepare_model,
     prepare_runtime,
     resumed_config,
-    rollout_batch,
+    rl_step,
     save_checkpoint,
     start_tracking,
-    train_step,
-    update_weights,
 )
 
 
@@ -74,14 +72,12 @@ def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str
         log = StepLog(tracker, reporter(), config.train.num_steps)
         if long_running(config):  # async modes: concurrent long-running tasks (rl_async.py)
             train_concurrently(rt, log)
-        else:  # sync: one short task per phase of each step
+        else:  # sync: one short task per step (rollout → train → push inside: tasks/step.py)
             if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
                 evaluate_policy(rt, 0)
             for step in range(rt.start_step, config.train.num_steps):
                 t0 = time.perf_counter()
-                rollout = rollout_batch(rt, step)
-                train_metrics = train_step(rt, rollout)
-                sync_metrics = update_weights(rt)
+                rollout, train_metrics, sync_metrics = rl_step(rt, step)
                 phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
                 saved = save_checkpoint(rt, step, phases) if rt.is_save_step(step) else {}
                 log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
