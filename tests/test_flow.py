@@ -308,6 +308,18 @@ def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_pa
     assert max(r.start_time for r in loops.values()) < min(r.end_time for r in loops.values())
 
 
+# a run on an engine server whose reward function (tests/scripts/failing_task.py) stops it at the
+# second rollout
+FAILS_ON_SECOND_ROLLOUT = [
+    *SERVER,
+    "weight_sync.transport=shared_memory",
+    "data.task=failing_task:FailsOnSecondRollout",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=2",
+    "train.global_batch_size=8",
+]
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
 def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeypatch):
@@ -318,14 +330,7 @@ def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeyp
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "scripts"))
     from flows.rl_train import rl_train
 
-    extra = [
-        *SERVER,
-        "weight_sync.transport=shared_memory",
-        "data.task=failing_task:FailsOnSecondRollout",
-        "rollout.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=2",
-        "train.global_batch_size=8",
-    ]
+    extra = FAILS_ON_SECOND_ROLLOUT
 
     def engine_children() -> set[str]:
         pgrep = ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.engine.server"]
@@ -348,15 +353,7 @@ def test_a_failing_long_running_task_fails_the_run_and_ends_the_others(
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "scripts"))
     from flows.rl_train import rl_train
 
-    extra = [
-        *SERVER,
-        "weight_sync.transport=shared_memory",
-        "rollout.mode=fully_async",
-        "data.task=failing_task:FailsOnSecondRollout",
-        "rollout.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=2",
-        "train.global_batch_size=8",
-    ]
+    extra = [*FAILS_ON_SECOND_ROLLOUT, "rollout.mode=fully_async"]
     state = rl_train(_tiny_config(tmp_path, "fails-async", 4, extra), return_state=True)
     assert state.is_failed()
     with pytest.raises(RuntimeError, match="rollout producer failed.*reward function stopped"):
