@@ -35,9 +35,9 @@ def train_on_rollout(trainer: TrainerBackend, config, result: RolloutResult) -> 
     batch = TrainBatch.from_samples(result.samples, advantages, config.rollout.temperature)
     # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
     slices = rollout_slices(batch.sample_ids, config.train.global_batch_size)
-    if len(slices) == 1:  # one optimizer step: π_old is the policy it trains (no recompute)
+    if len(slices) == 1 and not trainer.stochastic_forward:  # π_old is the policy it trains
         batch.old_is_current = True
-    else:  # later steps need the log-probs of the weights before the first one
+    else:  # several steps need the weights before the first; dropout: a no-grad forward
         batch.old_log_probs = trainer.compute_log_probs(batch)
     per_step: list[dict[str, float]] = []
     for start, end in slices:

@@ -3,6 +3,7 @@ config time, rebuilt identically on follower ranks; the device a trainer runs on
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,17 @@ def test_several_optimizer_steps_per_rollout_recompute_the_old_log_probs_first(t
     metrics = train_on_rollout(build_trainer(config, tiny_dir), config, _rollout_result(*tiny))
     assert plugin.CALLS == ["init", "compute_log_probs:8"] + ["train_step:policy:4"] * 2
     assert metrics["train/ppo_kl"] != 0.0  # the second step is off the old policy
+
+
+def test_a_model_with_dropout_recomputes_the_old_log_probs(tiny_dir, tiny, tmp_path):
+    """Its training forward is not the no-grad one: π_old cannot be taken from it."""
+    shutil.copytree(tiny_dir, tmp_path / "model")
+    cfg_file = tmp_path / "model" / "config.json"
+    cfg_file.write_text(json.dumps(json.loads(cfg_file.read_text()) | {"attention_dropout": 0.1}))
+    config = _rl_config("train.global_batch_size=8")
+    plugin.CALLS.clear()
+    train_on_rollout(build_trainer(config, tmp_path / "model"), config, _rollout_result(*tiny))
+    assert plugin.CALLS == ["init", "compute_log_probs:8", "train_step:policy:8"]
 
 
 def test_a_loss_without_old_log_probs_is_a_clear_error(tiny_dir, tiny):

@@ -40,6 +40,9 @@ class TrainerBackend(StepBackend, TrainerWeights, Protocol):
     rank: int
     world: int
     device: torch.device
+    # the training forward differs from a no-grad one (dropout): π_old is then always
+    # recomputed, never taken from the training forward (`TrainBatch.old_is_current`)
+    stochastic_forward: bool
 
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
         """Per-sample response log-probs under the current weights (rank 0 gets all)."""

@@ -46,6 +46,14 @@ from miles_core.train.registry import backend_path, get_loss
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
 
 
+def has_dropout(config) -> bool:
+    """Whether an HF config turns on any dropout (`attention_dropout`, `hidden_dropout`, …)."""
+    return any(
+        "dropout" in key and isinstance(value, int | float) and value > 0
+        for key, value in config.to_dict().items()
+    )
+
+
 class FSDPBackend:
     def __init__(
         self,
@@ -77,6 +85,7 @@ class FSDPBackend:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.config = model.config
         self.pad_id = int(model.config.pad_token_id or 0)
+        self.stochastic_forward = has_dropout(model.config)
         on_cuda = self.device.type == "cuda"
         self.ref_model = None
         if self._needs_reference():
