@@ -186,7 +186,15 @@ def test_sync_run_killed_at_a_random_step_resumes_bit_identically(
 def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_path, prefect_api):
     kill_at = random.Random(SEED).choice([1, 3])  # checkpoints after steps 1, 3, 5
     print(f"kill -9 once checkpoint step {kill_at} exists")
-    extra = [*SERVER, "checkpoint.interval=2", "rollout.mode=fully_async"]
+    # staleness 2: a step's groups start two pushes before the trainer takes them, so at a save
+    # the next step's groups have generated through two train steps and wait done in the buffer
+    # (with staleness 1 they have had one, and a fast trainer can save before any is done)
+    extra = [
+        *SERVER,
+        "checkpoint.interval=2",
+        "rollout.mode=fully_async",
+        "rollout.max_staleness=2",
+    ]
     args = _args(tmp_path, "async", "mlflow.db", extra)
     victim = _train(tmp_path, prefect_api, args)
     store = CheckpointStore(f"{tmp_path}/ckpt", "async")
