@@ -96,10 +96,34 @@ def session_stack(tmp_path_factory):
         engine.stop()
 
 
+# the longest modules (seconds of one worker, measured with --durations on 2 cores), longest
+# first: a long module that starts last keeps one worker busy while the other idles
+LONGEST_MODULES = (
+    "test_flow",
+    "test_engine_recovery",
+    "test_kill_resume",
+    "test_local_stack",
+    "test_fsdp_multirank",
+    "test_eval",
+    "test_router",
+    "test_agents",
+    "test_fuzz",
+    "test_agentic_run",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Modules with slow tests run first (stable within each group): under `-n 2 --dist
-    loadfile` the long modules start early and the many short ones fill the end, so neither
-    worker idles while the other finishes a long module."""
+    """The longest modules first (LONGEST_MODULES), then the other modules with slow tests, then
+    the rest (stable within each group): under `-n 2 --dist loadfile` the long modules start
+    early and the many short ones fill the end, so neither worker idles while the other
+    finishes a long module."""
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (it.module.__name__ not in slow_modules, order[id(it)]))
+
+    def rank(it) -> tuple[int, int]:
+        name = it.module.__name__.rsplit(".", 1)[-1]
+        if name in LONGEST_MODULES:
+            return LONGEST_MODULES.index(name), order[id(it)]
+        return len(LONGEST_MODULES) + (it.module.__name__ not in slow_modules), order[id(it)]
+
+    items.sort(key=rank)

@@ -89,7 +89,7 @@ def _overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]
         "model.preset=tiny",
         "rollout.prompts_per_step=8",
         "rollout.n_samples_per_prompt=4",
-        "train.num_steps=3",
+        "train.num_steps=2",  # step 0 compared with one rank; a push between the two
         "train.global_batch_size=32",
         "train.micro_batch_size=8",
         f"train.world_size={world}",
@@ -151,7 +151,7 @@ def test_miles_train_on_two_ranks_pushes_shards_to_an_engine_server(prefect_serv
     gathered path on 2 ranks, `named_weights`, is test_two_rank_step_matches_one_rank's; every
     gathered transport is tested on one rank in test_flow.py.)"""
     two = _cli_run(tmp_path, prefect_server, 2, SERVER + P2P_ASYNC)
-    assert len(two["train/loss"]) == 3
+    assert len(two["train/loss"]) == 2
     one = _first_step_on_one_rank(tmp_path, SERVER + P2P_ASYNC[:2])  # sync, one rank
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
     assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)

@@ -70,14 +70,16 @@ def _args(tmp_path: Path, name: str, db: str, extra: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-def _train(tmp_path: Path, api: str, args: list[str], *more: str) -> subprocess.Popen:
+def _train(
+    tmp_path: Path, api: str, args: list[str], *more: str, tmp: str = "tmp"
+) -> subprocess.Popen:
     # the killed run's temp folders (miles-run-*: SIGKILL leaves them) land in tmp_path
-    (tmp_path / "tmp").mkdir(exist_ok=True)
+    (tmp_path / tmp).mkdir(exist_ok=True)
     env = {
         **os.environ,
         "PREFECT_API_URL": api,
         "PYTHONPATH": str(REPO),
-        "TMPDIR": str(tmp_path / "tmp"),
+        "TMPDIR": str(tmp_path / tmp),
     }
     log = open(tmp_path / f"train-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
     return subprocess.Popen(
@@ -150,7 +152,10 @@ def test_sync_run_killed_at_a_random_step_resumes_bit_identically(
     print(f"kill -9 once checkpoint step {kill_at} exists")
     every_step = ["checkpoint.interval=1"]  # the embedded engine
     shutil.copyfile(mlflow_template, tmp_path / "ref.db")
-    reference = _train(tmp_path, prefect_api, _args(tmp_path, "full", "ref.db", every_step))
+    # the uninterrupted run has a temp dir of its own: a finished run leaves nothing there
+    reference = _train(
+        tmp_path, prefect_api, _args(tmp_path, "full", "ref.db", every_step), tmp="tmp-ref"
+    )
     args = _args(tmp_path, "victim", "mlflow.db", every_step)
     victim = _train(tmp_path, prefect_api, args)
     store = CheckpointStore(f"{tmp_path}/ckpt", "victim")
@@ -160,6 +165,12 @@ def test_sync_run_killed_at_a_random_step_resumes_bit_identically(
 
     _finish(_train(tmp_path, prefect_api, args, "--resume"))
     _finish(reference)
+    # finished runs (the resumed one too) leave no lock and no temp folder of ours (issue 14)
+    assert os.listdir(tmp_path / "ckpt" / ".locks") == []
+    assert (
+        sorted(p.name for p in (tmp_path / "tmp-ref").iterdir() if p.name.startswith("miles-"))
+        == []
+    )
 
     ref_client = MlflowClient(f"sqlite:///{tmp_path}/ref.db")
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

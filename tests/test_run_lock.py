@@ -330,38 +330,3 @@ def test_a_killed_runs_prefect_server_stops(tmp_path):
         _kill_run_and_expect_gone(run, server, 30)
     finally:
         _stop(run, server)
-
-
-@pytest.mark.slow  # a `miles train` process (on the session's Prefect server)
-def test_a_finished_cli_run_leaves_no_lock_or_temp_folder(tmp_path, mlflow_store, prefect_server):
-    """Issue 14: every run left its `miles-run-*` and `miles-mlflow-*` folders. A `miles train`
-    that finishes leaves no temp folder of ours (its own temp dir, so the check is exact) and
-    no lock."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    env = {**os.environ, "TMPDIR": str(temp), "PREFECT_API_URL": prefect_server}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    args = [
-        "name=finishes",
-        "train.num_steps=2",
-        "rollout.prompts_per_step=2",
-        "rollout.n_samples_per_prompt=2",
-        "rollout.max_new_tokens=4",
-        "train.global_batch_size=4",
-        "train.micro_batch_size=4",
-        "data.num_prompts=8",
-        f"checkpoint.root={tmp_path / 'ckpt'}",
-        f"tracking.tracking_uri={mlflow_store}",
-    ]
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--no-progress"]
-        + [a for arg in args for a in ("--set", arg)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert os.listdir(tmp_path / "ckpt" / ".locks") == []
-    assert sorted(p.name for p in temp.iterdir() if p.name.startswith("miles-")) == []
