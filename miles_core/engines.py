@@ -91,7 +91,9 @@ def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
 def _embedded(s: EngineSetup) -> BuiltEngine:
     from miles_core.engine.embedded import EmbeddedEngine
 
-    return BuiltEngine(EmbeddedEngine(s.model, s.tokenizer, seed=s.seed))
+    # a sync run's engine owns the process between training steps: it picks its threads
+    sync = s.rollout.mode == "sync"
+    return BuiltEngine(EmbeddedEngine(s.model, s.tokenizer, seed=s.seed, adapt_threads=sync))
 
 
 def _serving(s: EngineSetup) -> BuiltEngine:
@@ -106,6 +108,7 @@ def _serving(s: EngineSetup) -> BuiltEngine:
         dtype=r.dtype,
         scheduler="caller",
         device=r.device,
+        adapt_threads=r.mode == "sync",  # in async modes a trainer computes beside it
     )
     return BuiltEngine(engine)
 

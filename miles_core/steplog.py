@@ -1,6 +1,7 @@
 """Per-step bookkeeping of the flow: timing split (rollout / train / sync / orchestration),
-one batched MLflow write per step (sent by the tracker's writer thread while the next step runs;
-`finish` waits for it), the progress line, and the run's closing summary."""
+batched MLflow writes (`Tracker.flush_if_due`: at most one per `tracking.flush_interval_s`, on
+this thread, charged to the next step's orchestration time), the progress line, and the run's
+closing summary."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class StepLog:
         self.history.append(metrics)
         t_flush = time.perf_counter()
         self.tracker.log_metrics(metrics, step)
-        self.tracker.flush(wait=False)  # the tracker's writer thread sends it, in step order
+        self.tracker.flush_if_due()
         self._carry = time.perf_counter() - t_flush
         fields = {"reward": metrics["rollout/reward_mean"], "step_s": step_time}
         if "rollout/exact_match" in metrics:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -126,49 +124,6 @@ def _is_finite_number(value: Any) -> bool:
     return value is not None and math.isfinite(float(value))
 
 
-class _MetricWriter:
-    """A daemon thread that sends metric batches to one run in the order they were put (the
-    flow's per-step write, ≈17 ms on SQLite at the tiny preset, off the step loop's thread);
-    `wait` blocks until all are sent and raises the first error met meanwhile."""
-
-    def __init__(self, client: MlflowClient, run_id: str):
-        self.client, self.run_id = client, run_id
-        self.pending: queue.Queue[list[Metric] | None] = queue.Queue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="mlflow-metrics", daemon=True)
-        self.thread.start()
-
-    def put(self, metrics: list[Metric]) -> None:
-        self._raise()
-        if metrics:
-            self.pending.put(metrics)
-
-    def _run(self) -> None:
-        while (metrics := self.pending.get()) is not None:
-            try:
-                if self.error is None:  # after an error the rest is dropped, and it is raised
-                    for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
-                        self.client.log_batch(self.run_id, metrics=chunk)
-            except BaseException as e:  # noqa: BLE001  (raised in the caller's thread)
-                self.error = e
-            finally:
-                self.pending.task_done()
-        self.pending.task_done()
-
-    def wait(self) -> None:
-        self.pending.join()
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-
-    def close(self) -> None:
-        self.pending.put(None)
-        self.thread.join(timeout=60)
-
-
 class Tracker:
     """One MLflow run: params at start, buffered metrics, artifacts and policy versions."""
 
@@ -181,12 +136,14 @@ class Tracker:
         tags: dict[str, str] | None = None,
         run_id: str | None = None,
         parent_run_id: str | None = None,
+        flush_interval_s: float = 0.0,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_name = run_name
         self._buffer: list[Metric] = []
-        self._writer: _MetricWriter | None = None  # flush(wait=False): the run's writer thread
+        self.flush_interval_s = flush_interval_s  # flush_if_due: at most one write per interval
+        self._last_flush = time.monotonic()
         # key -> step -> value; a step logged again (e.g. re-run after a resume) replaces the old point
         self._history: dict[str, dict[int, float]] = defaultdict(dict)
         self._artifact_dir: Path | None = None
@@ -251,21 +208,23 @@ class Tracker:
             self._buffer.append(Metric(key, val, timestamp, int(step)))
             self._history[key][int(step)] = val
 
-    def flush(self, wait: bool = True) -> None:
-        """Send buffered metrics, one ``log_batch`` per <=1000 of them. ``wait=False`` hands
-        them to this run's writer thread, which sends them in order, and returns at once (a
-        step loop need not wait for the store's write); ``wait=True`` first waits for those and
-        raises the first error one of them met."""
+    def flush(self) -> None:
+        """Send buffered metrics now, one ``log_batch`` per <=1000 of them."""
         buffered, self._buffer = self._buffer, []
-        if not wait:
-            if self._writer is None:
-                self._writer = _MetricWriter(self.client, self.run_id)
-            self._writer.put(buffered)
-            return
-        if self._writer is not None:
-            self._writer.wait()
+        self._last_flush = time.monotonic()
         for chunk in _chunks(buffered, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
+
+    def flush_if_due(self) -> bool:
+        """`flush` when `flush_interval_s` has passed since the last one (the step loop's call);
+        returns whether it sent. The write stays on the caller's thread: a writer thread would
+        hold the GIL for its SQL while the next rollout runs, and per-token Python loses ≈3×
+        the write's time to that contention (measured at the tiny preset). Fast steps share one
+        write per interval; steps longer than the interval each write at once."""
+        if time.monotonic() - self._last_flush < self.flush_interval_s:
+            return False
+        self.flush()
+        return True
 
     def _reload_history(self, latest: dict[str, float]) -> None:
         """On re-attach, the curve keys' past points come back, so the reward curve of a resumed
@@ -383,9 +342,6 @@ class Tracker:
             self.flush()
             self.client.set_terminated(self.run_id, status)
         finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
             if self._artifact_dir is not None:
                 shutil.rmtree(self._artifact_dir, ignore_errors=True)
                 self._artifact_dir = None

@@ -48,6 +48,7 @@ def start_tracking(
         tags=tags,
         run_id=latest_state(config, resume_step).get("mlflow_run_id") if resume else None,
         parent_run_id=parent_run_id,
+        flush_interval_s=config.tracking.flush_interval_s,
     )
 
 

@@ -306,3 +306,51 @@ def test_caller_engine_honours_pause_from_another_thread_and_close(engine, tiny)
     assert not caller.alive()
     with pytest.raises(EngineRequestError, match="stopped"):
         caller.generate([req])
+
+
+def test_seeded_streams_drawn_ahead_sample_as_drawn_one_at_a_time(tiny, monkeypatch):
+    """A seeded request's sampling numbers are drawn UNIFORMS_AHEAD at a time: the same tokens
+    and log-probs as one draw per token, across a chunk boundary, beside requests that end early."""
+    import miles_core.engine.serving as serving
+
+    model, tok = tiny
+    reqs = [
+        _req(tok, f"{i}+{i}=", max_new_tokens=90 - 30 * (i % 3), sampling_seed=50 + i)
+        for i in range(6)
+    ]
+    reqs = [r.model_copy(update={"rid": f"s{i}"}) for i, r in enumerate(reqs)]
+    outs = []
+    for ahead in (serving.UNIFORMS_AHEAD, 1):
+        monkeypatch.setattr(serving, "UNIFORMS_AHEAD", ahead)
+        eng = ServingEngine(copy.deepcopy(model), tok, seed=3, max_running=8, scheduler="caller")
+        try:
+            outs.append([(r.output_ids, r.output_log_probs) for r in eng.generate(reqs)])
+        finally:
+            eng.close()
+    assert outs[0] == outs[1]
+    assert max(len(ids) for ids, _ in outs[0]) > 64  # one request crossed a chunk of numbers
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+def test_small_steps_run_on_one_thread_only_where_the_engine_adapts(tiny, monkeypatch, adapt):
+    """threads.py: a tiny model's decode (0.39 M multiply-adds per GEMM) runs on one thread when
+    the engine adapts its threads (a sync run's in-process engine), on all otherwise; the
+    process's count is restored after each step."""
+    model, tok = tiny
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = ServingEngine(
+            copy.deepcopy(model), tok, seed=3, scheduler="caller", adapt_threads=adapt
+        )
+        seen: list[int] = []
+        decode = eng.runner.decode
+        monkeypatch.setattr(
+            eng.runner, "decode", lambda *a: seen.append(torch.get_num_threads()) or decode(*a)
+        )
+        eng.generate([_req(tok, "say a", max_new_tokens=4, stop_token_ids=None)])
+        eng.close()
+        assert seen and set(seen) == ({1} if adapt else {2})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)

@@ -151,25 +151,33 @@ def test_metrics_buffered_until_flush(make_tracker) -> None:
     assert len(client.get_metric_history(tracker.run_id, "loss")) == 3
 
 
-def test_flush_without_waiting_sends_in_order_and_raises_a_failed_write(make_tracker) -> None:
-    """`flush(wait=False)` (the step loop's): the writer thread sends each step's batch in
-    order; `flush()` / `finish` wait for it; a write that failed is raised in the caller."""
+def test_flush_if_due_batches_steps_within_the_interval_and_raises_in_the_caller(
+    make_tracker,
+) -> None:
+    """`flush_if_due` (the step loop's): nothing is sent until `flush_interval_s` has passed
+    since the last write, then every buffered step at once, in order; interval 0 sends every
+    step; a refused write raises in the caller; `finish` sends the rest."""
     tracker = make_tracker()
-    for step in range(5):
-        tracker.log_metrics({"loss": float(step), "n": 2.0 * step}, step=step)
-        tracker.flush(wait=False)
-    tracker.flush()  # waits for the writer
-    history = tracker.client.get_metric_history(tracker.run_id, "loss")
-    assert [(m.step, m.value) for m in history] == [(s, float(s)) for s in range(5)]
-    tracker.log_metrics({"bad key!": 1.0}, step=0)  # MLflow refuses the name
-    tracker.flush(wait=False)
+    tracker.flush_interval_s = 3600.0
+    history = lambda: [  # noqa: E731
+        (m.step, m.value) for m in tracker.client.get_metric_history(tracker.run_id, "loss")
+    ]
+    for step in range(3):
+        tracker.log_metrics({"loss": float(step)}, step=step)
+        assert tracker.flush_if_due() is False
+    assert history() == []  # buffered: the interval has not passed
+    tracker.flush_interval_s = 0.0
+    tracker.log_metrics({"loss": 3.0}, step=3)
+    assert tracker.flush_if_due() is True
+    assert history() == [(s, float(s)) for s in range(4)]
+    tracker.log_metrics({"bad key!": 1.0}, step=4)  # MLflow refuses the name
     with pytest.raises(MlflowException, match="bad key!"):
-        tracker.flush()
+        tracker.flush_if_due()
+    tracker.flush_interval_s = 3600.0
     tracker.log_metrics({"loss": 9.0}, step=9)
-    tracker.finish()  # the next batch is sent, then the run ends
+    tracker.finish()  # the buffered step is sent, then the run ends
     run = tracker.client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["loss"] == 9.0
-    assert tracker._writer is None  # its thread stopped
 
 
 def test_log_policy_version(make_tracker, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from miles_core.engine.loading import load_named_tensors, tensors_checksum
 from miles_core.engine.sampler import sample_next
+from miles_core.engine.threads import StepThreads
 from miles_core.engine_api import TENSOR
 from miles_core.rollout.protocol import (
     FinishReason,
@@ -29,7 +30,14 @@ class EmbeddedEngine:
     weight_routes = frozenset({TENSOR})
     per_request_seeds = False  # one batch, one shared generator (`generator`)
 
-    def __init__(self, model: torch.nn.Module, tokenizer, seed: int = 0, max_batch_size: int = 512):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        seed: int = 0,
+        max_batch_size: int = 512,
+        adapt_threads: bool = False,
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.vocab_size = int(model.config.vocab_size)
@@ -41,6 +49,9 @@ class EmbeddedEngine:
         self._lock = threading.Lock()
         self._params = dict(model.named_parameters())
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}
+        # per-step thread counts (threads.py), when no trainer computes beside `generate`
+        cpu = next(model.parameters()).device.type == "cpu"
+        self.step_threads = StepThreads(model.config, adapt_threads and cpu)
 
     @property
     def weight_version(self) -> int:
@@ -108,23 +119,28 @@ class EmbeddedEngine:
         outputs: list[list[int]] = [[] for _ in range(bsz)]
         logps: list[list[float]] = [[] for _ in range(bsz)]
         finish: list[FinishReason | None] = [None] * bsz
+        limit_list = limits.tolist()
         for i in range(bsz):
-            if limits[i] == 0:
+            if limit_list[i] == 0:
                 finish[i] = FinishReason(type="length", length=0)
 
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         step_ids, step_pos = ids, position
+        truncate = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
         for _ in range(max_steps):
-            logits = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                cache=cache,
-                use_cache=True,
-            ).logits[:, -1, :]
-            uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
-            tokens, token_lp = sample_next(logits, temperature, top_k, top_p, uniforms)
+            with self.step_threads.around(step_ids.numel()):
+                logits = self.model(
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    cache=cache,
+                    use_cache=True,
+                ).logits[:, -1, :]
+                uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
+                tokens, token_lp = sample_next(
+                    logits, temperature, top_k, top_p, uniforms, truncate
+                )
             self._load["steps"] += 1
             self._load["running_sum"] += sum(f is None for f in finish)
             tok_list, lp_list = tokens.tolist(), token_lp.tolist()
@@ -135,7 +151,7 @@ class EmbeddedEngine:
                 logps[i].append(lp_list[i])
                 if tok_list[i] in stop_sets[i]:
                     finish[i] = FinishReason(type="stop", matched=tok_list[i])
-                elif len(outputs[i]) >= limits[i]:
+                elif len(outputs[i]) >= limit_list[i]:
                     finish[i] = FinishReason(type="length", length=len(outputs[i]))
             if all(f is not None for f in finish):
                 break

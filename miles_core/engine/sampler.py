@@ -19,12 +19,16 @@ def sample_next(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
+    truncate: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V], uniforms [B] in [0, 1) → (token ids [B], log-probs of those tokens [B])."""
+    """logits [B, V], uniforms [B] in [0, 1) → (token ids [B], log-probs of those tokens [B]).
+    `truncate`: whether any row has top-k or top-p (None: read it from the tensors)."""
     scaled = logits.float() / temperature.unsqueeze(1)
     logprobs = torch.log_softmax(scaled, dim=-1)
     filtered = logprobs
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if truncate is None:
+        truncate = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
+    if truncate:
         filtered = _truncate(logprobs, top_k, top_p)
     if bool(torch.isnan(scaled).any()):
         raise ValueError("the model produced NaN logits; cannot sample")

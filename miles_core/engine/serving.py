@@ -30,6 +30,7 @@ from miles_core.engine.loading import load_named_tensors, tensors_checksum
 from miles_core.engine.runner import Qwen3Runner
 from miles_core.engine.sampler import sample_next
 from miles_core.engine.slots import Slot, SlotState, SlotTable
+from miles_core.engine.threads import StepThreads
 from miles_core.engine_api import TENSOR
 from miles_core.rollout.protocol import (
     EngineRequestError,
@@ -47,6 +48,7 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes: [-
 # `run` below); main: the process's main thread runs `run()` (the HTTP server does this)
 SCHEDULERS = ("thread", "caller", "main")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+UNIFORMS_AHEAD = 64  # a seeded request's sampling numbers drawn per op
 log = logging.getLogger("miles.engine")
 
 
@@ -68,6 +70,7 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     response: GenerateResponse | None = None
     generator: torch.Generator | None = None
+    uniforms: list[float] = field(default_factory=list)  # drawn ahead from `generator`, in order
     callbacks: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -116,6 +119,7 @@ class ServingEngine:
         dtype: str = "float32",
         scheduler: str = "thread",
         device: str | torch.device = "cpu",
+        adapt_threads: bool | None = None,
     ):
         # auto | cpu | cuda: weights, packed copies and the KV cache live there; sampling
         # uniforms are drawn on the CPU either way (the same random stream on every device)
@@ -158,6 +162,12 @@ class ServingEngine:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose one of {SCHEDULERS}")
         self.scheduler = scheduler
+        # per-step thread counts (threads.py) where this engine owns the process's compute
+        # between its steps; default: only the engine server's main scheduler does
+        adapt = scheduler == "main" if adapt_threads is None else adapt_threads
+        self.step_threads = StepThreads(model.config, adapt and self.device.type == "cpu")
+        self._sampling_key: tuple | None = None  # the last step's sampling parameters ...
+        self._sampling: tuple = ()  # ... as tensors, and whether any row truncates
         self._loop_state = "idle"  # idle → running → exited
         self._exited = threading.Event()
         if scheduler == "thread":
@@ -451,14 +461,14 @@ class ServingEngine:
         self._drain_inbox()
         admitted = self._admit()
         if admitted:
-            logits = self.runner.prefill(
-                [r.slot.index for r in admitted],
-                [r.kv_len for r in admitted],
-                [r.tokens[r.kv_len :] for r in admitted],
-            )
-            for r in admitted:
-                r.kv_len = len(r.tokens)
-            self._sample(admitted, logits)
+            chunks = [r.tokens[r.kv_len :] for r in admitted]
+            with self.step_threads.around(sum(len(c) for c in chunks)):
+                logits = self.runner.prefill(
+                    [r.slot.index for r in admitted], [r.kv_len for r in admitted], chunks
+                )
+                for r in admitted:
+                    r.kv_len = len(r.tokens)
+                self._sample(admitted, logits)
         decoding = [r for r in self._running if r not in admitted and r.finish is None]
         self.stats["steps"] += 1
         self.stats["running_sum"] += len(admitted) + len(decoding)
@@ -466,14 +476,15 @@ class ServingEngine:
         if decoding:
             self._compact()
             decoding.sort(key=lambda r: r.slot.index)
-            logits = self.runner.decode(
-                [r.slot.index for r in decoding],
-                [len(r.input_ids) + len(r.output) - 1 for r in decoding],
-                [r.output[-1] for r in decoding],
-            )
-            for r in decoding:
-                r.kv_len = len(r.input_ids) + len(r.output)
-            self._sample(decoding, logits)
+            with self.step_threads.around(len(decoding)):
+                logits = self.runner.decode(
+                    [r.slot.index for r in decoding],
+                    [len(r.input_ids) + len(r.output) - 1 for r in decoding],
+                    [r.output[-1] for r in decoding],
+                )
+                for r in decoding:
+                    r.kv_len = len(r.input_ids) + len(r.output)
+                self._sample(decoding, logits)
 
     def _compact(self) -> None:
         """Moves running requests into slots 0..n-1, so a decode step reads the KV cache as one
@@ -532,18 +543,31 @@ class ServingEngine:
         return admitted
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
-        sps = [r.req.sampling_params for r in reqs]
         dev = logits.device
-        temperature = torch.tensor(
-            [sp.effective_temperature() for sp in sps], dtype=torch.float32, device=dev
+        params = tuple(
+            (sp.effective_temperature(), sp.effective_top_k(), sp.top_p)
+            for sp in (r.req.sampling_params for r in reqs)
         )
-        top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long, device=dev)
-        top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32, device=dev)
-        uniforms = torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:  # a seeded request draws from its own stream
-                uniforms[i] = torch.rand(1, generator=r.generator, dtype=torch.float64)
-        tokens, lps = sample_next(logits, temperature, top_k, top_p, uniforms.to(dev))
+        if self._sampling_key != (params, dev):  # the running set's parameters, built once
+            temperature, top_k, top_p = zip(*params, strict=True)
+            self._sampling_key = (params, dev)
+            self._sampling = (
+                torch.tensor(temperature, dtype=torch.float32, device=dev),
+                torch.tensor(top_k, dtype=torch.long, device=dev),
+                torch.tensor(top_p, dtype=torch.float32, device=dev),
+                any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            )
+        temperature, top_k, top_p, truncate = self._sampling
+        # one draw of the engine's generator per step (its stream does not depend on which
+        # requests are seeded); a seeded request takes the next number of its own stream
+        drawn = torch.rand(len(reqs), generator=self.generator, dtype=torch.float64)
+        if any(r.generator is not None for r in reqs):
+            values = drawn.tolist()
+            for i, r in enumerate(reqs):
+                if r.generator is not None:
+                    values[i] = self._next_uniform(r)
+            drawn = torch.tensor(values, dtype=torch.float64)
+        tokens, lps = sample_next(logits, temperature, top_k, top_p, drawn.to(dev), truncate)
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
             r.output.append(t)
             r.logprobs.append(lp)
@@ -558,6 +582,17 @@ class ServingEngine:
                 self._finish(r, FinishReason(type="stop", matched=t))
             elif len(r.output) >= sp.max_new_tokens:
                 self._finish(r, FinishReason(type="length", length=len(r.output)))
+
+    @staticmethod
+    def _next_uniform(r: _Request) -> float:
+        """The next number of a seeded request's stream. Numbers are drawn ahead, up to the
+        tokens it may still sample: `torch.rand(k)` gives the same numbers, in the same order,
+        as k draws of `torch.rand(1)` from that generator (one op instead of k)."""
+        if not r.uniforms:
+            left = r.req.sampling_params.max_new_tokens - len(r.output)
+            k = max(1, min(left, UNIFORMS_AHEAD))
+            r.uniforms = torch.rand(k, generator=r.generator, dtype=torch.float64).tolist()[::-1]
+        return r.uniforms.pop()
 
     def _leave_slot(self, r: _Request) -> None:
         if r.slot is not None:

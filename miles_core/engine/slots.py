@@ -29,6 +29,8 @@ class Slot:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # one C-level compare for the common case (GRPO siblings)
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
