@@ -395,7 +395,7 @@ class TrackingConfig(_Strict):
         True, description="record each checkpoint as a registered model version"
     )
     flush_interval_s: float = Field(
-        1.0,
+        5.0,
         ge=0,
         description="at most one metrics write per this many seconds (on the step loop's "
         "thread; a step longer than this writes at once); 0 writes every step",
