@@ -60,6 +60,11 @@ class Checkpointing:
         """Checkpoint of `step`; returns (its URI, the registered model version or None, the
         sha256 of the weights its files hold)."""
         w, config = self.weights, self.config
+        if self.tracker:
+            # the steps before this one are in MLflow before the checkpoint exists (their
+            # writes are batched, Tracker.flush_if_due); this step's own metrics travel in
+            # the checkpoint ("step_metrics"), for a resume after a kill to log
+            self.tracker.flush()
         checksum = self.fleet.checksum()
         saved_sha = w.trainer_checksum(checksum)  # of the files (differs for bf16 pushes)
         generator = shared_generator(self.fleet.engine)  # servers seed every request
