@@ -24,6 +24,46 @@ from typing import Any
 from miles_core.proc.parent_watch import PARENT_ENV
 
 
+def server_command(port: int) -> list[str]:
+    """The argv of a watched Prefect API server on 127.0.0.1:`port`: Prefect's own uvicorn
+    command (3.x `SubprocessASGIServer._run_uvicorn_command`), with this module in front."""
+    import prefect
+
+    return [
+        sys.executable,
+        "-m",
+        "flows.prefect_server",
+        "--app-dir",
+        str(prefect.__module_path__.parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
+
+
+def server_env(watched_pid: int, **settings: str) -> dict[str, str]:
+    """The environment of `server_command`: this process's, Prefect's settings in effect, the
+    ephemeral-server switches (no UI) and the watch on `watched_pid`, whose exit stops it."""
+    from prefect.settings import get_current_settings
+
+    return {
+        **os.environ,
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        **settings,
+        PARENT_ENV: str(watched_pid),
+    }
+
+
 @functools.cache
 def server_class() -> type:
     """`WatchedEphemeralServer`, defined on first use: `prefect.server.api.server` is a heavy
@@ -34,39 +74,8 @@ def server_class() -> type:
         """Prefect's ephemeral API server, run under the parent-death watch."""
 
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-            import prefect
-            from prefect.settings import get_current_settings
-
-            server_env = {
-                "PREFECT_UI_ENABLED": "0",
-                "PREFECT__SERVER_EPHEMERAL": "1",
-                "PREFECT__SERVER_FINAL": "1",
-            }
-            return subprocess.Popen(
-                args=[
-                    sys.executable,
-                    "-m",
-                    "flows.prefect_server",
-                    "--app-dir",
-                    str(prefect.__module_path__.parent),
-                    "--factory",
-                    "prefect.server.api.server:create_app",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--log-level",
-                    "error",
-                    "--lifespan",
-                    "on",
-                ],
-                env={
-                    **os.environ,
-                    **server_env,
-                    **get_current_settings().to_environment_variables(exclude_unset=True),
-                    PARENT_ENV: str(os.getpid()),  # the watch: this process is the run
-                },
-            )
+            # the watch: this process is the run
+            return subprocess.Popen(server_command(self.port), env=server_env(os.getpid()))
 
     return WatchedEphemeralServer
 

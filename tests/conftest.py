@@ -8,20 +8,44 @@ import pytest
 
 import miles_core  # noqa: F401  (applies env defaults: offline hub, no telemetry)
 from miles_core.models import build_model, save_hf_dir
+from tests import prefect_shared
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect"))
 
 
+def pytest_configure(config):
+    prefect_shared.create_shared_dir()  # in the xdist controller before its workers start
+
+
+def pytest_unconfigure(config):
+    prefect_shared.stop()  # in the process that created the shared folder, after the workers
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One Prefect test server for the whole session (each costs ≈13 s to start); yields its
-    API URL, for `miles train` subprocesses."""
+    """One Prefect API server for the whole test run, shared by the xdist workers
+    (tests/prefect_shared.py; each costs ≈15 s to start); yields its API URL, which this
+    worker's in-process flows use and `miles train` subprocesses get as `PREFECT_API_URL`."""
     import prefect.settings
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield prefect.settings.PREFECT_API_URL.value()
+    url = prefect_shared.api_url()
+    with prefect.settings.temporary_settings(updates={prefect.settings.PREFECT_API_URL: url}):
+        yield url
+        _drain_prefect_logs()
+
+
+def _drain_prefect_logs() -> None:
+    """This worker's buffered flow-run logs and events reach the server before the worker
+    exits (as Prefect's test harness does before stopping its server)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    try:
+        APILogWorker.instance().drain()
+    except RuntimeError:  # never started
+        pass
+    EventsWorker.drain_all()
 
 
 @pytest.fixture(scope="session")
@@ -101,20 +125,28 @@ def session_stack(tmp_path_factory):
 LONGEST_MODULES = (
     "test_flow",
     "test_engine_recovery",
-    "test_kill_resume",
     "test_local_stack",
+    "test_kill_resume",
     "test_fsdp_multirank",
     "test_eval",
-    "test_router",
-    "test_agents",
     "test_fuzz",
+    "test_router",
     "test_agentic_run",
+    "test_engine_server",
+    "test_processes",
+    "test_backends",
+    "test_async",
+    "test_agents",
+    "test_auth",
+    "test_run_lock",
+    "test_sessions",
 )
 
 
 def pytest_collection_modifyitems(config, items):
     """The longest modules first (LONGEST_MODULES), then the other modules with slow tests, then
-    the rest (stable within each group): under `-n 2 --dist loadfile` the long modules start
+    the rest (stable within each group): under `-n 2 --dist loadfile --no-loadscope-reorder`
+    (the Makefile's; xdist's default reorders the modules by test count) the long modules start
     early and the many short ones fill the end, so neither worker idles while the other
     finishes a long module."""
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}

@@ -23,19 +23,13 @@ CONFIG_IDS = ["token_mean", "seq_mean+kl+entropy"]
 
 
 def _run(nproc: int, model_dir: Path, out: Path, configs: list[dict]) -> list[tuple[dict, dict]]:
-    """One torchrun launch of `nproc` ranks that trains every config of `configs` in turn."""
-    torchrun = Path(sys.executable).parent / "torchrun"
+    """One launch of `nproc` ranks that trains every config of `configs` in turn: torchrun for
+    several, the script itself for one (a one-rank group of its own, no launcher agent)."""
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
+    launcher = [*torchrun, f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_DIST_TIMEOUT_S": "120"}
     proc = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            str(SCRIPT),
-            str(model_dir),
-            str(out),
-            json.dumps(configs),
-        ],
+        [*launcher, str(SCRIPT), str(model_dir), str(out), json.dumps(configs)],
         env=env,
         capture_output=True,
         text=True,
