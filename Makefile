@@ -14,6 +14,12 @@ export HF_HUB_OFFLINE := 1
 export PREFECT_HOME := $(CURDIR)/.prefect
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_LOGGING_LEVEL ?= WARNING
+# byte-code: the install compiles nothing (infra/install.py); every module is compiled on its first
+# import, once, into .venv/pycache (not next to the sources), also where the environment sets
+# PYTHONDONTWRITEBYTECODE: without cached byte-code every process compiles all it imports again
+# (torch, transformers, mlflow and prefect: ≈17 CPU-s instead of ≈8)
+export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv system demo test test-fast docs docs-check lint format bench bench-trl clean stack-up stack-down stack-status ui-check
 
@@ -28,7 +34,7 @@ system:
 	  { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
 	  echo "warning: could not install bubblewrap (apt-get install bubblewrap); sandboxed episodes will fail"; }
 
-# infra/install.py: uv configured from pip's own configuration (≈45 s; pip alone ≈150 s), pip
+# infra/install.py: uv configured from pip's own configuration (≈15 s; pip alone ≈150 s), pip
 # if uv is not available
 $(STAMP): pyproject.toml infra/install.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
