@@ -84,7 +84,9 @@ def install(requirement: str) -> int:
     else:
         print("could not install uv; installing with pip", file=sys.stderr)
     _run([python, "-m", "pip", "install", "-q", "-U", "pip"])  # an old pip resolves slowly
-    return 0 if _run([python, "-m", "pip", "install", "-q", "--no-compile", "-e", requirement]) else 1
+    return (
+        0 if _run([python, "-m", "pip", "install", "-q", "--no-compile", "-e", requirement]) else 1
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -142,6 +143,9 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_name = run_name
         self._buffer: list[Metric] = []
+        # the async modes' train and evaluation loops log from two threads: a metric appended
+        # to the old buffer after a flush took it would never be sent
+        self._buffer_lock = threading.Lock()
         self.flush_interval_s = flush_interval_s  # flush_if_due: at most one write per interval
         self._last_flush = time.monotonic()
         # key -> step -> value; a step logged again (e.g. re-run after a resume) replaces the old point
@@ -201,17 +205,19 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffer ``metrics`` at ``step`` (no MLflow call); None/NaN/inf values are dropped."""
         timestamp = int(time.time() * 1000)
-        for key, value in metrics.items():
-            if not _is_finite_number(value):
-                continue
-            val = float(value)
-            self._buffer.append(Metric(key, val, timestamp, int(step)))
-            self._history[key][int(step)] = val
+        with self._buffer_lock:
+            for key, value in metrics.items():
+                if not _is_finite_number(value):
+                    continue
+                val = float(value)
+                self._buffer.append(Metric(key, val, timestamp, int(step)))
+                self._history[key][int(step)] = val
 
     def flush(self) -> None:
         """Send buffered metrics now, one ``log_batch`` per <=1000 of them."""
-        buffered, self._buffer = self._buffer, []
-        self._last_flush = time.monotonic()
+        with self._buffer_lock:
+            buffered, self._buffer = self._buffer, []
+            self._last_flush = time.monotonic()
         for chunk in _chunks(buffered, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,30 @@ def test_flush_if_due_batches_steps_within_the_interval_and_raises_in_the_caller
     tracker.finish()  # the buffered step is sent, then the run ends
     run = tracker.client.get_run(tracker.run_id)
     assert run.info.status == "FINISHED" and run.data.metrics["loss"] == 9.0
+
+
+def test_a_flush_on_another_thread_loses_no_metric_being_logged(make_tracker) -> None:
+    """The async modes log from the train loop and the evaluation loop at once: a flush on one
+    thread in the middle of another thread's `log_metrics` sends the metric then or with the
+    next flush, never drops it (appended to the buffer the flush had already taken)."""
+    tracker = make_tracker()
+    flusher = threading.Thread(target=tracker.flush)
+
+    class Racing(list):
+        def append(self, item) -> None:
+            if flusher.ident is None:  # the first append: a flush starts on another thread
+                flusher.start()
+                # unguarded, it swaps the buffer and returns at once; behind the buffer's lock
+                # it waits for this append (the timeout only ends the wait for it)
+                flusher.join(timeout=0.5)
+            super().append(item)
+
+    tracker._buffer = Racing()
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    flusher.join()
+    tracker.flush()
+    history = tracker.client.get_metric_history(tracker.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(0, 1.0)]
 
 
 def test_log_policy_version(make_tracker, tmp_path: Path) -> None:
