@@ -34,6 +34,7 @@ ENV_OPTIONS = {
 }
 # later sections win, as in pip: global < install < environment variables
 SECTIONS = ("global", "install", ":env:")
+UV = "uv==0.13.9"  # pinned: the installer's behaviour does not change under a clean clone
 
 
 def pip_options(listing: str) -> dict[str, str]:
@@ -74,7 +75,7 @@ def install(requirement: str) -> int:
         [python, "-m", "pip", "config", "list"], capture_output=True, text=True
     ).stdout
     args, env = uv_arguments(pip_options(listing))
-    if _run([python, "-m", "pip", "install", "-q", "uv"]):
+    if _run([python, "-m", "pip", "install", "-q", UV]):
         uv = [python, "-m", "uv", "pip", "install", "--quiet", "--python", python]
         # pip's rule: the best version across every index, not uv's first index that has it
         uv += ["--index-strategy", "unsafe-best-match", *args]
