@@ -15,7 +15,10 @@ os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect"))
 
 
 def pytest_configure(config):
-    prefect_shared.create_shared_dir()  # in the xdist controller before its workers start
+    # in the xdist controller before its workers start; every test that uses the Prefect
+    # server is `slow`, so `-m "not slow"` (make test-fast) starts none
+    slow_selected = "not slow" not in (config.getoption("markexpr") or "")
+    prefect_shared.create_shared_dir(start_server=slow_selected)
 
 
 def pytest_unconfigure(config):
