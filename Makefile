@@ -67,7 +67,7 @@ test: venv system docs-check
 
 # the inner loop: unit and contract tests, no training runs, flows or multi-rank launches
 # (tests marked `slow`; tests/README.md lists the tiers)
-test-fast: venv
+test-fast: venv system
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 lint: venv

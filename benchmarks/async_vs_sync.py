@@ -5,6 +5,10 @@ weights travel by shared memory in all of them. Sync runs at each thread setting
 trainer with 1 or 2 threads each, one phase at a time) and the fastest is the baseline; the
 async variants run the trainer and the engine at one thread each, pinned to one core each. The first `--warmup` steps are not timed. Prints a table, then one JSON object.
 
+`ceiling_over_sync` is the most fully async can gain on this machine (`overlap_ceiling`): the
+sync baseline's step against the longer of the 1-thread rollout and the 1-thread train + update.
+Where two threads speed a phase up almost 2×, overlapping the phases on one core each gains little.
+
     python benchmarks/async_vs_sync.py [--preset tiny] [--steps 24] [--warmup 4]
 """
 
@@ -21,6 +25,17 @@ from pathlib import Path
 
 from miles_core.config import load_config
 from miles_core.runtime import RLRuntime, prepare_model_dir
+
+PHASES = ("rollout", "train", "update_weights")
+
+
+def overlap_ceiling(sync_step_s: float, one_thread: dict[str, float]) -> float:
+    """The most fully async can gain over a sync step of `sync_step_s` when the engine and the
+    trainer each get one core: a step then takes at least the longer of the rollout and the
+    trainer's side (train + update), each at its one-thread speed (`one_thread`: the phases of
+    the 1-thread sync run, in s/step). Queueing, polling and contention only lower it."""
+    bound = max(one_thread["rollout"], one_thread["train"] + one_thread["update_weights"])
+    return sync_step_s / bound
 
 
 def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> dict:
@@ -51,13 +66,22 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
     if mode != "sync":
         pin_one_core_each(rt)
     rewards, staleness, t0 = [], [], 0.0
+    phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase over the timed steps
+
+    def timed(phase: str, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        phases[phase] += time.perf_counter() - t
+        return out
+
     try:
         for step in range(steps):
             if step == warmup:
                 t0 = time.perf_counter()
-            result = rt.rollout(step)
-            rt.train(result)
-            rt.update_weights()
+                phases.update(dict.fromkeys(PHASES, 0.0))
+            result = timed("rollout", rt.rollout, step)
+            timed("train", rt.train, result)
+            timed("update_weights", rt.update_weights)
             rewards.append(result.metrics["rollout/reward_mean"])
             staleness.append(result.metrics.get("rollout/staleness/mean", 0.0))
         seconds = time.perf_counter() - t0
@@ -72,6 +96,7 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
         "reward_last5": statistics.fmean(rewards[-5:]),
         "mean_staleness": statistics.fmean(staleness[warmup:]),
         "threads": threads,
+        "phase_s": {k: v / timed for k, v in phases.items()},  # async: waits, not work
     }
 
 
@@ -104,6 +129,7 @@ def main() -> None:
     runs["fully_async"] = run(args.preset, args.steps, args.warmup, "fully_async", 1, args)
     sync_name = max(("sync_1t", "sync_2t"), key=lambda k: runs[k]["steps_per_s"])
     base = runs[sync_name]["steps_per_s"]
+    ceiling = overlap_ceiling(1 / base, runs["sync_1t"]["phase_s"])
     print(f"preset {args.preset}, task {args.task}, {args.prompts}×{args.samples} samples/step")
     print(
         f"{'variant':14}{'threads':>8}{'steps/s':>10}{'× sync':>8}{'staleness':>11}{'reward last5':>14}"
@@ -113,18 +139,26 @@ def main() -> None:
             f"{name:14}{r['threads']:>8}{r['steps_per_s']:>10.3f}{r['steps_per_s'] / base:>8.2f}"
             f"{r['mean_staleness']:>11.2f}{r['reward_last5']:>14.3f}"
         )
+    one = runs["sync_1t"]["phase_s"]
+    print(
+        f"one thread each: rollout {one['rollout']:.3f} s, train {one['train']:.3f} s, update "
+        f"{one['update_weights']:.3f} s; ceiling for fully async on one core each: "
+        f"{ceiling:.2f}× {sync_name}"
+    )
     print("reward per step (samples consumed = step × samples/step):")
     for name, r in runs.items():
         print(f"  {name:14}" + " ".join(f"{x:.2f}" for x in r["rewards"]))
     result = {
         "fully_async_over_sync": round(runs["fully_async"]["steps_per_s"] / base, 3),
         "one_step_off_over_sync": round(runs["one_step_off"]["steps_per_s"] / base, 3),
+        "ceiling_over_sync": round(ceiling, 3),
         "mean_staleness": round(runs["fully_async"]["mean_staleness"], 3),
         "sync_baseline": sync_name,
         "steps_per_s": {k: round(r["steps_per_s"], 3) for k, r in runs.items()},
         "reward_last5": {k: round(r["reward_last5"], 3) for k, r in runs.items()},
         "mean_staleness_by_variant": {k: round(r["mean_staleness"], 3) for k, r in runs.items()},
         "threads": {k: r["threads"] for k, r in runs.items()},
+        "phase_s": {k: {p: round(x, 4) for p, x in r["phase_s"].items()} for k, r in runs.items()},
         "preset": args.preset,
         "target": 1.6,
     }

@@ -6,6 +6,8 @@ per-token log-probs. Engines: HF `generate` (fp32), the embedded engine (HF modu
 DynamicCache), the serving engine in process (lean forward, slot KV cache, continuous batching;
 fp32 and bf16 GEMMs) and behind its HTTP server (a subprocess on 127.0.0.1, 32 concurrent
 requests; fp32 and bf16). One warm-up, then interleaved repetitions; the median is reported.
+`ceiling_vs_hf_generate`: the same GEMMs and attention alone (`compute_floor`), against `generate`:
+the most an engine computing through these kernels can reach on this machine.
 Prints a table, then one JSON object.
 
     python benchmarks/engine_vs_hf.py [--presets small,medium] [--reps 3]
@@ -20,11 +22,14 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 import miles_core  # noqa: F401
 from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engine.runner import Qwen3Runner
 from miles_core.engine.serving import ServingEngine
 from miles_core.models import build_model, save_hf_dir
 from miles_core.rollout.http_engine import EngineProcess, HttpEngine
@@ -44,6 +49,51 @@ def requests(ids: list[list[int]]) -> list[GenerateRequest]:
         GenerateRequest(input_ids=p, sampling_params=SamplingParams(max_new_tokens=NEW))
         for p in ids
     ]
+
+
+def compute_floor(runner: Qwen3Runner) -> Callable[[], None]:
+    """The workload's GEMMs (the runner's own packed weights and fused epilogues) and attention
+    (SDPA at each step's key length), and nothing else: no norms, RoPE, cache writes, sampling or
+    Python scheduling. HF `generate` does at least this much work (the same GEMM shapes, in
+    fp32), so `hf_generate_s / floor_s` bounds what any engine that computes through these
+    kernels on this machine can reach (`ceiling_vs_hf_generate`)."""
+    cfg, w = runner.cfg, runner._weights()
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    nh, nkv, hd = runner.n_heads, runner.n_kv, runner.head_dim
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=runner.dtype):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    shapes = [(BATCH * PROMPT, PROMPT, PROMPT)]  # prefill: rows, query length, key length
+    shapes += [(BATCH, 1, PROMPT + i + 1) for i in range(NEW - 1)]  # decode steps
+    inputs = []
+    for rows, q_len, k_len in shapes:
+        mask = torch.ones(BATCH, 1, q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+        inputs.append(
+            (
+                rand(rows, d),
+                rand(rows, inter),
+                rand(BATCH, nh, q_len, hd, dtype=torch.float32),
+                rand(BATCH, nkv, k_len, hd, dtype=torch.float32),
+                mask,
+            )
+        )
+
+    def run() -> None:
+        with torch.inference_mode():
+            for x, h, q, kv, mask in inputs:
+                for lw in w.layers:
+                    runner._mm(x, lw.qkv)
+                    F.scaled_dot_product_attention(
+                        q, kv, kv, attn_mask=mask, scale=runner.scaling, enable_gqa=nh != nkv
+                    )
+                    runner._mm_add(x, x, lw.o)
+                    runner._mm_mul(x, runner._mm_silu(x, lw.gate), lw.up)
+                    runner._mm_add(h, x, lw.down)
+                runner._mm(x[:BATCH], w.lm_head)
+
+    return run
 
 
 def timed(fn) -> float:
@@ -92,6 +142,8 @@ def bench(preset: str, reps: int) -> dict[str, float]:
             for dtype in DTYPES:
                 variants[f"in_process_{dtype}"] = functools.partial(serving[dtype].generate, reqs)
                 variants[f"http_{dtype}"] = functools.partial(clients[dtype].generate, reqs)
+            for dtype in DTYPES:
+                variants[f"floor_{dtype}"] = compute_floor(serving[dtype].runner)
             for fn in variants.values():  # warm-up
                 fn()
             times: dict[str, list[float]] = {k: [] for k in variants}
@@ -109,7 +161,14 @@ def main() -> None:
     ap.add_argument("--presets", default="small,medium")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    results = {p: bench(p, args.reps) for p in args.presets.split(",")}
+    measured = {p: bench(p, args.reps) for p in args.presets.split(",")}
+    results = {
+        p: {k: v for k, v in r.items() if not k.startswith("floor_")} for p, r in measured.items()
+    }
+    ceilings = {
+        p: {d: round(r[f"floor_{d}"] / r["hf_generate"], 3) for d in DTYPES}
+        for p, r in measured.items()
+    }
     names = list(next(iter(results.values())))
     print(f"{'preset':8}" + "".join(f"{n:>20}" for n in names) + "   (tokens/s)")
     for p, r in results.items():
@@ -117,10 +176,18 @@ def main() -> None:
     print(f"{'preset':8}" + "".join(f"{n:>20}" for n in names[1:]) + "   (× hf_generate)")
     for p, r in results.items():
         print(f"{p:8}" + "".join(f"{r[n] / r['hf_generate']:>20.2f}" for n in names[1:]))
+    print(
+        f"{'preset':8}"
+        + "".join(f"{d:>20}" for d in DTYPES)
+        + "   (ceiling: GEMMs + attention alone)"
+    )
+    for p, c in ceilings.items():
+        print(f"{p:8}" + "".join(f"{c[d]:>20.2f}" for d in DTYPES))
     result = {
         "speedup_vs_hf_generate": {
             p: {n: round(r[n] / r["hf_generate"], 3) for n in names[1:]} for p, r in results.items()
         },
+        "ceiling_vs_hf_generate": ceilings,
         "tokens_per_s": {p: {k: round(v) for k, v in r.items()} for p, r in results.items()},
         "workload": {
             "batch": BATCH,

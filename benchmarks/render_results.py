@@ -76,6 +76,17 @@ def engine_vs_hf(r: dict[str, Any]) -> list[str]:
         f"{w.get('prompt_tokens')}-token prompts × {w.get('new_tokens')} new tokens, sampling with "
         f"log-probs. Target: ≥ {r.get('target')}× `generate`.",
     ]
+    ceilings = r.get("ceiling_vs_hf_generate")
+    if ceilings:
+        text = "; ".join(
+            f"{p} " + ", ".join(f"{d} {_num(x, '.2f')}×" for d, x in c.items())
+            for p, c in ceilings.items()
+        )
+        out += [
+            "",
+            "Ceiling on this machine (the workload's GEMMs and attention alone, no other op, "
+            f"against `generate`): {text}.",
+        ]
     return out
 
 
@@ -206,6 +217,15 @@ def async_vs_sync(r: dict[str, Any]) -> list[str]:
         f"Preset {r.get('preset')}; the best sync variant (bold) is the baseline. Target: "
         f"fully_async ≥ {r.get('target')}× sync.",
     ]
+    if r.get("ceiling_over_sync") is not None:
+        one = r.get("phase_s", {}).get("sync_1t", {})
+        out += [
+            "",
+            f"Ceiling for fully async on one core each: {_num(r['ceiling_over_sync'], '.2f')}× "
+            "sync (the baseline's step against the longer of the 1-thread rollout, "
+            f"{_num(one.get('rollout'), '.3f')} s, and the 1-thread train + update, "
+            f"{_num((one.get('train') or 0) + (one.get('update_weights') or 0), '.3f')} s).",
+        ]
     return out
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_engine import BAD_REQUESTS
 
+from miles_core.engine import runner as runner_mod
 from miles_core.engine.serving import ServingEngine
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt, engine_load
@@ -241,21 +242,46 @@ def test_caller_scheduler_gives_the_thread_schedulers_tokens(engine, tiny):
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
 
 
-def test_bfloat16_engine_stays_within_its_low_precision_contract(tiny):
-    """bf16 GEMMs: log-probs within 0.05 of the fp32 forward, every token from the vocabulary."""
+@pytest.mark.parametrize("gemms", ["this_cpu", "emulated"])
+def test_bfloat16_engine_stays_within_its_low_precision_contract(tiny, monkeypatch, gemms):
+    """bf16 GEMMs (this CPU's own where it has them, and the emulation every CPU can run): log-probs
+    within 0.05 of the fp32 forward, every token from the vocabulary."""
+    if gemms == "emulated":
+        monkeypatch.setattr(runner_mod, "bf16_gemms_native", lambda device: False)
     model, tok = tiny
     eng = ServingEngine(copy.deepcopy(model), tok, seed=0, max_running=8, dtype="bfloat16")
     try:
+        assert eng.runner.emulate_bf16 == (not runner_mod.bf16_gemms_native(eng.device))
         reqs = [_req(tok, f"reverse abc{i}", max_new_tokens=16) for i in range(8)]
         out = eng.generate(reqs, timeout=60)
     finally:
         eng.close()
+    assert all(r.meta_info.finish_reason.type == "length" for r in out)
     gaps = [
         (_recompute(model, q, r) - torch.tensor(r.output_log_probs)).abs().max().item()
         for q, r in zip(reqs, out, strict=True)
     ]
     assert max(gaps) < 0.05
     assert all(0 <= t < model.config.vocab_size for r in out for t in r.output_ids)
+
+
+def test_emulated_bf16_gemm_is_torchs_bf16_gemm(tiny, monkeypatch):
+    """Where a CPU has no bf16 GEMMs the runner widens bf16 operands to fp32 and rounds the result
+    once: the numbers of PyTorch's own bf16 GEMM (fp32 accumulation), up to one bf16 rounding step
+    where the two accumulation orders straddle a rounding boundary."""
+    monkeypatch.setattr(runner_mod, "bf16_gemms_native", lambda device: False)
+    model, _ = tiny
+    runner = runner_mod.Qwen3Runner(model, slots=1, max_len=8, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g).bfloat16()
+    w = torch.randn(192, 64, generator=g)
+    got = runner._mm(x, runner._pack(w))
+    want = torch.nn.functional.linear(x, w.bfloat16())
+    assert got.dtype == torch.bfloat16
+    same = (got.view(torch.int16) == want.view(torch.int16)).float().mean().item()
+    assert same > 0.98
+    ulp = want.float().abs() * 2.0**-7
+    assert ((got.float() - want.float()).abs() <= ulp).all()
 
 
 def test_load_counters_give_active_requests_and_queue_depth(tiny):

@@ -17,6 +17,10 @@ with fewer, fused ops, because a decode step on small models is bound by per-op 
   the KV cache, attention and the logits stay fp32 (CPU bf16 attention kernels are slow); decode
   is faster on CPUs with bf16 units, at a log-prob deviation of ≈1e-2 against an fp32 scorer
   (the low-precision contract: the trainer recomputes log-probs in fp32, the mismatch is logged).
+  A CPU without bf16 GEMMs in oneDNN (AVX2 only: no AVX512-BF16/AMX or avx_ne_convert) gets the
+  same numerics emulated (`bf16_gemms_native`): bf16-rounded weights and inputs, fp32 GEMMs, the
+  output rounded to bf16 — what a native bf16 GEMM computes (fp32 accumulation), at fp32 speed
+  (PyTorch's own bf16 GEMM there is ≈6× slower than fp32; oneDNN refuses to pack bf16 at all).
 In fp32 the engine's log-probs match the trainer's recompute to ~1e-6. Packed copies are rebuilt
 lazily after every weight change (`invalidate`); `verify_packed` checks them against the model's
 tensors bitwise, so a weights check covers what actually generates.
@@ -47,6 +51,13 @@ class _Weights:
     embed: torch.Tensor
     layers: list[_LayerWeights]
     lm_head: torch.Tensor  # final-norm weight folded in
+
+
+def bf16_gemms_native(device: torch.device) -> bool:
+    """Whether bf16 GEMMs run natively on `device` (CUDA; a CPU whose oneDNN has bf16 kernels)."""
+    if device.type != "cpu":
+        return True
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,6 +108,9 @@ class Qwen3Runner:
             device=self.device,
         )
         self.use_onednn = self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        # bf16 numerics with fp32 GEMMs where the CPU has no bf16 GEMMs (see the module docstring)
+        self.emulate_bf16 = dtype == torch.bfloat16 and not bf16_gemms_native(self.device)
+        self.gemm_dtype = torch.float32 if self.emulate_bf16 else dtype
         self._w: _Weights | None = None
 
     def invalidate(self) -> None:
@@ -104,8 +118,9 @@ class Qwen3Runner:
         self._w = None
 
     # ------------------------------------------------------------------ packing
-    def _pack(self, w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        w = w.detach().to(dtype or self.dtype).contiguous()
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        # rounded to the compute dtype, then held in the GEMM dtype (fp32 when bf16 is emulated)
+        w = w.detach().to(self.dtype).to(self.gemm_dtype).contiguous()
         if self.use_onednn:
             return torch.ops.mkldnn._reorder_linear_weight(w, 32)
         return w
@@ -163,25 +178,38 @@ class Qwen3Runner:
         )
 
     # ------------------------------------------------------------------ GEMMs (+ epilogues)
-    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _gemm(self, x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", other=None):
+        """x·wᵀ with an optional epilogue (swish; mul or add of `other`), in the compute dtype.
+        Emulated bf16: the bf16 operands widened exactly to fp32, the result rounded to bf16."""
+        if self.emulate_bf16:
+            x = x.float()
+            other = None if other is None else other.float()
         if self.use_onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return F.linear(x, w)
+            if other is None:
+                y = torch.ops.mkldnn._linear_pointwise(x, w, None, epilogue, [], "")
+            else:
+                y = torch.ops.mkldnn._linear_pointwise.binary(x, other, w, None, epilogue)
+        else:
+            y = F.linear(x, w)
+            if epilogue == "swish":
+                y = F.silu(y)
+            elif epilogue == "mul":
+                y = y * other
+            elif epilogue == "add":
+                y = other + y
+        return y.to(self.dtype) if self.emulate_bf16 else y
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._gemm(x, w)
 
     def _mm_silu(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.use_onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "swish", [], "")
-        return F.silu(F.linear(x, w))
+        return self._gemm(x, w, "swish")
 
     def _mm_mul(self, x: torch.Tensor, other: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.use_onednn:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, None, "mul")
-        return F.linear(x, w) * other
+        return self._gemm(x, w, "mul", other)
 
     def _mm_add(self, x: torch.Tensor, other: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.use_onednn:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, w, None, "add")
-        return other + F.linear(x, w)
+        return self._gemm(x, w, "add", other)
 
     def _rms(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) over the last dim, in 4 ops (the norm weight lives in the next GEMM). For

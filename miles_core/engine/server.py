@@ -231,6 +231,7 @@ def create_app(
             "max_running_requests": engine.max_running,
             "context_length": engine.max_context,
             "dtype": engine.dtype,
+            "gemm_dtype": str(engine.runner.gemm_dtype).removeprefix("torch."),
             "device": str(engine.device),
             "paused": engine.paused,
             "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),

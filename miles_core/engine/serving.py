@@ -133,6 +133,11 @@ class ServingEngine:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
         self.dtype = dtype
         self.runner = Qwen3Runner(model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype])
+        if self.runner.emulate_bf16:
+            log.warning(
+                "this CPU has no bf16 GEMMs (oneDNN needs AVX512-BF16/AMX or avx_ne_convert): "
+                "bf16 numerics are emulated with fp32 GEMMs, at float32 speed"
+            )
         self.max_context = self.runner.max_len
         # min_match beyond any context length turns prefix reuse off (for side-by-side benchmarks)
         self.table = SlotTable(slots, min_match=1 if prefix_cache else 1 << 30)
