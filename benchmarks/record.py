@@ -44,6 +44,10 @@ def machine_info() -> dict[str, Any]:
     if torch is not None:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        # the vector ISA torch's CPU kernels use (AVX2, AVX512, ...) and whether oneDNN has bf16
+        # GEMMs: the same core count gives 2× apart figures on another ISA
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["cpu_bf16_gemms"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -218,13 +218,13 @@ def async_vs_sync(r: dict[str, Any]) -> list[str]:
         f"fully_async ≥ {r.get('target')}× sync.",
     ]
     if r.get("ceiling_over_sync") is not None:
-        one = r.get("phase_s", {}).get("sync_1t", {})
+        one = r.get("cpu_s", {}).get("sync_1t", {})
         out += [
             "",
-            f"Ceiling for fully async on one core each: {_num(r['ceiling_over_sync'], '.2f')}× "
-            "sync (the baseline's step against the longer of the 1-thread rollout, "
-            f"{_num(one.get('rollout'), '.3f')} s, and the 1-thread train + update, "
-            f"{_num((one.get('train') or 0) + (one.get('update_weights') or 0), '.3f')} s).",
+            f"Ceiling for async on one core each: {_num(r['ceiling_over_sync'], '.2f')}× sync "
+            "(the baseline's step against the larger of the two processes' CPU seconds per step "
+            f"at one thread each: engine server {_num(one.get('engine'), '.3f')} s, trainer "
+            f"process {_num(one.get('trainer'), '.3f')} s).",
         ]
     return out
 
@@ -382,7 +382,14 @@ def provenance(payload: dict[str, Any]) -> str:
     where = m.get("description") or ", ".join(
         str(x)
         for x in (
-            m.get("processor"),
+            m.get("processor")
+            + (
+                f" ({m['cpu_capability']}{', bf16 GEMMs' if m.get('cpu_bf16_gemms') else ''})"
+                if m.get("cpu_capability")
+                else ""
+            )
+            if m.get("processor")
+            else None,
             f"{m['cpus_usable']} usable cores" if m.get("cpus_usable") else None,
             m.get("gpu"),
         )
