@@ -217,14 +217,38 @@ def async_vs_sync(r: dict[str, Any]) -> list[str]:
         f"Preset {r.get('preset')}; the best sync variant (bold) is the baseline. Target: "
         f"fully_async ≥ {r.get('target')}× sync.",
     ]
-    if r.get("ceiling_over_sync") is not None:
+    if r.get("overlap_estimate_over_sync") is not None:
         one = r.get("cpu_s", {}).get("sync_1t", {})
         out += [
             "",
-            f"Ceiling for async on one core each: {_num(r['ceiling_over_sync'], '.2f')}× sync "
-            "(the baseline's step against the larger of the two processes' CPU seconds per step "
-            f"at one thread each: engine server {_num(one.get('engine'), '.3f')} s, trainer "
-            f"process {_num(one.get('trainer'), '.3f')} s).",
+            "Overlap estimate for async on one core each: "
+            f"{_num(r['overlap_estimate_over_sync'], '.2f')}× sync (the baseline's step against "
+            "the larger of the two processes' CPU seconds per step at one thread each: engine "
+            f"server {_num(one.get('engine'), '.3f')} s, trainer process "
+            f"{_num(one.get('trainer'), '.3f')} s). Not a bound: the modes change the engine's work.",
+        ]
+    engine = r.get("engine_per_step")
+    if engine:
+        rows = [
+            [
+                name,
+                _num(e.get("busy"), ".3f"),
+                _num(e.get("steps"), ".1f"),
+                _ratio(e.get("rows"), e.get("steps"), ".1f"),
+            ]
+            for name, e in engine.items()
+        ]
+        out += [
+            "",
+            *_table(
+                [
+                    "engine server, per trained step",
+                    "s in engine steps",
+                    "engine steps",
+                    "requests per engine step",
+                ],
+                rows,
+            ),
         ]
     return out
 

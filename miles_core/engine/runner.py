@@ -178,7 +178,13 @@ class Qwen3Runner:
         )
 
     # ------------------------------------------------------------------ GEMMs (+ epilogues)
-    def _gemm(self, x: torch.Tensor, w: torch.Tensor, epilogue: str = "none", other=None):
+    def _gemm(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        epilogue: str = "none",
+        other: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x·wᵀ with an optional epilogue (swish; mul or add of `other`), in the compute dtype.
         Emulated bf16: the bf16 operands widened exactly to fp32, the result rounded to bf16."""
         if self.emulate_bf16:
