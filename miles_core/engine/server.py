@@ -258,7 +258,9 @@ def create_app(
         batched = isinstance(body.text, list) or (
             body.input_ids and isinstance(body.input_ids[0], list)
         )
-        return out if batched else out[0]
+        # already JSON types: a response object skips FastAPI's jsonable_encoder, which walked
+        # every log-prob in Python (12 % of the engine server's GIL time in a fully async run)
+        return JSONResponse(out if batched else out[0])
 
     @app.post("/abort_request")
     async def abort_request(body: AbortBody):
@@ -512,7 +514,7 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
 
 
 def _response_json(resp, body: GenerateBody) -> dict:
-    data = resp.model_dump()
+    data = resp.model_dump(mode="json")  # JSON types, converted by pydantic-core
     if not body.return_logprob:
         data["meta_info"].pop("output_token_logprobs", None)
     return data

@@ -161,6 +161,7 @@ class ServingEngine:
             "busy_seconds": 0.0,
             "slot_moves": 0,  # KV rows moved to keep running requests in contiguous slots
             "steps": 0,  # engine steps, and the running / waiting requests summed over them
+            "prefill_steps": 0,  # engine steps that admitted requests (a prefill forward)
             "running_sum": 0,
             "waiting_sum": 0,
         }
@@ -466,6 +467,7 @@ class ServingEngine:
         self._drain_inbox()
         admitted = self._admit()
         if admitted:
+            self.stats["prefill_steps"] += 1
             chunks = [r.tokens[r.kv_len :] for r in admitted]
             with self.step_threads.around(sum(len(c) for c in chunks)):
                 logits = self.runner.prefill(
