@@ -87,7 +87,7 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
     rewards, staleness, t0 = [], [], 0.0
     phases = dict.fromkeys(PHASES, 0.0)  # seconds per phase over the timed steps
 
-    def timed(phase: str, fn, *args):
+    def clocked(phase: str, fn, *args):
         t = time.perf_counter()
         out = fn(*args)
         phases[phase] += time.perf_counter() - t
@@ -99,9 +99,9 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
                 t0 = time.perf_counter()
                 phases.update(dict.fromkeys(PHASES, 0.0))
                 cpu0 = cpu_seconds(rt)
-            result = timed("rollout", rt.rollout, step)
-            timed("train", rt.train, result)
-            timed("update_weights", rt.update_weights)
+            result = clocked("rollout", rt.rollout, step)
+            clocked("train", rt.train, result)
+            clocked("update_weights", rt.update_weights)
             rewards.append(result.metrics["rollout/reward_mean"])
             staleness.append(result.metrics.get("rollout/staleness/mean", 0.0))
         seconds = time.perf_counter() - t0
