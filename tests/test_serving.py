@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import random
 import threading
 import time
 
@@ -11,6 +12,7 @@ from test_engine import BAD_REQUESTS
 
 from miles_core.engine import runner as runner_mod
 from miles_core.engine.serving import ServingEngine
+from miles_core.engine.slots import SlotState, SlotTable, common_prefix
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt, engine_load
 
@@ -380,3 +382,43 @@ def test_small_steps_run_on_one_thread_only_where_the_engine_adapts(tiny, monkey
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+def _longest_prefix_by_full_scan(table: SlotTable, tokens: list[int], exclude: set[int]):
+    """best_match's answer by comparing every eligible slot in full (the rule it implements)."""
+    limit, best, best_len = len(tokens) - 1, None, 0
+    for s in table.slots:
+        if (
+            s.epoch != table.epoch
+            or s.state == SlotState.FREE
+            or s.index in exclude
+            or not s.tokens
+            or s.tokens[0] != tokens[0]
+        ):
+            continue
+        n = min(common_prefix(s.tokens, tokens), limit)
+        if n > best_len or (n == best_len and best is not None and s.state == SlotState.CACHED):
+            best, best_len = s, n
+    return (None, 0) if best_len < table.min_match else (best, best_len)
+
+
+def test_best_match_skips_slots_by_one_token_and_still_finds_the_full_scans_slot():
+    """Random tables (states, epochs, exclusions, ties, prefixes of a shared base): the slot and
+    length best_match picks are the full scan's, including which CACHED slot wins a tie."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        table = SlotTable(rng.randrange(1, 20), min_match=rng.choice([1, 1, 3]))
+        base = [rng.randrange(3) for _ in range(rng.randrange(8))]
+        for s in table.slots:
+            s.state = rng.choice(list(SlotState))
+            s.epoch = rng.choice([0, 0, 0, 1])
+            s.tokens = base[: rng.randrange(len(base) + 1)] + [
+                rng.randrange(3) for _ in range(rng.randrange(8))
+            ]
+        query = base[: rng.randrange(len(base) + 1)] + [
+            rng.randrange(3) for _ in range(rng.randrange(1, 8))
+        ]
+        exclude = {i for i in range(len(table.slots)) if rng.random() < 0.1}
+        got = table.best_match(query, exclude)
+        want = _longest_prefix_by_full_scan(table, query, exclude)
+        assert got[0] is want[0] and got[1] == want[1]

@@ -63,6 +63,13 @@ class SlotTable:
                 or s.tokens[0] != first
             ):
                 continue
+            if best_len:
+                # one token decides most slots: a slot changes the answer only with a longer
+                # match (token best_len equal) or, if CACHED, an equal one (token best_len-1
+                # equal); a slot that fails its check cannot, so it needs no full compare
+                k = best_len - 1 if s.state == SlotState.CACHED else best_len
+                if k >= limit or len(s.tokens) <= k or s.tokens[k] != tokens[k]:
+                    continue
             n = min(common_prefix(s.tokens, tokens), limit)
             if n > best_len or (n == best_len and best is not None and s.state == SlotState.CACHED):
                 best, best_len = s, n
