@@ -47,7 +47,9 @@ def machine_info() -> dict[str, Any]:
         # the vector ISA torch's CPU kernels use (AVX2, AVX512, ...) and whether oneDNN has bf16
         # GEMMs: the same core count gives 2× apart figures on another ISA
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        info["cpu_bf16_gemms"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        from miles_core.engine.runner import bf16_gemms_native
+
+        info["cpu_bf16_gemms"] = bf16_gemms_native(torch.device("cpu"))
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     return info

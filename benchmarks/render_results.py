@@ -400,20 +400,23 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 }
 
 
+def _cpu(m: dict[str, Any]) -> str | None:
+    """The processor, with the vector ISA and bf16 GEMMs where recorded: "AMD EPYC (AVX2)"."""
+    if not m.get("processor"):
+        return None
+    if not m.get("cpu_capability"):
+        return m["processor"]
+    bf16 = ", bf16 GEMMs" if m.get("cpu_bf16_gemms") else ""
+    return f"{m['processor']} ({m['cpu_capability']}{bf16})"
+
+
 def provenance(payload: dict[str, Any]) -> str:
     m = payload.get("machine") or {}
     commit = (payload.get("git_commit") or {}).get("sha")
     where = m.get("description") or ", ".join(
         str(x)
         for x in (
-            m.get("processor")
-            + (
-                f" ({m['cpu_capability']}{', bf16 GEMMs' if m.get('cpu_bf16_gemms') else ''})"
-                if m.get("cpu_capability")
-                else ""
-            )
-            if m.get("processor")
-            else None,
+            _cpu(m),
             f"{m['cpus_usable']} usable cores" if m.get("cpus_usable") else None,
             m.get("gpu"),
         )
