@@ -197,6 +197,12 @@ class OptimConfig(_Strict):
     adam_beta2: float = Field(0.999, ge=0, lt=1)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(32, gt=0)
+    share_prompts: bool = Field(
+        True,
+        description="the training forward runs each distinct prompt of a micro-batch once and "
+        "its samples' responses attend to its keys and values (exact: the same log-probs and "
+        "gradients as one padded row per sample, up to rounding); off: one padded row each",
+    )
     world_size: int = Field(
         1, gt=0, description="trainer ranks; >1 runs under torchrun (gloo on CPU)"
     )

@@ -431,3 +431,17 @@ def test_a_real_session_carries_fields_to_the_micro_batch(engine_server):
     samples[0].validate()
     for mb, padded in micro_batches(samples, size=1):
         assert_aligned(padded, mb)
+
+
+def test_a_sequence_aligned_field_keeps_the_padded_rows():
+    """The shared-prompt forward runs a prompt once for all its rows, so a field with one row per
+    fed position (routing replay) would lose its per-row prompt rows: such batches stay padded."""
+    from miles_core.train.shared_prefix import SharedPrefix
+
+    tokens = [[7, 8, 1, 2], [7, 8, 3, 4]]
+    twins = TrainBatch(tokens=tokens, response_lengths=[2, 2], loss_masks=[[1, 1]] * 2)
+    assert SharedPrefix.build(twins, PAD_ID) is not None
+    twins.token_fields = {"probe": [probe_of(np.array(t[2:])) for t in tokens]}
+    assert SharedPrefix.build(twins, PAD_ID) is not None  # response-aligned: unaffected
+    twins.token_fields["probe_routes"] = [routes_of(t[:-1]) for t in tokens]
+    assert SharedPrefix.build(twins, PAD_ID) is None

@@ -9,8 +9,10 @@ from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.advantages import grpo_advantages
 from miles_core.train.batch import TrainBatch
+from miles_core.train.forward import LossNeeds
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.train.losses import aggregate, k3_kl, ppo_clip_loss
+from miles_core.train.shared_prefix import SharedPrefix
 from miles_core.types import Sample, SampleGroup
 from miles_core.weights import make_transport, mismatched_tensors
 
@@ -59,6 +61,66 @@ def test_trainer_recompute_matches_engine_logprobs(tiny_dir, tiny, temperature):
     ]
     assert len(diffs) == sum(batch.response_lengths)
     assert max(diffs) < 1e-5
+
+
+def test_shared_prompt_forward_gives_the_padded_rows_log_probs_and_update(tiny_dir, tiny):
+    model, tok = tiny
+    batch = _rollout(EmbeddedEngine(model, tok, seed=0), tok)
+    # edge rows: a one-token response, and a zero-length one (a failed episode's placeholder)
+    prompt = encode_prompt(tok, "go")
+    batch.tokens += [prompt + [tok.eos_token_id], list(prompt)]
+    batch.response_lengths += [1, 0]
+    batch.loss_masks += [[1], []]
+    batch.advantages += [0.5, 0.0]
+    batch.rollout_log_probs += [[-1.0], []]
+    layout = SharedPrefix.build(batch.slice(0, 8), pad_id=0)
+    assert layout is not None and layout.saved_tokens > 0  # the micro-batch does share prompts
+    shared, padded = (
+        _trainer(tiny_dir, micro_batch_size=9),
+        _trainer(tiny_dir, micro_batch_size=9, share_prompts=False),
+    )
+    assert shared.micro_batch(batch.slice(0, 9)).prefix is not None
+    assert padded.micro_batch(batch.slice(0, 9)).prefix is None
+    a, b = shared.compute_log_probs(batch), padded.compute_log_probs(batch)
+    assert [len(r) for r in a] == [len(r) for r in b] == batch.response_lengths
+    assert (
+        max(abs(x - y) for r, o in zip(a, b, strict=True) for x, y in zip(r, o, strict=True)) < 1e-5
+    )
+    grads = []
+    for trainer in (shared, padded):  # the gradient of one micro-batch's policy-gradient sum
+        mb = trainer.micro_batch(batch.slice(0, 9))
+        out = trainer.forward(mb, LossNeeds())
+        (out.log_probs * mb.mask * mb.per_row(batch.advantages[:9]).unsqueeze(1)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        trainer.model.zero_grad(set_to_none=True)
+    for n, g in grads[0].items():
+        assert torch.allclose(g, grads[1][n], atol=1e-6, rtol=1e-4), n
+    assert any(g.abs().max() > 1e-3 for g in grads[0].values())
+    batch.old_is_current = True
+    ma, mb = shared.train_step(batch), padded.train_step(batch)
+    for key in ("loss", "pg_loss", "grad_norm", "train_rollout_logprob_abs_diff"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-7), key
+
+
+def test_shared_prompt_layout_applies_only_where_it_saves():
+    distinct = TrainBatch(
+        tokens=[[1, 2, 3], [1, 4, 5]], response_lengths=[1, 1], loss_masks=[[1]] * 2
+    )
+    assert SharedPrefix.build(distinct, 0) is None  # prompts [1, 2] and [1, 4]: nothing shared
+    no_prompt = TrainBatch(
+        tokens=[[1, 2], [1, 2]], response_lengths=[2, 2], loss_masks=[[1, 1]] * 2
+    )
+    assert SharedPrefix.build(no_prompt, 0) is None  # no token to predict the first one from
+    twins = TrainBatch(
+        tokens=[[7, 8, 1], [7, 8, 2, 3]], response_lengths=[1, 2], loss_masks=[[1], [1, 1]]
+    )
+    layout = SharedPrefix.build(twins, 0)
+    assert layout.prefix_ids.tolist() == [[7, 8]] and layout.row_prompt.tolist() == [0, 0]
+    assert layout.suffix_ids.tolist() == [[0], [2]] and layout.suffix_positions.tolist() == [
+        [2],
+        [2],
+    ]
+    assert layout.saved_tokens == 2
 
 
 def test_step_zero_is_exactly_on_policy_then_weights_move_and_sync_bitwise(tiny_dir, tiny):

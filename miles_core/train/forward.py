@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from miles_core.train.batch import PaddedBatch, TrainBatch
+from miles_core.train.shared_prefix import SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -23,15 +24,24 @@ class LossNeeds:
 @dataclass
 class MicroBatch:
     """One micro-batch of this rank: its rows (`batch`, lists) and their padded tensors on the
-    trainer's device (`padded`). Per-token fields of the batch reach a loss through both."""
+    trainer's device (`padded`). Per-token fields of the batch reach a loss through both.
+    `prefix`: the same rows as distinct prompts + responses, for a forward that runs each
+    prompt once (`shared_prefix.py`); None where that saves nothing or was not asked for."""
 
     batch: TrainBatch
     padded: PaddedBatch
+    prefix: SharedPrefix | None = None
 
     @classmethod
-    def build(cls, batch: TrainBatch, pad_id: int, device: torch.device) -> MicroBatch:
+    def build(
+        cls, batch: TrainBatch, pad_id: int, device: torch.device, share_prompts: bool = False
+    ) -> MicroBatch:
         padded = PaddedBatch.build(batch, pad_id)
-        return cls(batch, padded if device.type == "cpu" else padded.to(device))
+        prefix = SharedPrefix.build(batch, pad_id) if share_prompts else None
+        if device.type != "cpu":
+            padded = padded.to(device)
+            prefix = prefix.to(device) if prefix is not None else None
+        return cls(batch, padded, prefix)
 
     @property
     def mask(self) -> torch.Tensor:

@@ -43,6 +43,7 @@ from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_scheduler
 from miles_core.train.registry import backend_path, get_loss
+from miles_core.train.shared_prefix import response_logits
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
 
 
@@ -124,6 +125,9 @@ class FSDPBackend:
             optim["lr_decay_style"],
         )
         self.micro_batch_size = int(optim["micro_batch_size"])
+        # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
+        # where the group's rows would share one dropout draw over their prompt
+        self.share_prompts = bool(optim.get("share_prompts", True)) and not self.stochastic_forward
 
     def _needs_reference(self) -> bool:
         """The run's RL loss (`loss.loss`, default policy) asks for reference log-probs."""
@@ -161,7 +165,7 @@ class FSDPBackend:
 
     # ------------------------------------------------------------------ the step loop's calls
     def micro_batch(self, batch: TrainBatch) -> MicroBatch:
-        return MicroBatch.build(batch, self.pad_id, self.device)
+        return MicroBatch.build(batch, self.pad_id, self.device, self.share_prompts)
 
     def forward(self, mb: MicroBatch, needs: LossNeeds) -> TokenOutputs:
         lp, resp_logits = self._log_probs(self.model, mb)
@@ -182,9 +186,12 @@ class FSDPBackend:
 
     def _log_probs(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         padded = mb.padded
-        logits = model(input_ids=padded.input_ids).logits
-        idx = padded.targets_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        resp_logits = logits.gather(1, idx)
+        if mb.prefix is not None:
+            resp_logits = response_logits(model, mb.prefix)
+        else:
+            logits = model(input_ids=padded.input_ids).logits
+            idx = padded.targets_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+            resp_logits = logits.gather(1, idx)
         return token_log_probs(resp_logits, padded.targets, mb.temperature), resp_logits
 
     def backward(self, loss: torch.Tensor) -> None:
