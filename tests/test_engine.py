@@ -20,8 +20,11 @@ def _req(tok, text="say a", **sp):
 
 def test_logprobs_match_a_full_forward_recompute(engine, tiny):
     model, tok = tiny
-    reqs = [_req(tok, t, max_new_tokens=12) for t in ["say a", "reverse abcdefgh", "1+2=", "go"]]
+    # repeated prompts (a GRPO group's) are prefilled once and their cache rows repeated
+    texts = ["say a", "reverse abcdefgh", "say a", "1+2=", "go", "say a"]
+    reqs = [_req(tok, t, max_new_tokens=12) for t in texts]
     out = engine.generate(reqs)
+    assert out[0].output_ids != out[2].output_ids  # the group's samples diverge
     for req, resp in zip(reqs, out, strict=True):
         full = torch.tensor([req.input_ids + resp.output_ids])
         with torch.no_grad():
@@ -74,7 +77,8 @@ def test_stop_token_ends_the_sequence_and_is_kept(engine, tiny):
 
 def test_batched_rows_with_different_prompt_lengths_equal_single_runs(tiny):
     model, tok = tiny
-    reqs = [_req(tok, t, max_new_tokens=10, top_k=1) for t in ["a", "reverse abcdefgh", "12+345="]]
+    texts = ["a", "reverse abcdefgh", "a", "12+345=", "reverse abcdefgh"]
+    reqs = [_req(tok, t, max_new_tokens=10, top_k=1) for t in texts]
     batched = EmbeddedEngine(model, tok).generate(reqs)
     for req, b in zip(reqs, batched, strict=True):
         single = EmbeddedEngine(model, tok).generate([req])[0]

@@ -102,12 +102,17 @@ class EmbeddedEngine:
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         bsz = len(requests)
         prompt_lens = [len(r.input_ids) for r in requests]
+        # each distinct prompt is prefilled once (a GRPO group's n samples share one); its cache
+        # rows, mask and positions are then repeated for the samples that extend it
+        distinct: dict[tuple[int, ...], int] = {}
+        row_prompt = [distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in requests]
+        expand = torch.tensor(row_prompt) if len(distinct) < bsz else None
         width = max(prompt_lens)
-        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((bsz, width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - prompt_lens[i] :] = torch.tensor(r.input_ids)
-            mask[i, width - prompt_lens[i] :] = 1
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, prompt in enumerate(distinct):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         sps = [r.sampling_params for r in requests]
         temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
@@ -137,6 +142,10 @@ class EmbeddedEngine:
                     cache=cache,
                     use_cache=True,
                 ).logits[:, -1, :]
+                if expand is not None:  # after the prefill: one row per request from now on
+                    logits, mask, step_pos = logits[expand], mask[expand], step_pos[expand]
+                    cache.batch_select_indices(expand)
+                    expand = None
                 uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
                 tokens, token_lp = sample_next(
                     logits, temperature, top_k, top_p, uniforms, truncate
