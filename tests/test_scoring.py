@@ -12,7 +12,7 @@ from miles_core.config import load_config
 from miles_core.data.tasks import SayA, Score
 from miles_core.rollout.protocol import GenerateResponse
 from miles_core.rollout.rollout_fn import build_group
-from miles_core.rollout.scoring import safe_score
+from miles_core.rollout.scoring import call_with_timeout, safe_score
 from miles_core.runtime import RLRuntime, prepare_model_dir
 from miles_core.types import Status
 
@@ -92,6 +92,24 @@ def test_a_failing_reward_function_fails_only_its_sample(how, reason):
     assert half.reward == 0.5 and "error" not in half.metadata
     for s in group.samples:
         s.validate()
+
+
+def test_reward_calls_reuse_a_worker_thread_and_a_hung_one_is_never_reused():
+    ident = threading.get_ident
+    first = call_with_timeout(ident, (), 5)
+    assert first != ident() and call_with_timeout(ident, (), 5) == first  # no thread per call
+    release, hung = threading.Event(), []
+
+    def hang():
+        hung.append(ident())
+        release.wait()
+
+    with pytest.raises(TimeoutError, match="timed out after 0.1 s"):
+        call_with_timeout(hang, (), 0.1)
+    try:
+        assert call_with_timeout(ident, (), 5) not in hung  # the next call got another worker
+    finally:
+        release.set()  # the abandoned worker finishes the call and its thread ends
 
 
 def test_safe_score_passes_a_good_score_through():
