@@ -5,7 +5,8 @@ of running the prompt again in every row of a padded batch.
 It is exact: the prompt's activations are the same in every row that holds it, and the gradient
 through the repeated keys and values sums the group's contributions, which is what the padded
 batch computes row by row. Only the rounding differs (other GEMM shapes). With 4 prompts of ~24
-tokens × 8 samples × 32 new tokens it feeds 38 % fewer tokens through the model.
+tokens × 8 samples × 32 new tokens it feeds 39 % fewer tokens through the model (1,088 against
+1,792).
 
 Two forward calls of an HF causal LM (`cache`, `position_ids`, `attention_mask`,
 `logits_to_keep`), both through the root module, so FSDP2 gathers and frees its parameters as
