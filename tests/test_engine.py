@@ -4,14 +4,17 @@ import pytest
 import torch
 
 from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engine.hf_forward import HFForward
+from miles_core.engine.loading import PackedWeightsDiffer
 from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 
 
-@pytest.fixture
-def engine(tiny):
+@pytest.fixture(params=[True, False], ids=["runner", "hf_modules"])
+def engine(tiny, request):
+    """Both forwards of the embedded engine: the lean runner (Qwen3) and the model's modules."""
     model, tok = tiny
-    return EmbeddedEngine(copy.deepcopy(model), tok, seed=7)
+    return EmbeddedEngine(copy.deepcopy(model), tok, seed=7, fast=request.param)
 
 
 def _req(tok, text="say a", **sp):
@@ -75,13 +78,14 @@ def test_stop_token_ends_the_sequence_and_is_kept(engine, tiny):
     )
 
 
-def test_batched_rows_with_different_prompt_lengths_equal_single_runs(tiny):
+@pytest.mark.parametrize("fast", [True, False], ids=["runner", "hf_modules"])
+def test_batched_rows_with_different_prompt_lengths_equal_single_runs(tiny, fast):
     model, tok = tiny
     texts = ["a", "reverse abcdefgh", "a", "12+345=", "reverse abcdefgh"]
     reqs = [_req(tok, t, max_new_tokens=10, top_k=1) for t in texts]
-    batched = EmbeddedEngine(model, tok).generate(reqs)
+    batched = EmbeddedEngine(model, tok, fast=fast).generate(reqs)
     for req, b in zip(reqs, batched, strict=True):
-        single = EmbeddedEngine(model, tok).generate([req])[0]
+        single = EmbeddedEngine(model, tok, fast=fast).generate([req])[0]
         assert single.output_ids == b.output_ids
         assert torch.allclose(
             torch.tensor(single.output_log_probs), torch.tensor(b.output_log_probs), atol=1e-5
@@ -123,6 +127,29 @@ def test_loads_named_tensors_and_rejects_unknown_names(engine):
     assert torch.equal(engine.named_tensors()[name], new)
     with pytest.raises(KeyError, match="no parameter"):
         engine.update_weights_from_tensor([("nope.weight", new)])
+
+
+def test_generates_with_pushed_weights_and_a_stale_copy_fails_the_weights_check(engine, tiny):
+    _, tok = tiny
+    req = _req(tok, "reverse abc", max_new_tokens=6)
+    engine.generate([req])  # the runner packs its copies of the first weights
+    pushed = {n: t + 0.05 * torch.randn_like(t) for n, t in engine.named_tensors().items()}
+    engine.update_weights_from_tensor(pushed.items())
+    resp = engine.generate([req])[0]
+    with torch.no_grad():
+        full = torch.tensor([req.input_ids + resp.output_ids])
+        lp = torch.log_softmax(engine.model(full).logits[0].float(), -1)
+    p = len(req.input_ids)
+    ref = lp[p - 1 : p + 5].gather(1, torch.tensor(resp.output_ids)[:, None])[:, 0]
+    assert torch.allclose(ref, torch.tensor(resp.output_log_probs), atol=1e-5, rtol=0)
+    engine.weights_checksum()  # copies and tensors agree
+    with torch.no_grad():  # a write that bypasses the engine: the copies go stale
+        engine.model.model.norm.weight.add_(1.0)
+    if isinstance(engine.forward, HFForward):  # nothing derived: the write is what generates
+        engine.weights_checksum()
+    else:
+        with pytest.raises(PackedWeightsDiffer, match="lm_head"):
+            engine.weights_checksum()
 
 
 def test_temperature_zero_is_greedy_and_bad_sampling_params_are_refused(engine, tiny):

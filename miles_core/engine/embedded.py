@@ -1,8 +1,10 @@
-"""The embedded engine: batched sampling with a KV cache on the model's own modules.
+"""The embedded engine: one batched generate call at a time, in the caller's thread.
 
-Prompts are left-padded into one batch; every decode step feeds one token per row through the
-model with a `DynamicCache`, samples all rows at once, and records the log-prob of each sampled
-token. Output ids are returned as generated; nothing is re-tokenized.
+Each distinct prompt is prefilled once; every decode step then feeds one token per row, samples
+all rows at once, and records the log-prob of each sampled token. Output ids are returned as
+generated; nothing is re-tokenized. The model runs through a `BatchForward` (batch_forward.py):
+the serving engine's lean forward for Qwen3 models, the model's own modules otherwise
+(`fast=False` forces those).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import threading
 from collections.abc import Iterable
 
 import torch
-from transformers import DynamicCache
 
-from miles_core.engine.loading import load_named_tensors, tensors_checksum
+from miles_core.engine.batch_forward import batch_forward_for
+from miles_core.engine.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
 from miles_core.engine.sampler import sample_next
 from miles_core.engine.threads import StepThreads
 from miles_core.engine_api import TENSOR
@@ -37,6 +39,7 @@ class EmbeddedEngine:
         seed: int = 0,
         max_batch_size: int = 512,
         adapt_threads: bool = False,
+        fast: bool = True,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -48,6 +51,7 @@ class EmbeddedEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._params = dict(model.named_parameters())
+        self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}
         # per-step thread counts (threads.py), when no trainer computes beside `generate`
         cpu = next(model.parameters()).device.type == "cpu"
@@ -74,13 +78,22 @@ class EmbeddedEngine:
 
     # ---------------------------------------------------------------- weights
     def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        return load_named_tensors(self._params, named_tensors)
+        try:
+            return load_named_tensors(self._params, named_tensors)
+        finally:  # also after a refused load (nothing copied): repacking is only wasted time
+            self.forward.invalidate()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self._params.items()}
 
     def weights_checksum(self) -> str:
-        """sha256 of the tensors it generates with (the model's own parameters)."""
+        """sha256 of the weights that generate: whatever the forward derived from the model's
+        parameters (the runner's packed copies) is first checked bitwise against them."""
+        stale = self.forward.stale()  # no lock: a paused engine holds it (pause → push → check)
+        if stale:
+            raise PackedWeightsDiffer(
+                f"the engine forward's weight copies differ from its tensors: {stale[:5]}"
+            )
         return tensors_checksum(self.named_tensors())
 
     def close(self) -> None:
@@ -102,50 +115,35 @@ class EmbeddedEngine:
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         bsz = len(requests)
         prompt_lens = [len(r.input_ids) for r in requests]
-        # each distinct prompt is prefilled once (a GRPO group's n samples share one); its cache
-        # rows, mask and positions are then repeated for the samples that extend it
+        # each distinct prompt is prefilled once (a GRPO group's n samples share one)
         distinct: dict[tuple[int, ...], int] = {}
         row_prompt = [distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in requests]
-        expand = torch.tensor(row_prompt) if len(distinct) < bsz else None
-        width = max(prompt_lens)
-        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for i, prompt in enumerate(distinct):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
+        prompts = [list(p) for p in distinct]
         sps = [r.sampling_params for r in requests]
         temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
         top_p = torch.tensor([sp.top_p for sp in sps], dtype=torch.float32)
-        limits = torch.tensor([sp.max_new_tokens for sp in sps])
+        limit_list = [sp.max_new_tokens for sp in sps]
         stop_sets = [set(sp.stop_token_ids or []) for sp in sps]
-        max_steps = int(limits.max()) if bsz else 0
+        max_steps = max(limit_list, default=0)
 
         outputs: list[list[int]] = [[] for _ in range(bsz)]
         logps: list[list[float]] = [[] for _ in range(bsz)]
         finish: list[FinishReason | None] = [None] * bsz
-        limit_list = limits.tolist()
         for i in range(bsz):
             if limit_list[i] == 0:
                 finish[i] = FinishReason(type="length", length=0)
 
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        step_ids, step_pos = ids, position
         truncate = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
+        length = max(n + k for n, k in zip(prompt_lens, limit_list, strict=True)) if bsz else 0
+        tokens: torch.Tensor | None = None
         for _ in range(max_steps):
-            with self.step_threads.around(step_ids.numel()):
-                logits = self.model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
-                    cache=cache,
-                    use_cache=True,
-                ).logits[:, -1, :]
-                if expand is not None:  # after the prefill: one row per request from now on
-                    logits, mask, step_pos = logits[expand], mask[expand], step_pos[expand]
-                    cache.batch_select_indices(expand)
-                    expand = None
+            fed = bsz if tokens is not None else sum(len(p) for p in prompts)
+            with self.step_threads.around(fed):
+                if tokens is None:
+                    logits = self.forward.prefill(prompts, row_prompt, length)
+                else:
+                    logits = self.forward.decode(tokens)
                 uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
                 tokens, token_lp = sample_next(
                     logits, temperature, top_k, top_p, uniforms, truncate
@@ -164,9 +162,6 @@ class EmbeddedEngine:
                     finish[i] = FinishReason(type="length", length=len(outputs[i]))
             if all(f is not None for f in finish):
                 break
-            step_ids = tokens.unsqueeze(1)
-            step_pos = step_pos[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype)], dim=1)
 
         version = str(self._version)
         responses = []

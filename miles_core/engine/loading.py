@@ -10,6 +10,10 @@ import torch
 from miles_core.weights.checker import weights_checksum
 
 
+class PackedWeightsDiffer(RuntimeError):
+    """The copies an engine generates with are not its weights (a weights check)."""
+
+
 def tensors_checksum(named: dict[str, torch.Tensor]) -> str:
     """The checksum an in-process engine answers `weights_checksum()` with (its own tensors)."""
     return weights_checksum(named.items())

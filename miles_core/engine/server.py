@@ -31,7 +31,8 @@ from miles_core.engine.disk_loads import (
     DiskLoadRefused,
     max_load_bytes,
 )
-from miles_core.engine.serving import PAUSE_MODES, PackedWeightsDiffer, ServingEngine
+from miles_core.engine.loading import PackedWeightsDiffer
+from miles_core.engine.serving import PAUSE_MODES, ServingEngine
 from miles_core.engine_api import SERVER_ROUTES
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S

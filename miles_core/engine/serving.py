@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_core.device import resolve_device
-from miles_core.engine.loading import load_named_tensors, tensors_checksum
+from miles_core.engine.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
 from miles_core.engine.runner import Qwen3Runner
 from miles_core.engine.sampler import sample_next
 from miles_core.engine.slots import Slot, SlotState, SlotTable
@@ -50,10 +50,6 @@ SCHEDULERS = ("thread", "caller", "main")
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 UNIFORMS_AHEAD = 64  # a seeded request's sampling numbers drawn per op
 log = logging.getLogger("miles.engine")
-
-
-class PackedWeightsDiffer(RuntimeError):
-    """The copies the runner generates with are not the engine's weights (a weights check)."""
 
 
 @dataclass(eq=False)  # identity semantics: list/deque membership must not compare fields

@@ -1,0 +1,61 @@
+"""How the embedded engine runs the model over one batch: a `BatchForward`.
+
+A generate call prefills each distinct prompt once (a GRPO group's samples share one), then feeds
+one token per row per step. Two forwards do that:
+
+    hf      the model's own modules with a `DynamicCache` (any causal LM transformers loads)
+    runner  the serving engine's lean forward (`runner.py`) over a slot KV cache: fewer, fused
+            ops per step, from packed copies of the weights (Qwen3 models)
+
+`batch_forward_for(model)` takes the fast forward registered for the model's class
+(`FAST_FORWARDS`, keyed by class name such as `Qwen3ForCausalLM`; an entry may be an import path
+`pkg.mod:factory`), else `hf`. A wrapped model (e.g. a peft adapter) has another class name and
+gets `hf`. The forward holds whatever it derives from the weights, so the engine tells it when
+they change (`invalidate`) and asks it to prove its copies equal the model's (`stale`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from miles_core.registry import Registry
+
+
+class BatchForward(Protocol):
+    def prefill(self, prompts: list[list[int]], row_prompt: list[int], length: int) -> torch.Tensor:
+        """Runs each distinct prompt once; returns next-token logits [B, V] for the batch's B
+        rows, row i extending `prompts[row_prompt[i]]`; no row will grow past `length` tokens.
+        Starts a new batch."""
+        ...
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feeds one token per row (ids [B]); returns next-token logits [B, V]."""
+        ...
+
+    def invalidate(self) -> None:
+        """The model's weights changed: drop anything derived from them."""
+        ...
+
+    def stale(self) -> list[str]:
+        """Names of derived copies that differ bitwise from the model's weights ([] if none)."""
+        ...
+
+
+BatchForwardFactory = Callable[[torch.nn.Module], BatchForward]
+
+FAST_FORWARDS: Registry[BatchForwardFactory] = Registry("embedded engine forward")
+FAST_FORWARDS.register("Qwen3ForCausalLM", "miles_core.engine.runner_forward:RunnerForward")
+
+
+def batch_forward_for(model: torch.nn.Module, pad_id: int, fast: bool = True) -> BatchForward:
+    """The fast forward registered for the model's class, else (or with `fast=False`) `hf`
+    (which left-pads prompts with `pad_id`)."""
+    name = type(model).__name__
+    if fast and name in FAST_FORWARDS:
+        return FAST_FORWARDS.get(name)(model)
+    from miles_core.engine.hf_forward import HFForward
+
+    return HFForward(model, pad_id)
