@@ -12,7 +12,8 @@ with fewer, fused ops, because a decode step on small models is bound by per-op 
   x·cos + rotate_half(x)·sin);
 - the MLP's SiLU, gate·up product and both residual adds are GEMM epilogues (oneDNN);
 - on CPU, GEMMs use oneDNN prepacked weights (packed once per weight change with a batch-size
-  hint of 32; MKL takes a generic path on some CPUs, e.g. AMD, and runs 1.3–1.8× slower);
+  hint of 32; MKL takes a generic path on some CPUs, e.g. AMD, and runs 1.3–1.8× slower), except
+  small fp32 weights (`PLAIN_MAX_ELEMENTS`), where a packed call's fixed cost exceeds the GEMM;
 - `dtype=torch.bfloat16` runs the GEMMs and the residual stream in bf16 while q/k norms, RoPE,
   the KV cache, attention and the logits stay fp32 (CPU bf16 attention kernels are slow); decode
   is faster on CPUs with bf16 units, at a log-prob deviation of ≈1e-2 against an fp32 scorer
@@ -34,6 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from miles_core.engine.kv_cache import SlotKVCache
+
+# fp32 weights up to this many elements stay plain tensors (F.linear) instead of oneDNN packs: a
+# packed GEMM costs ≈10 µs more per call at these sizes (1 thread, 32 rows: 192×64 11.7 against
+# 23.9 µs, 256×256 54 against 77 µs; 512×256 121 against 104 µs, where packing starts to win)
+PLAIN_MAX_ELEMENTS = 65536
 
 
 @dataclass
@@ -121,7 +127,8 @@ class Qwen3Runner:
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         # rounded to the compute dtype, then held in the GEMM dtype (fp32 when bf16 is emulated)
         w = w.detach().to(self.dtype).to(self.gemm_dtype).contiguous()
-        if self.use_onednn:
+        small = self.gemm_dtype == torch.float32 and w.numel() <= PLAIN_MAX_ELEMENTS
+        if self.use_onednn and not small:
             return torch.ops.mkldnn._reorder_linear_weight(w, 32)
         return w
 
@@ -190,7 +197,7 @@ class Qwen3Runner:
         if self.emulate_bf16:
             x = x.float()
             other = None if other is None else other.float()
-        if self.use_onednn:
+        if w.is_mkldnn:
             if other is None:
                 y = torch.ops.mkldnn._linear_pointwise(x, w, None, epilogue, [], "")
             else:
