@@ -8,7 +8,7 @@ from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.advantages import grpo_advantages
-from miles_core.train.batch import TrainBatch
+from miles_core.train.batch import PaddedBatch, TrainBatch, pad_rows
 from miles_core.train.forward import LossNeeds
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.train.losses import aggregate, k3_kl, ppo_clip_loss
@@ -281,3 +281,23 @@ def test_rollout_mean_weighs_each_agent_session_once_however_many_leaves_it_has(
     rows = torch.tensor([[2.0, 2.0], [1.0, 0.0]])
     with pytest.raises(ValueError, match="rollout token total"):
         aggregate(rows, torch.ones_like(rows), "rollout_mean_token_mean", 2.0)
+
+
+def test_padded_layout_holds_each_row_at_its_place_and_refuses_a_misfit():
+    rows = [[5, 6, 7], [], [8]]
+    assert pad_rows(rows, 4, 0, torch.long).tolist() == [[5, 6, 7, 0], [0, 0, 0, 0], [8, 0, 0, 0]]
+    left = pad_rows(rows, 4, -1, torch.long, left=True).tolist()
+    assert left == [[-1, 5, 6, 7], [-1, -1, -1, -1], [-1, -1, -1, 8]]
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_rows(rows, 2, 0, torch.long)
+    # prompt [1, 2] + response [3, 4]; prompt [9] + no response; prompt [1] + response [5]
+    batch = TrainBatch(
+        tokens=[[1, 2, 3, 4], [9], [1, 5]], response_lengths=[2, 0, 1], loss_masks=[[1, 0], [], [1]]
+    )
+    padded = PaddedBatch.build(batch, pad_id=0)
+    assert padded.targets.tolist() == [[3, 4], [0, 0], [5, 0]]
+    assert padded.targets_index.tolist() == [[1, 2], [0, 0], [0, 0]]
+    assert padded.mask.tolist() == [[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]
+    bad = TrainBatch(tokens=[[1, 2, 3]], response_lengths=[2], loss_masks=[[1]])
+    with pytest.raises(ValueError, match="loss mask of 1 for 2 response tokens"):
+        PaddedBatch.build(bad, pad_id=0)

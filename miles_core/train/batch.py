@@ -117,33 +117,32 @@ class PaddedBatch:
 
     @classmethod
     def build(cls, batch: TrainBatch, pad_id: int) -> PaddedBatch:
-        bsz = len(batch)
         width = max(len(t) for t in batch.tokens)
         resp = max(max(batch.response_lengths), 1)
-        input_ids = torch.full((bsz, width), pad_id, dtype=torch.long)
-        index = torch.zeros((bsz, resp), dtype=torch.long)
-        targets = torch.full((bsz, resp), pad_id, dtype=torch.long)
-        mask = torch.zeros((bsz, resp), dtype=torch.float32)
-        for i, (toks, n, lm) in enumerate(
-            zip(batch.tokens, batch.response_lengths, batch.loss_masks, strict=True)
-        ):
-            input_ids[i, : len(toks)] = torch.tensor(toks)
-            p = len(toks) - n
-            if n:
-                index[i, :n] = torch.arange(p - 1, p - 1 + n)
-                targets[i, :n] = torch.tensor(toks[p:])
-                mask[i, :n] = torch.tensor(lm, dtype=torch.float32)
+        lengths = batch.response_lengths
+        for i, (lm, n) in enumerate(zip(batch.loss_masks, lengths, strict=True)):
+            if len(lm) != n:
+                raise ValueError(f"row {i}: loss mask of {len(lm)} for {n} response tokens")
+        input_ids = pad_rows(batch.tokens, width, pad_id, torch.long)
+        targets = pad_rows(
+            [t[len(t) - n :] if n else [] for t, n in zip(batch.tokens, lengths, strict=True)],
+            resp,
+            pad_id,
+            torch.long,
+        )
+        mask = pad_rows(batch.loss_masks, resp, 0, torch.float32)
+        # response token r of a row with prompt length p is predicted at position p - 1 + r
+        n = torch.tensor(lengths)
+        first = torch.tensor([len(t) for t in batch.tokens]) - n - 1
+        cols = torch.arange(resp)
+        index = torch.where(cols < n[:, None], first[:, None] + cols, 0)
         fields = {
             name: _pad_field(name, rows, resp, width) for name, rows in batch.token_fields.items()
         }
         return cls(input_ids, index, targets, mask, fields)
 
     def per_token(self, rows: list[list[float]]) -> torch.Tensor:
-        out = torch.zeros_like(self.mask)
-        for i, r in enumerate(rows):
-            if r:
-                out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-        return out
+        return pad_rows(rows, self.mask.shape[1], 0.0, torch.float32)
 
     def unpad(self, values: torch.Tensor, lengths: list[int]) -> list[list[float]]:
         return [values[i, :n].tolist() for i, n in enumerate(lengths)]
@@ -157,6 +156,25 @@ class PaddedBatch:
             self.mask.to(device),
             {k: v.to(device) for k, v in self.fields.items()},
         )
+
+
+def pad_rows(
+    rows: list[list[int]] | list[list[float]],
+    width: int,
+    pad: float,
+    dtype: torch.dtype,
+    left: bool = False,
+) -> torch.Tensor:
+    """Python rows as one [len(rows), width] tensor, right-padded (`left`: left-padded) with
+    `pad`: one tensor built from all values at once, scattered by a length mask."""
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    if rows and int(lens.max()) > width:
+        raise ValueError(f"a row of {int(lens.max())} values does not fit in {width}")
+    cols = torch.arange(width)
+    valid = cols >= width - lens[:, None] if left else cols < lens[:, None]
+    out[valid] = torch.tensor([v for r in rows for v in r], dtype=dtype)
+    return out
 
 
 def _pad_field(name: str, rows: list[np.ndarray], resp: int, width: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from miles_core.token_fields import get_token_field
-from miles_core.train.batch import TrainBatch
+from miles_core.train.batch import TrainBatch, pad_rows
 
 
 @dataclass
@@ -59,21 +59,17 @@ class SharedPrefix:
         if len(prompts) == len(batch):
             return None
         width = max(len(p) for p in prompts)
-        prefix_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        prefix_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for g, prompt in enumerate(prompts):
-            prefix_ids[g, width - len(prompt) :] = torch.tensor(prompt)
-            prefix_mask[g, width - len(prompt) :] = 1
+        prefix_ids = pad_rows(list(prompts), width, pad_id, torch.long, left=True)
+        prefix_mask = pad_rows([[1] * len(p) for p in prompts], width, 0, torch.long, left=True)
         resp = max(max(batch.response_lengths), 1)
-        suffix_ids = torch.full((len(batch), resp - 1), pad_id, dtype=torch.long)
-        suffix_mask = torch.zeros((len(batch), resp - 1), dtype=torch.long)
-        starts = torch.zeros((len(batch), 1), dtype=torch.long)
-        for i, (toks, n) in enumerate(zip(batch.tokens, batch.response_lengths, strict=True)):
-            p = len(toks) - n
-            starts[i, 0] = p
-            if n > 1:
-                suffix_ids[i, : n - 1] = torch.tensor(toks[p:-1])
-                suffix_mask[i, : n - 1] = 1
+        lengths = batch.response_lengths
+        # each response less its last token (none for a 0- or 1-token response)
+        suffixes = [
+            t[len(t) - n : -1] if n > 1 else [] for t, n in zip(batch.tokens, lengths, strict=True)
+        ]
+        suffix_ids = pad_rows(suffixes, resp - 1, pad_id, torch.long)
+        suffix_mask = pad_rows([[1] * len(x) for x in suffixes], resp - 1, 0, torch.long)
+        starts = torch.tensor([len(t) - n for t, n in zip(batch.tokens, lengths, strict=True)])
         return cls(
             prefix_ids=prefix_ids,
             prefix_mask=prefix_mask,
@@ -81,7 +77,7 @@ class SharedPrefix:
             row_prompt=torch.tensor(row_prompt, dtype=torch.long),
             suffix_ids=suffix_ids,
             suffix_mask=suffix_mask,
-            suffix_positions=starts + torch.arange(resp - 1),
+            suffix_positions=starts[:, None] + torch.arange(resp - 1),
         )
 
     @property
