@@ -12,7 +12,10 @@ core). An estimate, not a bound: the async modes change the engine's work per tr
 the per-variant engine counters show (`engine_per_step`: seconds in its steps, steps, requests
 per step). Where one side does most of the work, overlapping the two gains little.
 
-    python benchmarks/async_vs_sync.py [--preset tiny] [--steps 24] [--warmup 4]
+    python benchmarks/async_vs_sync.py [--preset tiny] [--steps 24] [--warmup 4] [--repeat 5]
+
+`--repeat N` runs the whole comparison N times in a row; the JSON's `runs` holds each one's
+ratios, the other fields the last one's.
 """
 
 from __future__ import annotations
@@ -146,14 +149,36 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--pause-mode", default="retract", choices=["abort", "retract", "in_place"])
+    ap.add_argument("--repeat", type=int, default=1, help="whole comparisons, one after another")
     args = ap.parse_args()
+    by_run = []
+    for i in range(args.repeat):
+        runs = compare(args)
+        sync_name = max(("sync_1t", "sync_2t"), key=lambda k: runs[k]["steps_per_s"])
+        base = runs[sync_name]["steps_per_s"]
+        by_run.append(
+            {
+                "fully_async_over_sync": round(runs["fully_async"]["steps_per_s"] / base, 3),
+                "one_step_off_over_sync": round(runs["one_step_off"]["steps_per_s"] / base, 3),
+                "sync_steps_per_s": round(base, 3),
+            }
+        )
+        print(f"run {i + 1}/{args.repeat}: {json.dumps(by_run[-1])}", flush=True)
+    report(runs, sync_name, base, by_run, args)
+
+
+def compare(args) -> dict[str, dict]:
+    """One comparison: both sync thread settings, then the two async modes."""
     runs = {
         f"sync_{t}t": run(args.preset, args.steps, args.warmup, "sync", t, args) for t in (1, 2)
     }
     runs["one_step_off"] = run(args.preset, args.steps, args.warmup, "one_step_off", 1, args)
     runs["fully_async"] = run(args.preset, args.steps, args.warmup, "fully_async", 1, args)
-    sync_name = max(("sync_1t", "sync_2t"), key=lambda k: runs[k]["steps_per_s"])
-    base = runs[sync_name]["steps_per_s"]
+    return runs
+
+
+def report(runs: dict[str, dict], sync_name: str, base: float, by_run: list[dict], args) -> None:
+    """The last comparison in full, and every comparison's ratios (`runs`)."""
     estimate = overlap_estimate(1 / base, runs["sync_1t"]["cpu_s"])
     print(f"preset {args.preset}, task {args.task}, {args.prompts}×{args.samples} samples/step")
     print(
@@ -198,6 +223,7 @@ def main() -> None:
         },
         "preset": args.preset,
         "target": 1.6,
+        "runs": by_run,  # each comparison's ratios; the fields above are the last one's
     }
     print(json.dumps(result))
     from record import record_result  # benchmarks/record.py: results/<name>.json + docs

@@ -217,6 +217,15 @@ def async_vs_sync(r: dict[str, Any]) -> list[str]:
         f"Preset {r.get('preset')}; the best sync variant (bold) is the baseline. Target: "
         f"fully_async ≥ {r.get('target')}× sync.",
     ]
+    if len(r.get("runs", [])) > 1:
+        each = r["runs"]
+        fa = ", ".join(_num(x["fully_async_over_sync"], ".2f") for x in each)
+        oso = ", ".join(_num(x["one_step_off_over_sync"], ".2f") for x in each)
+        out += [
+            "",
+            f"{len(each)} comparisons in a row (the tables show the last): fully_async {fa}× "
+            f"sync; one_step_off {oso}×.",
+        ]
     if r.get("overlap_estimate_over_sync") is not None:
         one = r.get("cpu_s", {}).get("sync_1t", {})
         out += [
