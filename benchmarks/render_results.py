@@ -153,16 +153,30 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
                     f" ({_num(raw[preset][t], '.2f')})"
                     for t in wire
                 ),
+                *(
+                    [_num(bound.get(preset, {}).get(t), ".2f") for t in wire]
+                    if (bound := r.get("flatten_bound_of_raw"))
+                    else []
+                ),
             ]
             for preset in raw
         ]
-        out += _table(["preset", *(f"{t} / raw {t} GB/s" for t in wire)], raw_rows)
+        bound_cols = (
+            [f"{t}: raw + one flatten" for t in wire] if "flatten_bound_of_raw" in r else []
+        )
+        out += _table(["preset", *(f"{t} / raw {t} GB/s" for t in wire), *bound_cols], raw_rows)
         out += [
             "",
             "Transport GB/s against a raw `torch.distributed` broadcast (send for p2p) of the "
             "same bytes over the same group in the same run (fraction of raw in brackets).",
-            "",
         ]
+        if bound_cols:
+            out += [
+                "Raw + one flatten: the fraction of raw a push that flattens each bucket once "
+                "(into kept buffers) can reach at most: raw time / (raw + flatten time), each "
+                "measured alone in the same run.",
+            ]
+        out += [""]
     delta_rows = [
         [
             preset,

@@ -14,7 +14,10 @@ server, and `p2p_raw` the plain send of the same bytes from the trainer's rank o
 own p2p group; the engine receives them into buffers kept from the last probe and drops them
 (`load_format: wire_probe`, weights/receiver.py). Timed on the sender from a one-element
 broadcast that both sides pass until the last send returns, so no HTTP, pause, flattening or
-load is in them. `fraction_of_raw` = transport GB/s / raw GB/s.
+load is in them. `fraction_of_raw` = transport GB/s / raw GB/s. `flatten` is the copy of each
+bucket into one flat buffer per dtype (kept buffers, as the transports do); a push pays it on
+top of the wire, so `flatten_bound_of_raw` = raw time / (raw + flatten time) is what a push that
+flattens once can reach of the raw wire.
 
     python benchmarks/weight_sync.py [--presets small,medium] [--reps 5]
 """
@@ -35,7 +38,7 @@ from miles_core.models import build_model, save_hf_dir
 from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
 from miles_core.weights.disk import DiskTransport
-from miles_core.weights.group import broadcast, send_flat
+from miles_core.weights.group import Scratch, broadcast, send_flat
 from miles_core.weights.receiver import PROBE_FORMAT
 from miles_core.weights.source import TensorBuckets, dtype_name
 
@@ -67,6 +70,15 @@ def bench(preset: str, reps: int) -> dict[str, float]:
             dst[n].copy_(t)
 
     results["memcpy"] = nbytes / _median(memcpy, reps) / 1e9
+    # what a group push adds to the wire at least: each bucket flattened into a kept buffer
+    scratch = Scratch()
+
+    def flatten() -> None:
+        scratch.start()
+        for bucket in buckets(weights).buckets:
+            _flats(bucket, scratch)
+
+    results["flatten"] = nbytes / _median(flatten, reps) / 1e9
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_dir(model, tok, tmp)
@@ -154,10 +166,16 @@ def _probe_body(bucket: list[tuple[str, torch.Tensor]], group_name: str, **extra
     }
 
 
-def _flats(bucket: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """The bucket's bytes as the wire carries them: one flat buffer per dtype (sorted)."""
-    by = sorted({dtype_name(t.dtype) for _, t in bucket})
-    return [torch.cat([t.reshape(-1) for _, t in bucket if dtype_name(t.dtype) == d]) for d in by]
+def _flats(bucket: list[tuple[str, torch.Tensor]], scratch: Scratch | None = None) -> list:
+    """The bucket's bytes as the wire carries them: one flat buffer per dtype (sorted), in
+    `scratch`'s kept buffers if given (as the transports flatten them)."""
+    out = []
+    for d in sorted({dtype_name(t.dtype) for _, t in bucket}):
+        parts = [t.reshape(-1) for _, t in bucket if dtype_name(t.dtype) == d]
+        n = sum(p.numel() for p in parts)
+        into = None if scratch is None else scratch.take(n, parts[0].dtype)
+        out.append(torch.cat(parts) if into is None else torch.cat(parts, out=into))
+    return out
 
 
 def _raw_median(transport, pg, bodies: list[dict], send, reps: int) -> float:
@@ -261,16 +279,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = {p: bench(p, args.reps) for p in args.presets.split(",")}
-    cols = ("memcpy", *TRANSPORTS, *RAW.values())
+    cols = ("memcpy", *TRANSPORTS, *RAW.values(), "flatten")
     print(f"{'preset':8}{'MB':>8}" + "".join(f"{c + ' GB/s':>20}" for c in cols))
     for p, r in results.items():
         print(f"{p:8}{r['bytes'] / 1e6:>8.1f}" + "".join(f"{r[c]:>20.2f}" for c in cols))
     print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / memcpy':>20}" for c in TRANSPORTS))
     for p, r in results.items():
         print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r['memcpy']:>20.3f}" for c in TRANSPORTS))
-    print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / raw':>20}" for c in RAW))
+    print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / raw':>20}" for c in RAW) + "   bound")
     for p, r in results.items():
-        print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r[raw]:>20.3f}" for c, raw in RAW.items()))
+        bound = 1 / (1 + r["broadcast_raw"] / r["flatten"])
+        print(
+            f"{p:8}{'':>8}"
+            + "".join(f"{r[c] / r[raw]:>20.3f}" for c, raw in RAW.items())
+            + f"   {bound:.3f} (broadcast raw + one flatten copy)"
+        )
     print(
         "disk delta bytes / full push after one AdamW step at lr 1e-5, bf16 pushes "
         "(weight_sync.dtype=bfloat16): "
@@ -295,6 +318,12 @@ def main() -> None:
         },
         "fraction_of_raw": {
             p: {c: round(r[c] / r[raw], 3) for c, raw in RAW.items()} for p, r in results.items()
+        },
+        # the most a push that flattens its buckets once can reach of the raw wire: the wire's
+        # time plus one flatten copy's (each measured alone, same bytes, same run)
+        "flatten_bound_of_raw": {
+            p: {c: round(1 / (1 + r[raw] / r["flatten"]), 3) for c, raw in RAW.items()}
+            for p, r in results.items()
         },
         "gbps": {p: {c: round(r[c], 3) for c in cols} for p, r in results.items()},
         "bytes": {p: int(r["bytes"]) for p, r in results.items()},
