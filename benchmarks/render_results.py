@@ -177,6 +177,16 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
                 "measured alone in the same run.",
             ]
         out += [""]
+    if r.get("shared_memory_bound"):
+        bounds = ", ".join(
+            f"{p} {_num(v, '.2f')} ({_num(r.get('round_trip_ms', {}).get(p), '.2f')} ms a call)"
+            for p, v in r["shared_memory_bound"].items()
+        )
+        out += [
+            "Shared memory at most (one memcpy of the bytes + one HTTP round trip to the engine "
+            f"server, each measured alone in this run), as a fraction of memcpy: {bounds}.",
+            "",
+        ]
     delta_rows = [
         [
             preset,

@@ -17,7 +17,9 @@ broadcast that both sides pass until the last send returns, so no HTTP, pause, f
 load is in them. `fraction_of_raw` = transport GB/s / raw GB/s. `flatten` is the copy of each
 bucket into one flat buffer per dtype (kept buffers, as the transports do); a push pays it on
 top of the wire, so `flatten_bound_of_raw` = raw time / (raw + flatten time) is what a push that
-flattens once can reach of the raw wire.
+flattens once can reach of the raw wire. Likewise `shared_memory_bound` = memcpy time / (memcpy +
+one HTTP round trip to the engine server): a same-host push writes the bytes once and makes at
+least one call.
 
     python benchmarks/weight_sync.py [--presets small,medium] [--reps 5]
 """
@@ -86,6 +88,8 @@ def bench(preset: str, reps: int) -> dict[str, float]:
         colocated = EmbeddedEngine(engine_model, tok)
         with EngineProcess(tmp, args=["--threads", "1"], weight_roots=[tmp]) as proc:
             server = HttpEngine(proc.url)
+            # one control round trip to the engine server: a same-host push makes at least one
+            results["round_trip_s"] = _median(server.server_info, 4 * reps)
             for name in TRANSPORTS:
                 if name == "p2p":  # sends from the trainer's own shards: a 1-rank FSDP trainer
                     results[name], results["p2p_raw"] = p2p_gbps(tmp, server, nbytes, reps)
@@ -325,6 +329,13 @@ def main() -> None:
             p: {c: round(1 / (1 + r[raw] / r["flatten"]), 3) for c, raw in RAW.items()}
             for p, r in results.items()
         },
+        # the most shared memory can reach of memcpy: it writes the bytes once (one memcpy) and
+        # makes one HTTP round trip, each measured alone in the same run
+        "shared_memory_bound": {
+            p: round(1 / (1 + r["round_trip_s"] * r["memcpy"] * 1e9 / r["bytes"]), 3)
+            for p, r in results.items()
+        },
+        "round_trip_ms": {p: round(r["round_trip_s"] * 1e3, 3) for p, r in results.items()},
         "gbps": {p: {c: round(r[c], 3) for c in cols} for p, r in results.items()},
         "bytes": {p: int(r["bytes"]) for p, r in results.items()},
         "targets": {
