@@ -165,3 +165,28 @@ def test_temperature_zero_is_greedy_and_bad_sampling_params_are_refused(engine, 
             SamplingParams(**bad)
     with pytest.raises(EngineRequestError, match="stop token id 999"):
         engine.generate([_req(tok, stop_token_ids=[999])])
+
+
+def test_a_config_the_runner_lacks_falls_back_to_the_model_modules(tiny):
+    from transformers import Qwen3ForCausalLM
+
+    from miles_core.engine.runner import Qwen3Runner
+    from miles_core.engine.runner_forward import RunnerForward
+
+    model, tok = tiny
+    assert isinstance(EmbeddedEngine(model, tok).forward, RunnerForward)
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    scaled = Qwen3ForCausalLM(config).eval()
+    engine = EmbeddedEngine(scaled, tok)
+    assert isinstance(engine.forward, HFForward)
+    req = _req(tok, "reverse abc", max_new_tokens=4)
+    resp = engine.generate([req])[0]
+    with torch.no_grad():
+        full = torch.tensor([req.input_ids + resp.output_ids])
+        lp = torch.log_softmax(scaled(full).logits[0].float(), -1)
+    p = len(req.input_ids)
+    ref = lp[p - 1 : p + 3].gather(1, torch.tensor(resp.output_ids)[:, None])[:, 0]
+    assert torch.allclose(ref, torch.tensor(resp.output_log_probs), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        Qwen3Runner(scaled, slots=1)

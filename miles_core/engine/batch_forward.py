@@ -10,7 +10,8 @@ one token per row per step. Two forwards do that:
 `batch_forward_for(model)` takes the fast forward registered for the model's class
 (`FAST_FORWARDS`, keyed by class name such as `Qwen3ForCausalLM`; an entry may be an import path
 `pkg.mod:factory`), else `hf`. A wrapped model (e.g. a peft adapter) has another class name and
-gets `hf`. The forward holds whatever it derives from the weights, so the engine tells it when
+gets `hf`, and so does a config the fast forward would not compute exactly (its factory raises
+`ForwardUnsupported`). The forward holds whatever it derives from the weights, so the engine tells it when
 they change (`invalidate`) and asks it to prove its copies equal the model's (`stale`).
 """
 
@@ -44,6 +45,11 @@ class BatchForward(Protocol):
         ...
 
 
+class ForwardUnsupported(ValueError):
+    """A fast forward's factory raises this for a model config it would not compute exactly
+    (e.g. a RoPE variant it lacks); `batch_forward_for` then uses `hf`."""
+
+
 BatchForwardFactory = Callable[[torch.nn.Module], BatchForward]
 
 FAST_FORWARDS: Registry[BatchForwardFactory] = Registry("embedded engine forward")
@@ -55,7 +61,10 @@ def batch_forward_for(model: torch.nn.Module, pad_id: int, fast: bool = True) ->
     (which left-pads prompts with `pad_id`)."""
     name = type(model).__name__
     if fast and name in FAST_FORWARDS:
-        return FAST_FORWARDS.get(name)(model)
+        try:
+            return FAST_FORWARDS.get(name)(model)
+        except ForwardUnsupported:  # this config has a feature the fast forward lacks
+            pass
     from miles_core.engine.hf_forward import HFForward
 
     return HFForward(model, pad_id)

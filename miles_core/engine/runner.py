@@ -59,6 +59,23 @@ class _Weights:
     lm_head: torch.Tensor  # final-norm weight folded in
 
 
+def unsupported(config) -> str | None:
+    """Why the runner would not compute this Qwen3 config's forward exactly (None: it does). It
+    implements full causal attention with default RoPE, no attention bias, SiLU."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        return f"rope_type {rope.get('rope_type')!r} (the runner implements 'default')"
+    if getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(config, "layer_types", None) or []
+    ):
+        return "sliding-window attention layers (the runner implements full attention)"
+    if getattr(config, "attention_bias", False):
+        return "attention_bias (the runner's projections have no bias)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (the runner implements silu)"
+    return None
+
+
 def bf16_gemms_native(device: torch.device) -> bool:
     """Whether bf16 GEMMs run natively on `device` (CUDA; a CPU whose oneDNN has bf16 kernels)."""
     if device.type != "cpu":
@@ -84,6 +101,9 @@ class Qwen3Runner:
         dtype: torch.dtype = torch.float32,
     ):
         cfg = model.config
+        reason = unsupported(cfg)
+        if reason is not None:
+            raise ValueError(f"the serving engine's runner cannot run this model: {reason}")
         self.model = model
         self.cfg = cfg
         self.dtype = dtype

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import torch
 
+from miles_core.engine.batch_forward import ForwardUnsupported
 from miles_core.engine.kv_cache import SlotKVCache
-from miles_core.engine.runner import Qwen3Runner
+from miles_core.engine.runner import Qwen3Runner, unsupported
 
 
 class RunnerForward:
     def __init__(self, model: torch.nn.Module):
+        reason = unsupported(model.config)
+        if reason is not None:
+            raise ForwardUnsupported(reason)
         self.runner = Qwen3Runner(model, slots=0)
         self._positions: list[int] = []
 
