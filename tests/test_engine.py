@@ -190,3 +190,19 @@ def test_a_config_the_runner_lacks_falls_back_to_the_model_modules(tiny):
     assert torch.allclose(ref, torch.tensor(resp.output_log_probs), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="rope_type 'linear'"):
         Qwen3Runner(scaled, slots=1)
+
+
+def test_a_long_prompt_with_a_short_limit_beside_a_long_generation(engine, tiny):
+    """The finished row keeps being fed while the other generates, past its own limit."""
+    model, tok = tiny
+    long = _req(tok, "reverse " + "abcdefgh" * 6, max_new_tokens=2)
+    short = _req(tok, "go", max_new_tokens=60)
+    out = engine.generate([long, short])
+    assert [len(r.output_ids) for r in out] == [2, 60]
+    for req, resp in zip((long, short), out, strict=True):
+        with torch.no_grad():
+            full = torch.tensor([req.input_ids + resp.output_ids])
+            lp = torch.log_softmax(model(full).logits[0].float(), -1)
+        p, n = len(req.input_ids), len(resp.output_ids)
+        ref = lp[p - 1 : p - 1 + n].gather(1, torch.tensor(resp.output_ids)[:, None])[:, 0]
+        assert torch.allclose(ref, torch.tensor(resp.output_log_probs), atol=1e-5, rtol=0)

@@ -28,7 +28,8 @@ from miles_core.registry import Registry
 class BatchForward(Protocol):
     def prefill(self, prompts: list[list[int]], row_prompt: list[int], length: int) -> torch.Tensor:
         """Runs each distinct prompt once; returns next-token logits [B, V] for the batch's B
-        rows, row i extending `prompts[row_prompt[i]]`; no row will grow past `length` tokens.
+        rows, row i extending `prompts[row_prompt[i]]`. A row that is still generating stays
+        within `length` tokens; rows past it have finished (their outputs are not read).
         Starts a new batch."""
         ...
 

@@ -24,6 +24,7 @@ class RunnerForward:
             raise ForwardUnsupported(reason)
         self.runner = Qwen3Runner(model, slots=0)
         self._positions: list[int] = []
+        self._length = 0
 
     def prefill(self, prompts: list[list[int]], row_prompt: list[int], length: int) -> torch.Tensor:
         rows = len(row_prompt)
@@ -43,13 +44,15 @@ class RunnerForward:
                 kv[dst_t, :width] = kv[src_t, :width]
             logits = logits[torch.tensor(row_prompt, device=logits.device)]
         self._positions = [len(prompts[p]) for p in row_prompt]
+        self._length = length
         return logits
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = len(self._positions)
-        if max(self._positions) >= self.runner.cache.max_len:
-            raise ValueError(f"a row grew past the {self.runner.cache.max_len} tokens reserved")
-        logits = self.runner.decode(list(range(rows)), self._positions, tokens.tolist())
+        # a row still generating stays below `length`; one past it has finished (a short
+        # limit in a batch with longer ones) and is fed at its last position, output unused
+        last = self._length - 1
+        positions = [min(p, last) for p in self._positions]
+        logits = self.runner.decode(list(range(len(positions))), positions, tokens.tolist())
         self._positions = [p + 1 for p in self._positions]
         return logits
 
