@@ -11,8 +11,9 @@ one token per row per step. Two forwards do that:
 (`FAST_FORWARDS`, keyed by class name such as `Qwen3ForCausalLM`; an entry may be an import path
 `pkg.mod:factory`), else `hf`. A wrapped model (e.g. a peft adapter) has another class name and
 gets `hf`, and so does a config the fast forward would not compute exactly (its factory raises
-`ForwardUnsupported`). The forward holds whatever it derives from the weights, so the engine tells it when
-they change (`invalidate`) and asks it to prove its copies equal the model's (`stale`).
+`ForwardUnsupported`). The forward holds whatever it derives from the weights, so the engine
+tells it when they change (`invalidate`) and asks it to prove its copies equal the model's
+(`stale`).
 """
 
 from __future__ import annotations
