@@ -5,10 +5,11 @@ import torch
 
 from miles_core.config import RunConfig
 from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.padding import pad_rows
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.advantages import grpo_advantages
-from miles_core.train.batch import PaddedBatch, TrainBatch, pad_rows
+from miles_core.train.batch import PaddedBatch, TrainBatch
 from miles_core.train.forward import LossNeeds
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.train.losses import aggregate, k3_kl, ppo_clip_loss

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from miles_core.padding import pad_rows
+
 
 class HFForward:
     def __init__(self, model: torch.nn.Module, pad_id: int):
@@ -17,11 +19,8 @@ class HFForward:
 
     def prefill(self, prompts: list[list[int]], row_prompt: list[int], length: int) -> torch.Tensor:
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
+        ids = pad_rows(prompts, width, self.pad_id, torch.long, left=True)
+        mask = pad_rows([[1] * len(p) for p in prompts], width, 0, torch.long, left=True)
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         self._cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, position)

@@ -38,6 +38,13 @@ class SlotKVCache:
         for kv in self.kv:
             kv[dst, :length] = kv[src, :length]
 
+    def copy_prefixes(self, src: list[int], dst: list[int], length: int) -> None:
+        """`copy_prefix` for many pairs at once: one indexed copy per layer."""
+        src_t = torch.tensor(src, device=self._device)
+        dst_t = torch.tensor(dst, device=self._device)
+        for kv in self.kv:
+            kv[dst_t, :length] = kv[src_t, :length]
+
     def swap(self, i: int, j: int, length: int) -> None:
         """Exchanges the first `length` positions of slots i and j."""
         for kv in self.kv:

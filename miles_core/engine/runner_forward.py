@@ -37,11 +37,8 @@ class RunnerForward:
         src = [first[p] for p in row_prompt]
         if len(prompts) < rows:
             dst = [r for r in range(rows) if src[r] != r]
-            src_t = torch.tensor([src[r] for r in dst], device=self.runner.device)
-            dst_t = torch.tensor(dst, device=self.runner.device)
             width = max(len(p) for p in prompts)
-            for kv in self.runner.cache.kv:
-                kv[dst_t, :width] = kv[src_t, :width]
+            self.runner.cache.copy_prefixes([src[r] for r in dst], dst, width)
             logits = logits[torch.tensor(row_prompt, device=logits.device)]
         self._positions = [len(prompts[p]) for p in row_prompt]
         self._length = length

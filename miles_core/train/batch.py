@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from miles_core.padding import pad_rows
 from miles_core.token_fields import get_token_field
 from miles_core.types import Sample
 
@@ -156,25 +157,6 @@ class PaddedBatch:
             self.mask.to(device),
             {k: v.to(device) for k, v in self.fields.items()},
         )
-
-
-def pad_rows(
-    rows: list[list[int]] | list[list[float]],
-    width: int,
-    pad: float,
-    dtype: torch.dtype,
-    left: bool = False,
-) -> torch.Tensor:
-    """Python rows as one [len(rows), width] tensor, right-padded (`left`: left-padded) with
-    `pad`: one tensor built from all values at once, scattered by a length mask."""
-    out = torch.full((len(rows), width), pad, dtype=dtype)
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    if rows and int(lens.max()) > width:
-        raise ValueError(f"a row of {int(lens.max())} values does not fit in {width}")
-    cols = torch.arange(width)
-    valid = cols >= width - lens[:, None] if left else cols < lens[:, None]
-    out[valid] = torch.tensor([v for r in rows for v in r], dtype=dtype)
-    return out
 
 
 def _pad_field(name: str, rows: list[np.ndarray], resp: int, width: int) -> torch.Tensor:
