@@ -5,7 +5,7 @@ For each preset (tiny, small) the same config runs side by side in this process:
      flows/prefect_server.py; MLflow on SQLite): per-phase seconds from its own perf/* metrics;
      orchestration = step wall time − (rollout + train + weight sync), i.e. Prefect task
      machinery + MLflow writes + flow bookkeeping in the flow's thread; the run's last step,
-     which saves a checkpoint (one more task), is left out (the plain loop saves none);
+     which saves a checkpoint, is left out (the plain loop saves none);
   2. the same phases called in a plain Python loop (no Prefect, no MLflow), once before and once
      after the flow, averaged.
 Two shares are reported: `orchestration_share` = orchestration / step time inside the flow, and

@@ -1,12 +1,12 @@
-"""RL training flow: one Prefect flow per run; in sync mode one task per step.
+"""RL training flow: one Prefect flow per run, its steps inside long-running tasks.
 
-    check inputs → MLflow run → [SFT warm start] → prepare runtime → for each step:
-        rl_step (rollout → train → weight update) → [save_checkpoint] → log metrics
-        → [evaluate_policy] (eval.mode or agent.eval_episodes) → log finished evaluations
+    check inputs → MLflow run → [SFT warm start] → prepare runtime → train_loop, for each step:
+        rollout → train → weight update → [save checkpoint] → log metrics
+        → [evaluate] (eval.mode or agent.eval_episodes) → log finished evaluations
     → final checkpoint, pending evaluations, reward curve, MLflow run closed
 
-In one_step_off / fully_async the same steps, in the same order, run inside four concurrent
-long-running tasks (rollout producer, training, weight update, evaluation): flows/rl_async.py.
+In one_step_off / fully_async the same steps, in the same order, run across four concurrent
+long-running tasks (rollout producer, training, weight update, evaluation): flows/rl_loops.py.
 
 The config (a pydantic model) is the parameter, so the Prefect UI renders it as a form.
 Simplifications, stated: sync mode (rollout, then train, then push); one embedded engine in this
@@ -16,11 +16,10 @@ process; GRPO advantages; the trainer runs here (rank 0) and, under torchrun, on
 from __future__ import annotations
 
 import shutil
-import time
 
 from prefect import flow
 
-from flows.rl_async import long_running, train_concurrently
+from flows.rl_loops import run_loops
 from flows.sft import sft
 from miles_core.config import RunConfig
 from miles_core.preflight import run_names
@@ -28,17 +27,7 @@ from miles_core.progress import reporter
 from miles_core.run_lock import RunClaim
 from miles_core.runtime import new_workdir
 from miles_core.steplog import StepLog
-from tasks import (
-    check_inputs,
-    collect_evaluations,
-    evaluate_policy,
-    prepare_model,
-    prepare_runtime,
-    resumed_config,
-    rl_step,
-    save_checkpoint,
-    start_tracking,
-)
+from tasks import check_inputs, prepare_model, prepare_runtime, resumed_config, start_tracking
 
 
 @flow(name="rl-train", log_prints=True)
@@ -70,28 +59,7 @@ def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str
         rt = prepare_runtime(config, prepare_model(config, workdir), tracker, resume, resume_step)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
-        if long_running(config):  # async modes: concurrent long-running tasks (rl_async.py)
-            train_concurrently(rt, log)
-        else:  # sync: one short task per step (rollout → train → push inside: tasks/step.py)
-            if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
-                evaluate_policy(rt, 0)
-            for step in range(rt.start_step, config.train.num_steps):
-                t0 = time.perf_counter()
-                rollout, train_metrics, sync_metrics = rl_step(rt, step)
-                phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
-                saved = save_checkpoint(rt, step, phases) if rt.is_save_step(step) else {}
-                log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
-                if rt.eval_due(step + 1):  # the policy after step + 1 training steps
-                    evaluate_policy(rt, step + 1)
-                if rt.evaluation is not None:
-                    for version, metrics in collect_evaluations(rt):
-                        log.evaluation(version, metrics)
-
-            if rt.last_saved_step != config.train.num_steps - 1:
-                save_checkpoint(rt, config.train.num_steps - 1)
-            if rt.evaluation is not None:  # the evaluations still pending
-                for version, metrics in collect_evaluations(rt, wait=True):
-                    log.evaluation(version, metrics)
+        run_loops(rt, log)  # the steps, in long-running tasks (flows/rl_loops.py)
     except BaseException:
         tracker.finish("FAILED")
         raise

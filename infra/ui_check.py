@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "ui-check"
 EXPERIMENT = "ui-check"
 RUNS = {"ui-check-a": 3e-3, "ui-check-b": 1e-2}  # run name -> learning rate
-ASYNC_RUN = "ui-check-async"  # fully_async: the long-running tasks of flows/rl_async.py
+ASYNC_RUN = "ui-check-async"  # fully_async: the long-running tasks of flows/rl_loops.py
 LOOP_TASKS = ("rollout_loop", "train_loop", "weight_update_loop", "evaluation_loop")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # ms of virtual time Chromium lets the page run before the shot (the SPAs fetch, then render)

@@ -29,6 +29,7 @@ class SyncRollouts:
     """Generate, then train: the step's prompts on the engine, one call."""
 
     producer: RolloutProducer | None = None
+    ahead = False  # whether a producer generates ahead of the trainer (the run gets a rollout loop)
     agent_rollout = None
     session_process = None
 
@@ -75,6 +76,8 @@ class SyncRollouts:
 
 class AsyncRollouts(SyncRollouts):
     """A producer generates ahead of the trainer; `engine_version` says what the engines serve."""
+
+    ahead = True
 
     def __init__(self, config, fleet, tokenizer, task, prompts, engine_version: Callable[[], int]):
         super().__init__(config, fleet, tokenizer, task, prompts)

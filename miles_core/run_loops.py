@@ -1,5 +1,6 @@
-"""The async modes' run as four long-running loops around one `RLRuntime`, for a flow that runs
-each loop as a concurrent task (`flows/rl_async.py`); nothing here knows about Prefect.
+"""A run as long-running loops around one `RLRuntime`, for a flow that runs each loop as a
+concurrent task (`flows/rl_loops.py`); nothing here knows about Prefect. The async modes (a
+rollout producer) run four loops:
 
     rollout   hosts the producer's loop (`RolloutProducer._run`) from the first rollout on
     train     take → train → hand the new policy to `weights` → save → StepLog → tell `evaluate`
@@ -7,6 +8,9 @@ each loop as a concurrent task (`flows/rl_async.py`); nothing here knows about P
               after_push), one at a time, in the order the trainer hands them over
     evaluate  (runs with an evaluation only) submits the versions due, logs the finished ones,
               and waits for the pending ones once training ended
+
+Sync mode (no producer: nothing would overlap) runs `train` alone, which pushes and evaluates
+in line: the same step order without a hand-over per step.
 
 The step order is the sync loop's (`flows/rl_train.py`): the trainer waits for each hand-over
 to be done (the push before the save and the next rollout, the evaluation's submit and collect
@@ -110,8 +114,11 @@ class RunLoops:
         self.log = log
         self.phases = phases
         self.host = HostedLoop()
-        rt.rollouts.launch = self.host.launch  # the producer's loop runs in `rollout`
-        self.loops = [n for n in LOOPS if n != "evaluate" or rt.evaluation is not None]
+        if not rt.rollouts.ahead:  # sync mode: `train` pushes and evaluates in line
+            self.loops = ["train"]
+        else:
+            rt.rollouts.launch = self.host.launch  # the producer's loop runs in `rollout`
+            self.loops = [n for n in LOOPS if n != "evaluate" or rt.evaluation is not None]
         self.error: BaseException | None = None  # the first loop failure
         self._cond = threading.Condition()
         self._running = set(self.loops) - {"rollout"}  # rollout ends when these have
@@ -194,8 +201,7 @@ class RunLoops:
                 t0 = time.perf_counter()
                 rollout = p.rollout(rt, step)
                 train_metrics = p.train(rt, rollout)
-                self._put(self._to_push, step)
-                sync_metrics = self._get(self._pushed)
+                sync_metrics = self._push()
                 phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
                 saved = p.save(rt, step, phases) if rt.is_save_step(step) else {}
                 log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
@@ -203,12 +209,23 @@ class RunLoops:
                     self._evaluate_at(step + 1, due=rt.eval_due(step + 1), collect=True)
             if rt.last_saved_step != steps - 1:
                 p.save(rt, steps - 1)
+            if "evaluate" not in self.loops and rt.evaluation is not None:
+                self._finish_evaluations()
         finally:
             self._put(self._to_push, _END)
             if rt.evaluation is not None:
                 self._put(self._to_eval, _END)
 
+    def _push(self) -> dict[str, float]:
+        if "weights" not in self.loops:
+            return self.phases.push(self.rt)
+        self._put(self._to_push, None)
+        return self._get(self._pushed)
+
     def _evaluate_at(self, version: int, due: bool, collect: bool) -> None:
+        if "evaluate" not in self.loops:
+            self._evaluation_item(version, due, collect)
+            return
         self._put(self._to_eval, (version, due, collect))
         self._get(self._evaluated)
 
@@ -217,15 +234,19 @@ class RunLoops:
             self._put(self._pushed, self.phases.push(self.rt))
 
     def _evaluate(self) -> None:
-        rt, p = self.rt, self.phases
         while (item := self._get(self._to_eval)) is not _END:
-            version, due, collect = item
-            if due:
-                p.evaluate(rt, version)
-            if collect:
-                for done, metrics in p.collect(rt):
-                    self.log.evaluation(done, metrics)
+            self._evaluation_item(*item)
             self._put(self._evaluated, None)
         self._check()
-        for done, metrics in p.collect(rt, wait=True):  # the evaluations still pending
+        self._finish_evaluations()
+
+    def _evaluation_item(self, version: int, due: bool, collect: bool) -> None:
+        if due:
+            self.phases.evaluate(self.rt, version)
+        if collect:
+            for done, metrics in self.phases.collect(self.rt):
+                self.log.evaluation(done, metrics)
+
+    def _finish_evaluations(self) -> None:
+        for done, metrics in self.phases.collect(self.rt, wait=True):  # the ones still pending
             self.log.evaluation(done, metrics)

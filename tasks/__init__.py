@@ -7,7 +7,6 @@ from tasks.evaluate import collect_evaluations, evaluate_policy
 from tasks.rollout import rollout_batch
 from tasks.setup import check_inputs, prepare_model, prepare_runtime, resumed_config, start_tracking
 from tasks.sft import sft_train
-from tasks.step import rl_step
 from tasks.train import train_step
 from tasks.weights import update_weights
 
@@ -18,7 +17,6 @@ __all__ = [
     "resumed_config",
     "prepare_model",
     "prepare_runtime",
-    "rl_step",
     "rollout_batch",
     "save_checkpoint",
     "sft_train",

@@ -1,7 +1,8 @@
-"""The async modes' long-running tasks: one per loop of `miles_core/run_loops.py`, submitted
-together by `flows/rl_async.py`, Running side by side for the run's duration. Inside them the
-phases are the step tasks' functions, called directly (no task run per phase per step). Each
-returns "done", or "stopped" when another loop failed; the failing one raises."""
+"""The run's long-running tasks: one per loop of `miles_core/run_loops.py`, submitted together
+by `flows/rl_loops.py`, Running side by side for the run's duration (sync mode: `train_loop`
+alone). Inside them the phases are the phase tasks' functions, called directly (no task run per
+phase per step). Each returns "done", or "stopped" when another loop failed; the failing one
+raises."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def rollout_loop(loops: RunLoops) -> str:
 @step_task(name="train_loop")
 def train_loop(loops: RunLoops) -> str:
     """Every step: take the step's rollout, train, hand the policy to the weight update, save on
-    save steps, log the step's metrics, tell the evaluation; then the final checkpoint."""
+    save steps, log the step's metrics, tell the evaluation; then the final checkpoint. In sync
+    mode it generates the rollout, pushes and evaluates itself, in that order."""
     return loops.run("train")
 
 

@@ -89,6 +89,9 @@ def test_rl_flow_learns_say_a_and_writes_mlflow(prefect_server, tmp_path, monkey
     assert "reward_curve.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert run.info.artifact_uri.startswith((tmp_path / "mlruns").as_uri())  # beside the DB
     assert summary["mlflow_run_id"] == run.info.run_id
+    # sync mode's shape: the steps inside one long-running train_loop, no task run per step
+    tasks = _task_run_names(state.state_details.flow_run_id)
+    assert tasks.count("train_loop") == 1 and not {"rollout_batch", "train_step"} & set(tasks)
 
 
 def _tiny_config(tmp_path, name, steps, extra=()):
@@ -265,21 +268,25 @@ def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, m
 LOOP_NAMES = ("rollout_loop", "train_loop", "weight_update_loop", "evaluation_loop")
 
 
-def _loop_runs(flow_run_id) -> dict:
-    """The flow run's long-running task runs by task name, read back from the Prefect API."""
+def _task_runs(flow_run_id) -> list:
+    """The flow run's task runs, read back from the Prefect API."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterName,
-    )
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="_loop-")),
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )
+
+
+def _task_run_names(flow_run_id) -> list[str]:
+    """The task names of the flow run's task runs (a run's name is `<task>-<suffix>`)."""
+    return [r.name.rsplit("-", 1)[0] for r in _task_runs(flow_run_id)]
+
+
+def _loop_runs(flow_run_id) -> dict:
+    """The flow run's long-running task runs by task name."""
+    runs = _task_runs(flow_run_id)
     return {r.name.rsplit("-", 1)[0]: r for r in runs if r.name.rsplit("-", 1)[0] in LOOP_NAMES}
 
 
