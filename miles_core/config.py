@@ -606,12 +606,7 @@ class RunConfig(_Strict):
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
         if self.agent.function is not None:  # the agent section checks its own settings
-            in_process = _in_trainer_process(r.engine)
-            if in_process or r.mode != "sync" or t.world_size != 1:
-                raise ValueError(
-                    "agent.function (agentic rollout) needs rollout.engine: server, rollout.mode: "
-                    "sync and train.world_size: 1 for now"
-                )
+            self._check_agentic()
             if self.agent.eval_episodes and self.data.path:
                 raise ValueError(
                     "agent.eval_episodes draws fixed tasks from data.task's generator; with "
@@ -634,6 +629,34 @@ class RunConfig(_Strict):
                 "sft.world_size must equal train.world_size (they share the trainer ranks)"
             )
         return self
+
+    def _check_agentic(self) -> None:
+        """What an agentic run needs of the other sections; each refusal names the one setting
+        that does not fit."""
+        r, t, a = self.rollout, self.train, self.agent
+        if _in_trainer_process(r.engine):
+            raise ValueError(
+                "agent.function (agentic rollout) needs an engine server behind the session "
+                f"server: rollout.engine: {r.engine} runs in the trainer's process; set "
+                "rollout.engine: server"
+            )
+        if r.mode != "sync" and r.pause_mode == "abort":
+            raise ValueError(
+                "rollout.pause_mode: abort ends the model calls in flight at each weight push, "
+                "and an agent episode cannot continue a call it lost: agentic runs in "
+                f"rollout.mode {r.mode} use retract or in_place"
+            )
+        if t.world_size != 1:
+            raise ValueError(
+                "agent.function (agentic rollout) trains on one rank for now: "
+                f"train.world_size is {t.world_size}"
+            )
+        if a.concurrency < r.n_samples_per_prompt:
+            raise ValueError(
+                f"agent.concurrency ({a.concurrency} episodes in flight) is below the group size "
+                f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): a GRPO group's "
+                "episodes must be able to run together"
+            )
 
     def _check_eval(self) -> None:
         e, interval = self.eval, self.checkpoint.interval

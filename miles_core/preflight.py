@@ -51,19 +51,30 @@ def _tokenizer(config: RunConfig):
 
 
 def _check_lengths(
-    rows: list[Example], tok, budget: int, context: int, where: str, what: str
+    rows: list[Example], tok, budget: tuple[str, int], context: int, where: str, what: str
 ) -> None:
+    """Each prompt (an SFT row: with its answer) plus `budget` (the setting that bounds the new
+    tokens of one model call, and its value) fits the context."""
     from miles_core.rollout.rollout_fn import encode_prompt
 
+    setting, tokens = budget
     for i, ex in enumerate(rows, start=1):
         n = len(encode_prompt(tok, ex.prompt))
         if what == "sft" and ex.answer is not None:
             n += len(tok.encode(ex.answer, add_special_tokens=False)) + 1
-        if n + budget > context:
-            extra = f" + rollout.max_new_tokens {budget}" if budget else ""
+        if n + tokens > context:
+            extra = f" + {setting} {tokens}" if tokens else ""
             raise ValueError(
                 f"{where}: row {i} is {n} tokens{extra}, more than the model's context of {context}"
             )
+
+
+def _call_budget(config: RunConfig) -> tuple[str, int]:
+    """The new tokens one model call may add to a prompt: an agent's call (the session server
+    caps each at agent.max_tokens), else a rollout's."""
+    if config.agent.function is not None:
+        return "agent.max_tokens", config.agent.max_tokens
+    return "rollout.max_new_tokens", config.rollout.max_new_tokens
 
 
 def _check_plugins(config: RunConfig) -> None:
@@ -79,6 +90,12 @@ def _check_plugins(config: RunConfig) -> None:
     ):
         if path:
             load_plugin(path, what, want_async)
+    if a.function is None and getattr(get_task(config.data.task), "agentic", False):
+        raise ValueError(
+            f"task {config.data.task!r} is agentic (its rewards come from episodes in its "
+            "environment, not from scoring a completion): set agent.function, e.g. "
+            "miles_core.envs.terminal_agent:run_agent"
+        )
     if a.eval_episodes and not callable(getattr(get_task(config.data.task), "generate", None)):
         raise ValueError(
             f"agent.eval_episodes: task {config.data.task!r} has no generate(n, seed) to draw "
@@ -168,8 +185,9 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     headers are malformed, truncated or disagree, or that does not fit the machine's memory
     (model_check.py), unreadable or malformed datasets (row number in the message), chat roles
     outside CHAT_ROLES, rows without the label the task scores against, prompts that do not
-    fit the context with max_new_tokens, SFT data without answers, a missing starting model, a
-    run name another live run holds (run_lock.py: RunLocked), an
+    fit the context with one call's new tokens (rollout.max_new_tokens; agent.max_tokens in an
+    agentic run), an agentic task without agent.function, SFT data without answers, a missing
+    starting model, a run name another live run holds (run_lock.py: RunLocked), an
     unwritable checkpoint root, a new run whose name already has checkpoints (unless
     checkpoint.overwrite), and on resume: no checkpoint (or none at `resume_step`), a
     checkpoint at or past train.num_steps, one whose model config differs from the configured
@@ -196,7 +214,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
             )
     _check_roles(rows, where)
     if tok is not None and context:
-        _check_lengths(rows, tok, config.rollout.max_new_tokens, context, where, "rl")
+        _check_lengths(rows, tok, _call_budget(config), context, where, "rl")
     if config.sft is not None:
         sft = config.sft
         sft_rows = load_examples(
@@ -216,7 +234,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
             )
         _check_roles(sft_rows, sft_where)
         if tok is not None and context:
-            _check_lengths(sft_rows, tok, 0, context, sft_where, "sft")
+            _check_lengths(sft_rows, tok, ("", 0), context, sft_where, "sft")
 
     store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
     try:

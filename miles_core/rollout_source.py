@@ -21,6 +21,7 @@ from pathlib import Path
 from miles_core.data import PromptSource
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.fleet import EngineFleet
+from miles_core.rollout.group_source import GroupSource
 from miles_core.rollout.producer import Launch, RolloutProducer, start_thread
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 
@@ -83,6 +84,7 @@ class AsyncRollouts(SyncRollouts):
         super().__init__(config, fleet, tokenizer, task, prompts)
         self.engine_version = engine_version
         self.producer: RolloutProducer | None = None
+        self.groups: GroupSource | None = None  # what a group is; None: a prompt's completions
         self._restored: dict | None = None  # a resumed checkpoint's buffer, for the producer
         # where the producer's loop runs: its own thread, or a flow's long-running task
         # (set before the first `take`: miles_core/run_loops.py)
@@ -102,6 +104,7 @@ class AsyncRollouts(SyncRollouts):
                 version=self.engine_version,
                 first_group=step * r.prompts_per_step,
                 launch=self.launch,
+                groups=self.groups,
             )
             if self._restored is not None:  # groups buffered at the resumed checkpoint
                 self.producer.restore(self._restored)
@@ -131,20 +134,21 @@ class AsyncRollouts(SyncRollouts):
             self.producer.stop()
 
 
-class AgenticRollouts(SyncRollouts):
-    """Agent episodes recorded by a session server in front of the engine server."""
+class AgentSessions:
+    """What an agentic run adds in front of the engine server: the session server (token-faithful
+    records of every model call) and the agentic rollout function built on it."""
 
-    def __init__(self, config, fleet, tokenizer, task, prompts, engine_version, workdir: Path):
+    def __init__(self, config, fleet, tokenizer, prompts, workdir: Path):
         from miles_core.agents.layers import RolloutSetup
+        from miles_core.agents.rollout import AgenticRollout
         from miles_core.sessions import SessionServerProcess
         from miles_core.tito.check import check_family_matches
 
-        super().__init__(config, fleet, tokenizer, task, prompts)
-        self.engine_version = engine_version
         agent = config.agent
         assert fleet.process is not None  # the config requires an engine server
         check_family_matches(agent.family, tokenizer)
-        self.session_process = SessionServerProcess(
+        self.config = config
+        self.process = SessionServerProcess(
             fleet.process.url,
             agent.family,
             log_path=workdir / "sessions.log",
@@ -158,15 +162,31 @@ class AgenticRollouts(SyncRollouts):
         ).start()
         try:
             generate, hooks = _agent_plugins(agent)
-            setup = RolloutSetup(
-                config, prompts, self.session_process.url, generate, hooks, fleet.api_key
-            )
-            from miles_core.agents.rollout import AgenticRollout
-
-            self.agent_rollout = AgenticRollout(setup)
+            setup = RolloutSetup(config, prompts, self.process.url, generate, hooks, fleet.api_key)
+            self.rollout = AgenticRollout(setup)
         except BaseException:
-            self.session_process.stop()
+            self.process.stop()
             raise
+
+    def score(self, task) -> dict[str, float]:
+        """eval/* metrics of agent episodes on fixed tasks (agent.eval_episodes)."""
+        c = self.config
+        examples = task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
+        return asyncio.run(self.rollout.evaluate(examples))
+
+    def close(self) -> None:
+        self.process.stop()
+
+
+class AgenticRollouts(SyncRollouts):
+    """Agent episodes recorded by a session server in front of the engine server, a step's
+    groups at a time (sync mode)."""
+
+    def __init__(self, config, fleet, tokenizer, task, prompts, engine_version, workdir: Path):
+        super().__init__(config, fleet, tokenizer, task, prompts)
+        self.engine_version = engine_version
+        self.agents = AgentSessions(config, fleet, tokenizer, prompts, workdir)
+        self.session_process, self.agent_rollout = self.agents.process, self.agents.rollout
 
     def take(self, step: int) -> RolloutResult:
         from miles_core.agents.layers import RolloutInput
@@ -175,13 +195,32 @@ class AgenticRollouts(SyncRollouts):
         return RolloutResult(out.groups, out.metrics)
 
     def score(self) -> dict[str, float]:
-        """eval/* metrics of agent episodes on fixed tasks (agent.eval_episodes)."""
-        c = self.config
-        examples = self.task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
-        return asyncio.run(self.agent_rollout.evaluate(examples))
+        return self.agents.score(self.task)
 
     def close(self) -> None:
-        self.session_process.stop()
+        self.agents.close()
+
+
+class AsyncAgenticRollouts(AsyncRollouts):
+    """Agent episodes generated ahead of the trainer (one_step_off / fully_async): the producer
+    admits groups of episodes under the staleness policy (`agents/episode_groups.py`)."""
+
+    def __init__(self, config, fleet, tokenizer, task, prompts, engine_version, workdir: Path):
+        from miles_core.agents.episode_groups import EpisodeGroups
+
+        super().__init__(config, fleet, tokenizer, task, prompts, engine_version)
+        self.agents = AgentSessions(config, fleet, tokenizer, prompts, workdir)
+        self.session_process, self.agent_rollout = self.agents.process, self.agents.rollout
+        self.groups = EpisodeGroups(self.agent_rollout)
+
+    def score(self) -> dict[str, float]:
+        return self.agents.score(self.task)
+
+    def close(self) -> None:
+        try:
+            super().close()  # the producer first: its episodes use the session server
+        finally:
+            self.agents.close()
 
 
 def _agent_plugins(agent):
@@ -218,9 +257,10 @@ def make_rollouts(
     engine_version: Callable[[], int],
     workdir: Path,
 ) -> SyncRollouts:
-    """The rollout source of the config: agentic, sync or async."""
+    """The rollout source of the config: agentic or not, sync or async."""
     if config.agent.function is not None:
-        return AgenticRollouts(config, fleet, tokenizer, task, prompts, engine_version, workdir)
+        agentic = AgenticRollouts if config.rollout.mode == "sync" else AsyncAgenticRollouts
+        return agentic(config, fleet, tokenizer, task, prompts, engine_version, workdir)
     if config.rollout.mode == "sync":
         return SyncRollouts(config, fleet, tokenizer, task, prompts)
     return AsyncRollouts(config, fleet, tokenizer, task, prompts, engine_version)

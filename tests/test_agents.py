@@ -201,3 +201,21 @@ def test_the_checker_cannot_be_gamed_by_editing_the_test():
         prompt = [{"role": "user", "content": task.instruction}]
         out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
     assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0
+
+
+def test_an_agent_metric_reported_by_some_episodes_says_how_many_it_averages():
+    from miles_core.agents.layers import GenerateOutput
+    from miles_core.agents.rollout import episode_metrics
+    from miles_core.data.tasks import Example
+
+    outputs = [
+        GenerateOutput([], reward=1.0, metrics={"turns": 2.0, "bad_calls": 1.0}),
+        GenerateOutput([], reward=0.0, metrics={"turns": 4.0}),
+        GenerateOutput([], error="timed out", metrics={"turns": 6.0}),  # failed: still counted
+        GenerateOutput([], reward=1.0),  # reported nothing
+    ]
+    out = episode_metrics("rollout", [Example(prompt="p", label=None)] * 4, outputs)
+    assert (out["agent/turns_mean"], out["agent/turns_episodes"]) == (4.0, 3.0)
+    assert (out["agent/bad_calls_mean"], out["agent/bad_calls_episodes"]) == (1.0, 1.0)
+    ev = episode_metrics("eval", [Example(prompt="p", label=None)] * 4, outputs)
+    assert ev["eval/agent/turns_episodes"] == 3.0

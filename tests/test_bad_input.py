@@ -158,6 +158,44 @@ def test_preflight_refuses_prompts_that_do_not_fit_the_context(tmp_path):
         )
 
 
+AGENTIC = [
+    "data.task=terminal",
+    "rollout.engine=server",
+    "weight_sync.transport=shared_memory",
+    "agent.function=miles_core.envs.terminal_agent:run_agent",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.engine=serving"], "needs an engine server .* rollout.engine: serving runs in"),
+        (
+            ["rollout.mode=fully_async", "rollout.pause_mode=abort"],
+            "an agent episode cannot continue a call it lost: agentic runs in rollout.mode "
+            "fully_async use retract or in_place",
+        ),
+        (["train.world_size=2"], "trains on one rank for now: train.world_size is 2"),
+        (["agent.concurrency=4"], r"agent.concurrency \(4 .*\) is below the group size .* \(8\)"),
+    ],
+)
+def test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting(overrides, message):
+    transport = ["weight_sync.transport=colocated"] if "rollout.engine=serving" in overrides else []
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, [*AGENTIC, *overrides, *transport])
+
+
+def test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context(
+    tmp_path,
+):
+    root = f"checkpoint.root={tmp_path}"
+    with pytest.raises(ValueError, match="task 'terminal' is agentic .*: set agent.function"):
+        preflight(load_config(None, ["data.task=terminal", root]))
+    with pytest.raises(ValueError, match=r"\+ agent.max_tokens 500, more than the model's context"):
+        preflight(load_config(None, [*AGENTIC, "agent.max_tokens=500", root]))
+    preflight(load_config(None, [*AGENTIC, "agent.max_tokens=64", root]))  # fits: accepted
+
+
 def test_preflight_refuses_rows_without_the_label_the_task_scores(tmp_path):
     rows = _write(
         tmp_path / "r.jsonl", [{"prompt": "reverse abc", "label": "cba"}, {"prompt": "reverse xyz"}]
@@ -265,6 +303,8 @@ CATALOGUE = [
     ("garbled engine reply to the session server", "502", "test_sessions.py::test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502"),
     ("agent that raises or hangs", "FAILED episode", "test_agents.py::test_an_agent_that_raises_or_hangs_yields_failed_samples"),
     ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
+    ("agentic run on an in-process engine, on 2 ranks, or async with pause_mode abort; fewer episodes in flight than a group", "the one setting named", "test_bad_input.py::test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting"),
+    ("agentic task without agent.function; prompt + agent.max_tokens past the context", "refused in preflight, the setting named", "test_bad_input.py::test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
     ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),
     ("per-token field that does not load, clashes, or arrives misaligned", "refused in config validation / the sample and field named", "test_token_fields.py::test_a_run_declares_its_fields_in_the_config_and_a_bad_one_is_refused_up_front"),

@@ -328,7 +328,7 @@ def test_a_continuation_does_not_redraw_the_uniforms_of_its_first_tokens():
     """The serving engine draws one uniform per token from a generator seeded with the
     request's sampling_seed: the continuation's stream must be neither the original's (its
     first tokens' draws again) nor a sibling's (request seeds of a step are consecutive)."""
-    from miles_core.rollout.producer import continuation_request
+    from miles_core.rollout.engine_groups import continuation_request
     from miles_core.rollout.protocol import GenerateRequest, SamplingParams
     from miles_core.rollout.rollout_fn import request_seed
 

@@ -13,6 +13,7 @@ its samples' metadata.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -26,6 +27,7 @@ from miles_core.agents.layers import (
     RolloutOutput,
     RolloutSetup,
 )
+from miles_core.data.tasks import Example
 from miles_core.rollout.rollout_fn import rollout_metrics
 from miles_core.types import Sample, SampleGroup, Status
 
@@ -40,7 +42,7 @@ class AgenticRollout:
         self._seen: dict[str, float] = {}  # session-server totals at the last step
 
     async def _episode(
-        self, example, rollout_id: str, seed: int, limit: asyncio.Semaphore
+        self, example, rollout_id: str, seed: int, limit: contextlib.AbstractAsyncContextManager
     ) -> GenerateOutput:
         """One agent episode through the generate function; its failure is the episode's."""
         r, agent = self.config.rollout, self.config.agent
@@ -68,55 +70,64 @@ class AgenticRollout:
             except Exception as e:  # noqa: BLE001  (one episode's failure, not the step's)
                 return GenerateOutput([], error=f"generate function failed: {e!r}")
 
-    async def __call__(self, inp: RolloutInput) -> RolloutOutput:
+    def episode_seed(self, step: int, g: int, k: int) -> int:
+        """Episode k of group g of step `step`: the same seed in sync and async runs."""
         r = self.config.rollout
-        n = r.n_samples_per_prompt
-        prompts = self.source.next_batch(r.prompts_per_step)
-        limit = asyncio.Semaphore(self.config.agent.concurrency)  # in this call's event loop
-        t0 = time.perf_counter()
-        base = (r.seed + self.config.seed) * 1_000_003 + inp.step * 10_007
+        base = (r.seed + self.config.seed) * 1_000_003 + step * 10_007
+        return base + g * r.n_samples_per_prompt + k
+
+    async def group(
+        self,
+        step: int,
+        g: int,
+        data_index: int,
+        example,
+        limit: contextlib.AbstractAsyncContextManager,
+    ) -> SampleGroup:
+        """Group g of step `step`: its prompt's n episodes (each under `limit`, the episodes in
+        flight), the reward hooks, the episodes' leaves as one SampleGroup (a failed episode:
+        reward 0, zero loss mask, FAILED; each episode's outcome on its first leaf)."""
+        n = self.config.rollout.n_samples_per_prompt
         outputs = await asyncio.gather(
             *(
-                self._episode(ex, f"s{inp.step}-g{g}-{k}", base + g * n + k, limit)
-                for g, (_, ex) in enumerate(prompts)
+                self._episode(example, f"s{step}-g{g}-{k}", self.episode_seed(step, g, k), limit)
                 for k in range(n)
             )
         )
-        examples = [ex for _, ex in prompts for _ in range(n)]
-        hook_failures = await self._rewards(outputs, [ex.label for ex in examples], n)
-        seconds = time.perf_counter() - t0
-        groups, failed = [], 0
-        for g, (data_index, _) in enumerate(prompts):
-            samples: list[Sample] = []
-            for k in range(n):
-                out = outputs[g * n + k]
-                ok = _succeeded(out)
-                failed += not ok
-                for s in out.samples or [_empty(out, f"s{inp.step}-g{g}-{k}")]:
-                    s.group_index, s.index = g, len(samples)
-                    s.reward = float(out.reward) if ok else 0.0
-                    s.metadata.update(data_index=data_index, episode=k)
-                    if not ok:
-                        s.status = Status.FAILED
-                        s.loss_mask = [0] * s.response_length
-                        s.metadata.setdefault("error", failure_reason(out))
-                    samples.append(s)
-            groups.append(SampleGroup(group_index=g, samples=samples))
-        result = RolloutOutput(groups)
-        all_samples = [s for grp in groups for s in grp.samples]
-        result.metrics = (
-            rollout_metrics(all_samples, seconds)
-            | episode_metrics("rollout", examples, outputs)
-            | {
-                "rollout/failed_episodes": float(failed),
-                "rollout/reward_hook_failures": float(hook_failures),
-                "rollout/samples_per_episode": len(all_samples) / len(outputs),
-            }
+        failed_before = [o.error is not None for o in outputs]
+        await self._rewards(outputs, [example.label] * n, n)
+        samples: list[Sample] = []
+        for k, out in enumerate(outputs):
+            ok = _succeeded(out)
+            leaves = out.samples or [_empty(out, f"s{step}-g{g}-{k}")]
+            for leaf, s in enumerate(leaves):
+                s.group_index, s.index = g, len(samples)
+                s.reward = float(out.reward) if ok else 0.0
+                s.label = example.label
+                s.metadata.update(data_index=data_index, episode=k)
+                if leaf == 0:  # what the step's episode metrics read (also after a resume)
+                    hook_failed = out.error is not None and not failed_before[k]
+                    s.metadata[EPISODE] = _summary(out, ok) | {"hook_failed": hook_failed}
+                if not ok:
+                    s.status = Status.FAILED
+                    s.loss_mask = [0] * s.response_length
+                    s.metadata.setdefault("error", failure_reason(out))
+                samples.append(s)
+        return SampleGroup(group_index=g, samples=samples)
+
+    async def __call__(self, inp: RolloutInput) -> RolloutOutput:
+        r = self.config.rollout
+        prompts = self.source.next_batch(r.prompts_per_step)
+        limit = asyncio.Semaphore(self.config.agent.concurrency)  # in this call's event loop
+        t0 = time.perf_counter()
+        groups = await asyncio.gather(
+            *(self.group(inp.step, g, i, ex, limit) for g, (i, ex) in enumerate(prompts))
         )
-        result.metrics |= await self._session_counters()
-        reasons = Counter(failure_reason(o) for o in outputs if not _succeeded(o))
-        for reason, count in reasons.most_common(3):
-            log.warning("step %d: %d episode(s) failed: %s", inp.step, count, reason[:300])
+        seconds = time.perf_counter() - t0
+        result = RolloutOutput(list(groups))
+        result.metrics = rollout_metrics([s for grp in groups for s in grp.samples], seconds)
+        result.metrics |= step_metrics(result.groups, inp.step)
+        result.metrics |= await asyncio.to_thread(self.session_counters)
         return result
 
     async def evaluate(self, examples: list) -> dict[str, float]:
@@ -135,7 +146,7 @@ class AgenticRollout:
         metrics["eval/reward_hook_failures"] = float(hook_failures)
         metrics["eval/failed_episodes"] = float(sum(not _succeeded(o) for o in outputs))
         metrics["eval/time_s"] = time.perf_counter() - t0
-        await self._session_counters()  # eval sessions do not count toward the next step
+        await asyncio.to_thread(self.session_counters)  # eval sessions: not the next step's
         return metrics
 
     async def _rewards(self, outputs, tasks, n: int, per_group: bool = True) -> int:
@@ -147,7 +158,7 @@ class AgenticRollout:
             hooks = dataclasses.replace(hooks, per_group=None)
         return await hooks.apply(outputs, tasks, n)
 
-    async def _session_counters(self) -> dict[str, float]:
+    def session_counters(self) -> dict[str, float]:
         """This step's TITO divergences and branches, from the session server's totals:
         `tito_token_edits` (single-token edits between the engine's replies and the harness's
         re-rendered ones), `tito_diverged_replies`, and where a step has some,
@@ -157,10 +168,8 @@ class AgenticRollout:
         from miles_core.proc.auth import bearer
 
         headers = bearer(self.setup.api_key)
-        async with httpx.AsyncClient(
-            base_url=self.setup.session_url, timeout=30, headers=headers
-        ) as http:
-            totals = (await http.get("/metrics")).json()
+        with httpx.Client(base_url=self.setup.session_url, timeout=30, headers=headers) as http:
+            totals = http.get("/metrics").json()
         step = {}
         for key in ("tito_token_edits", "tito_diverged_replies", "tito_first_divergence_sum"):
             now = float(totals.get(key, 0))
@@ -180,6 +189,51 @@ class AgenticRollout:
         return out
 
 
+EPISODE = "episode_summary"  # a leaf-0 sample's metadata key: its episode's outcome
+
+
+def _summary(out: GenerateOutput, ok: bool) -> dict:
+    return {
+        "ok": ok,
+        "reward": out.reward,
+        "env_reward": out.env_reward,
+        "metrics": dict(out.metrics),
+        "error": None if ok else failure_reason(out),
+    }
+
+
+def step_metrics(groups: list[SampleGroup], step: int) -> dict[str, float]:
+    """The episode metrics of one step's groups (`episode_metrics`, from each episode's
+    summary on its first leaf), failed episodes and their reasons (logged), reward-hook
+    failures and leaves per episode."""
+    examples, outputs, hook_failures = [], [], 0
+    for grp in groups:
+        for s in grp.samples:
+            summary = s.metadata.get(EPISODE)
+            if summary is None:
+                continue
+            hook_failures += bool(summary.get("hook_failed"))
+            examples.append(Example(prompt=s.prompt, label=s.label))
+            outputs.append(
+                GenerateOutput(
+                    [s] if summary["ok"] else [],
+                    reward=summary["reward"],
+                    metrics=summary["metrics"],
+                    error=summary["error"],
+                    env_reward=summary["env_reward"],
+                )
+            )
+    samples = sum(len(grp.samples) for grp in groups)
+    failed = [o.error for o in outputs if o.error is not None]
+    for reason, count in Counter(failed).most_common(3):
+        log.warning("step %d: %d episode(s) failed: %s", step, count, reason[:300])
+    return episode_metrics("rollout", examples, outputs) | {
+        "rollout/failed_episodes": float(len(failed)),
+        "rollout/reward_hook_failures": float(hook_failures),
+        "rollout/samples_per_episode": samples / max(len(outputs), 1),
+    }
+
+
 def _succeeded(out: GenerateOutput) -> bool:
     return bool(out.error is None and out.reward is not None and out.samples)
 
@@ -194,7 +248,8 @@ def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) 
     """`<prefix>/success_rate`: the mean of the environment's grade (the episode's reward
     where the environment gives none; failed episodes count 0), overall and per task kind
     where the label names one; `<prefix>/episode_reward_mean`: the reward trained on (after
-    the hooks); the agent's own metrics as `agent/<key>_mean`."""
+    the hooks); the agent's own metrics as `agent/<key>_mean`, the mean over the episodes
+    that reported the key (failed ones too), and `agent/<key>_episodes`, how many did."""
     rewards = [float(o.reward or 0.0) if _succeeded(o) else 0.0 for o in outputs]
     graded = [
         (o.env_reward if o.env_reward is not None else float(o.reward or 0.0))
@@ -216,6 +271,7 @@ def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) 
     for key in sorted({k for o in outputs for k in o.metrics}):
         values = [o.metrics[key] for o in outputs if key in o.metrics]
         out[f"{agent_prefix}/{key}_mean"] = statistics.fmean(values)
+        out[f"{agent_prefix}/{key}_episodes"] = float(len(values))  # what the mean is over
     return out
 
 

@@ -15,11 +15,10 @@ prompt order and sampling seeds as a sync run. Admission is paced, not filtered:
   groups in completion order; a group staler than the bound is dropped, or its prompt is queued
   again (`retry`). Kept for comparison; both bias the data toward short trajectories.
 
-A weight push pauses the engine (`pause_mode`); with `retract` or `in_place` running requests
-continue after it, with `abort` the producer continues each interrupted request from its tokens
-in a new generation call (with a sampling seed derived from the request's seed and the tokens so
-far, and its declared per-token fields joined). Every sample records the version of each of its
-calls.
+What a group is comes from a `GroupSource` (`rollout/group_source.py`): a text prompt's n
+completions on the engine (`rollout/engine_groups.py`, the default; it also continues requests a
+pause-abort interrupted) or a prompt's n agent episodes (`agents/episode_groups.py`). Every
+sample records the version of each of its model calls.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import httpx
-
 from miles_core.config import RolloutConfig
 from miles_core.data import PromptSource
 from miles_core.data.tasks import Task
@@ -45,25 +42,13 @@ from miles_core.rollout.buffer_state import (
     group_from_json,
     group_to_json,
 )
-from miles_core.rollout.http_engine import (
-    HttpEngine,
-    batches,
-)
-from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse
-from miles_core.rollout.rollout_fn import (
-    RolloutResult,
-    build_group,
-    continuation_seed,
-    encode_prompt,
-    group_requests,
-    rollout_metrics,
-    sampling_params,
-)
-from miles_core.token_fields import join_fields
+from miles_core.rollout.engine_groups import EngineGroups
+from miles_core.rollout.group_source import GroupSource, GroupWork
+from miles_core.rollout.http_engine import HttpEngine
+from miles_core.rollout.rollout_fn import RolloutResult, rollout_metrics
 from miles_core.types import SampleGroup
 
 log = logging.getLogger("miles.producer")
-MAX_CONTINUATIONS = 16
 
 
 @dataclass
@@ -71,7 +56,6 @@ class _Ticket:
     index: int  # global group index
     data_index: int
     example: object
-    ids: list[int]
     admitted_version: int
     source_state: dict  # the prompt source's state before this group's prompt was drawn
     group: SampleGroup | None = None
@@ -103,25 +87,6 @@ def start_thread(run: Callable[[], None], stop: Callable[[], None]) -> LoopHandl
     return thread
 
 
-def continuation_request(req: GenerateRequest, out_ids: list[int], rid: str) -> GenerateRequest:
-    """`req` continued from its prompt + the `out_ids` generated before a pause-abort: the
-    tokens left, and a sampling seed of its own (`continuation_seed`), so the continuation does
-    not replay the uniforms its first tokens were drawn with."""
-    sp = req.sampling_params
-    return req.model_copy(
-        update={
-            "input_ids": req.input_ids + out_ids,
-            "sampling_params": sp.model_copy(
-                update={
-                    "max_new_tokens": sp.max_new_tokens - len(out_ids),
-                    "sampling_seed": continuation_seed(sp.sampling_seed, len(out_ids)),
-                }
-            ),
-            "rid": rid,
-        }
-    )
-
-
 class RolloutProducer:
     def __init__(
         self,
@@ -133,16 +98,16 @@ class RolloutProducer:
         version: Callable[[], int],
         first_group: int = 0,
         launch: Launch = start_thread,
+        groups: GroupSource | None = None,
     ):
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.task = task
+        self.engine = engine  # aborted on stop; `tokenizer` and `task` make the default groups
         self.source = source
         self.cfg = cfg
         self.version = version
         self.batch = cfg.prompts_per_step
         self.n = cfg.n_samples_per_prompt
-        self.sp = sampling_params(cfg, tokenizer)
+        # what one group is (default: the prompt's n completions on the engine)
+        self.groups = groups or EngineGroups(engine, tokenizer, task, cfg)
         self._next_index = first_group  # next group to admit
         self._next_take = first_group  # pace: next group the trainer takes
         self._tickets: dict[int, _Ticket] = {}  # admitted and not yet taken
@@ -195,8 +160,10 @@ class RolloutProducer:
             groups.append(t.group)
         result = RolloutResult(groups)
         current = self.version()
-        result.metrics = rollout_metrics(result.samples, max(waited, 1e-9)) | self._metrics(
-            picked, current, waited
+        result.metrics = (
+            rollout_metrics(result.samples, max(waited, 1e-9))
+            | self.groups.step_metrics(step, groups)
+            | self._metrics(picked, current, waited)
         )
         result.metrics.pop("rollout/tokens_per_s", None)  # not meaningful for a wait
         return result
@@ -288,7 +255,6 @@ class RolloutProducer:
                     index=int(item["index"]),
                     data_index=int(item["data_index"]),
                     example=example,
-                    ids=encode_prompt(self.tokenizer, example.prompt),
                     admitted_version=int(item["admitted_version"]),
                     source_state=item["source_state"],
                     retries=int(item["retries"]),
@@ -373,15 +339,13 @@ class RolloutProducer:
                 self._cond.notify_all()
 
     async def _produce(self) -> None:
-        # the engine's own /generate path (HttpEngine.post_generate): one client, one parse,
-        # one re-issue policy; up to 1 + max_staleness steps of groups in flight
-        async with self.engine.async_client(max_connections=512) as client:
+        async with self.groups.open(self):
             running: set[asyncio.Task] = set()
             while True:
                 ticket = await asyncio.to_thread(self._admit_next)
                 if ticket is None:
                     break
-                task = asyncio.create_task(self._generate(client, ticket))
+                task = asyncio.create_task(self._generate(ticket))
                 running.add(task)
                 task.add_done_callback(self._finished)
                 task.add_done_callback(running.discard)
@@ -417,7 +381,6 @@ class RolloutProducer:
                     index=self._next_index,
                     data_index=data_index,
                     example=example,
-                    ids=encode_prompt(self.tokenizer, example.prompt),
                     admitted_version=self.version(),
                     source_state=state,
                 )
@@ -426,92 +389,18 @@ class RolloutProducer:
             self.counters["admitted_groups"] += 1
             return ticket
 
-    async def _generate(self, client: httpx.AsyncClient, ticket: _Ticket) -> None:
+    async def _generate(self, ticket: _Ticket) -> None:
         step, g = divmod(ticket.index, self.batch)
-        requests = group_requests(ticket.ids, self.sp, self.cfg, step, g, seeded=True)
-        # few HTTP calls per group (the engine's batch_size; a whole group for our engine server):
-        # one call per sample made the client's connection pool hold the GIL against the trainer
-        start_version = self.version()
-        chunks = batches(requests, self.engine.batch_size)
-        first = [
-            r for c in await asyncio.gather(*(self._post(client, c) for c in chunks)) for r in c
-        ]
-        results = await asyncio.gather(
-            *(self._one(client, r, start_version, f) for r, f in zip(requests, first, strict=True))
-        )
-        responses = [r for r, _ in results]
-        group = build_group(
-            self.task,
-            step,
-            g,
-            self.n,
-            ticket.data_index,
-            ticket.example,  # type: ignore[arg-type]
-            ticket.ids,
-            responses,
-            [v for _, v in results],
-            reward_timeout_s=self.cfg.reward_timeout_s,
-        )
+        work = GroupWork(ticket.index, step, g, ticket.data_index, ticket.example)  # type: ignore[arg-type]
+        group = await self.groups.generate(work)
         with self._cond:
             ticket.group = group
             ticket.done_at = self._last_done = time.monotonic()
             self._cond.notify_all()
 
-    async def _post(
-        self, client: httpx.AsyncClient, requests: list[GenerateRequest]
-    ) -> list[GenerateResponse]:
-        return await self.engine.post_generate(client, requests)
-
-    async def _one(
-        self,
-        client: httpx.AsyncClient,
-        req: GenerateRequest,
-        start_version: int,
-        first: GenerateResponse,
-    ) -> tuple[GenerateResponse, list[int]]:
-        """One sample from its first call's response, continued from its own tokens after each
-        pause-abort."""
-        out_ids: list[int] = []
-        logprobs: list[tuple] = []
-        fields: dict = {}  # declared per-token fields, joined across calls
-        versions: list[int] = []
-        current, resp = req, first
-        for _ in range(MAX_CONTINUATIONS):
-            if resp is None:
-                start_version = self.version()
-                resp = (await self._post(client, [current]))[0]
-            last = resp
-            # the versions this call may have used, in order without repeats (a call that
-            # spanned a push under retract / in_place records both)
-            for v in (start_version, resp.meta_info.version):
-                if not versions or versions[-1] != v:
-                    versions.append(v)
-            out_ids += resp.output_ids
-            logprobs += resp.meta_info.output_token_logprobs or []
-            fields = join_fields(fields, resp.token_fields)
-            reason = resp.meta_info.finish_reason
-            left = req.sampling_params.max_new_tokens - len(out_ids)
-            interrupted = reason.type == "abort" and reason.message is None and not self._stop
-            if not interrupted or left <= 0:
-                break
-            self.counters["continued_requests"] += 1
-            resp = None
-            current = continuation_request(req, out_ids, f"{req.rid}-c{len(versions)}")
-        if len(out_ids) >= req.sampling_params.max_new_tokens and reason.type == "abort":
-            reason = FinishReason(type="length", length=len(out_ids))
-        meta = last.meta_info.model_copy(
-            update={
-                "finish_reason": reason,
-                "completion_tokens": len(out_ids),
-                "prompt_tokens": len(req.input_ids),
-                "output_token_logprobs": logprobs,
-            }
-        )
-        text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-        response = GenerateResponse(
-            text=text, output_ids=out_ids, meta_info=meta, token_fields=fields
-        )
-        return response, versions
+    # ProducerState (what the group source reads)
+    def stopping(self) -> bool:
+        return self._stop
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, picked: list[_Ticket], current: int, waited: float) -> dict[str, float]:
