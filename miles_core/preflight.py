@@ -215,6 +215,17 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     _check_roles(rows, where)
     if tok is not None and context:
         _check_lengths(rows, tok, _call_budget(config), context, where, "rl")
+    if config.agent.function is not None and config.agent.eval_episodes:
+        from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out
+
+        # the evaluation tasks exist and none is a training task (refused here if too few)
+        held_out(
+            get_task(data.task),
+            config.agent.eval_episodes,
+            data.seed + EVAL_SEED_OFFSET,
+            rows,
+            "agent.eval_episodes",
+        )
     if config.sft is not None:
         sft = config.sft
         sft_rows = load_examples(

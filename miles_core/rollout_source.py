@@ -148,6 +148,8 @@ class AgentSessions:
         assert fleet.process is not None  # the config requires an engine server
         check_family_matches(agent.family, tokenizer)
         self.config = config
+        self.prompts = prompts
+        self._eval_examples: list | None = None  # drawn on the first evaluation
         self.process = SessionServerProcess(
             fleet.process.url,
             agent.family,
@@ -169,10 +171,20 @@ class AgentSessions:
             raise
 
     def score(self, task) -> dict[str, float]:
-        """eval/* metrics of agent episodes on fixed tasks (agent.eval_episodes)."""
+        """eval/* metrics of agent episodes on fixed tasks (agent.eval_episodes), none of them a
+        training task (`data/held_out.py`)."""
+        from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out
+
         c = self.config
-        examples = task.generate(c.agent.eval_episodes, seed=c.data.seed + 1_000_003)
-        return asyncio.run(self.rollout.evaluate(examples))
+        if self._eval_examples is None:
+            self._eval_examples = held_out(
+                task,
+                c.agent.eval_episodes,
+                c.data.seed + EVAL_SEED_OFFSET,
+                self.prompts.examples,
+                "agent.eval_episodes",
+            )
+        return asyncio.run(self.rollout.evaluate(self._eval_examples))
 
     def close(self) -> None:
         self.process.stop()

@@ -219,3 +219,21 @@ def test_an_agent_metric_reported_by_some_episodes_says_how_many_it_averages():
     assert (out["agent/bad_calls_mean"], out["agent/bad_calls_episodes"]) == (1.0, 1.0)
     ev = episode_metrics("eval", [Example(prompt="p", label=None)] * 4, outputs)
     assert ev["eval/agent/turns_episodes"] == 3.0
+
+
+def test_the_agentic_evaluation_set_holds_no_training_task():
+    """examples/agentic_terminal_cpu.yaml's sizes: 2048 training draws, 96 evaluation tasks (at
+    the earlier seed-only draw, 63 of those 96 were training tasks); none is a training task,
+    none repeats, and the draw is the same every time."""
+    from miles_core.data import get_task
+    from miles_core.data.held_out import EVAL_SEED_OFFSET, example_key, held_out
+
+    task = get_task("terminal")
+    training = task.generate(2048, 0)
+    evaluation = held_out(task, 96, EVAL_SEED_OFFSET, training, "agent.eval_episodes")
+    keys = [example_key(ex) for ex in evaluation]
+    assert len(set(keys)) == 96 and not set(keys) & {example_key(ex) for ex in training}
+    # `create` has 50 distinct tasks and 2048 training draws hold all of them: no held-out one
+    # exists until the suite has more variety; `count` and `fix` tasks are held out
+    assert {ex.label["kind"] for ex in evaluation} == {"count", "fix"}
+    assert held_out(task, 96, EVAL_SEED_OFFSET, training, "x") == evaluation  # the same each time

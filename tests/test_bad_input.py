@@ -196,6 +196,19 @@ def test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_
     preflight(load_config(None, [*AGENTIC, "agent.max_tokens=64", root]))  # fits: accepted
 
 
+def test_preflight_refuses_an_evaluation_set_that_only_training_tasks_could_fill(tmp_path):
+    """say_a has 8 distinct prompts: 64 training prompts hold all of them, so no evaluation
+    task outside the training set exists."""
+    agentic_say_a = [*AGENTIC[1:], "data.task=say_a", f"checkpoint.root={tmp_path}"]
+    with pytest.raises(
+        ValueError, match=r"agent.eval_episodes: 4 evaluation tasks disjoint .* 0 of 80"
+    ):
+        preflight(
+            load_config(None, [*agentic_say_a, "data.num_prompts=64", "agent.eval_episodes=4"])
+        )
+    preflight(load_config(None, [*agentic_say_a, "data.num_prompts=2", "agent.eval_episodes=4"]))
+
+
 def test_preflight_refuses_rows_without_the_label_the_task_scores(tmp_path):
     rows = _write(
         tmp_path / "r.jsonl", [{"prompt": "reverse abc", "label": "cba"}, {"prompt": "reverse xyz"}]
@@ -305,6 +318,7 @@ CATALOGUE = [
     ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
     ("agentic run on an in-process engine, on 2 ranks, or async with pause_mode abort; fewer episodes in flight than a group", "the one setting named", "test_bad_input.py::test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting"),
     ("agentic task without agent.function; prompt + agent.max_tokens past the context", "refused in preflight, the setting named", "test_bad_input.py::test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context"),
+    ("agentic evaluation set that only training tasks could fill", "refused in preflight: how many disjoint tasks were found", "test_bad_input.py::test_preflight_refuses_an_evaluation_set_that_only_training_tasks_could_fill"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
     ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),
     ("per-token field that does not load, clashes, or arrives misaligned", "refused in config validation / the sample and field named", "test_token_fields.py::test_a_run_declares_its_fields_in_the_config_and_a_bad_one_is_refused_up_front"),
