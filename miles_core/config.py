@@ -633,7 +633,7 @@ class RunConfig(_Strict):
     def _check_agentic(self) -> None:
         """What an agentic run needs of the other sections; each refusal names the one setting
         that does not fit."""
-        r, t, a = self.rollout, self.train, self.agent
+        r, a = self.rollout, self.agent
         if _in_trainer_process(r.engine):
             raise ValueError(
                 "agent.function (agentic rollout) needs an engine server behind the session "
@@ -645,11 +645,6 @@ class RunConfig(_Strict):
                 "rollout.pause_mode: abort ends the model calls in flight at each weight push, "
                 "and an agent episode cannot continue a call it lost: agentic runs in "
                 f"rollout.mode {r.mode} use retract or in_place"
-            )
-        if t.world_size != 1:
-            raise ValueError(
-                "agent.function (agentic rollout) trains on one rank for now: "
-                f"train.world_size is {t.world_size}"
             )
         if a.concurrency < r.n_samples_per_prompt:
             raise ValueError(

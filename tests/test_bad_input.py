@@ -175,7 +175,6 @@ AGENTIC = [
             "an agent episode cannot continue a call it lost: agentic runs in rollout.mode "
             "fully_async use retract or in_place",
         ),
-        (["train.world_size=2"], "trains on one rank for now: train.world_size is 2"),
         (["agent.concurrency=4"], r"agent.concurrency \(4 .*\) is below the group size .* \(8\)"),
     ],
 )
@@ -316,7 +315,7 @@ CATALOGUE = [
     ("garbled engine reply to the session server", "502", "test_sessions.py::test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502"),
     ("agent that raises or hangs", "FAILED episode", "test_agents.py::test_an_agent_that_raises_or_hangs_yields_failed_samples"),
     ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
-    ("agentic run on an in-process engine, on 2 ranks, or async with pause_mode abort; fewer episodes in flight than a group", "the one setting named", "test_bad_input.py::test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting"),
+    ("agentic run on an in-process engine, or async with pause_mode abort; fewer episodes in flight than a group", "the one setting named", "test_bad_input.py::test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting"),
     ("agentic task without agent.function; prompt + agent.max_tokens past the context", "refused in preflight, the setting named", "test_bad_input.py::test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context"),
     ("agentic evaluation set that only training tasks could fill", "refused in preflight: how many disjoint tasks were found", "test_bad_input.py::test_preflight_refuses_an_evaluation_set_that_only_training_tasks_could_fill"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),

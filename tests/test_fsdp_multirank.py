@@ -1,5 +1,6 @@
-"""A 2-rank gloo FSDP2 step (torchrun, real processes) equals the 1-rank step within 1e-5, and
-`miles train` on two ranks, fully async, pushes its shards to an engine server (p2p, bf16)."""
+"""A 2-rank gloo FSDP2 step (torchrun, real processes) equals the 1-rank step within 1e-5 (also
+for a batch whose rows do not split evenly), `miles train` on two ranks, fully async, pushes its
+shards to an engine server (p2p, bf16), and an agentic run trains on two ranks as on one."""
 
 import json
 import os
@@ -18,8 +19,11 @@ CONFIGS = [
     # (Adam amplifies reduction-order noise in near-zero gradients by lr/eps, so the second case
     # runs at the default lr; a wrong normalisation shows in loss and grad_norm, compared below)
     {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1, "entropy_coef": 0.01, "lr": 1e-3},
+    # an agentic batch: 15 rows (odd: the second rank gets a row that trains nothing), rollouts
+    # of 3 leaves each, one of them split across the two ranks
+    {"rows": 15, "leaves": 3, "loss_agg": "rollout_mean_token_mean", "lr": 1e-3},
 ]
-CONFIG_IDS = ["token_mean", "seq_mean+kl+entropy"]
+CONFIG_IDS = ["token_mean", "seq_mean+kl+entropy", "odd_rows+rollout_mean"]
 
 
 def _run(nproc: int, model_dir: Path, out: Path, configs: list[dict]) -> list[tuple[dict, dict]]:
@@ -94,13 +98,15 @@ def _overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]
     ]
 
 
-def _cli_run(tmp_path: Path, api: str, world: int, extra: tuple) -> dict[str, list[float]]:
+def _cli_run(
+    tmp_path: Path, api: str, world: int, extra: tuple, overrides=None
+) -> dict[str, list[float]]:
     """`miles train` (flows.cli) as a subprocess against the session's Prefect server."""
     from mlflow.tracking import MlflowClient
 
     name = f"cli-{world}"
     cmd = [sys.executable, "-m", "flows.cli", "train", "--no-progress"]
-    for a in _overrides(tmp_path, name, world, extra):
+    for a in (overrides or _overrides)(tmp_path, name, world, extra):
         cmd += ["--set", a]
     env = {**os.environ, "PREFECT_API_URL": api}  # no ephemeral server per run
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
@@ -113,12 +119,12 @@ def _cli_run(tmp_path: Path, api: str, world: int, extra: tuple) -> dict[str, li
     return {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
 
 
-def _first_step_on_one_rank(tmp_path: Path, extra: tuple) -> dict[str, float]:
+def _first_step_on_one_rank(tmp_path: Path, extra: tuple, overrides=None) -> dict[str, float]:
     """Step 0 of the same run on one rank, in process (no flow, no tracking)."""
     from miles_core.config import load_config
     from miles_core.runtime import RLRuntime, prepare_model_dir
 
-    config = load_config(None, _overrides(tmp_path / "one", "one", 1, extra))
+    config = load_config(None, (overrides or _overrides)(tmp_path / "one", "one", 1, extra))
     runtime = RLRuntime(config, prepare_model_dir(config, tmp_path / "one"), None)
     try:
         result = runtime.rollout(0)
@@ -147,6 +153,45 @@ def test_miles_train_on_two_ranks_pushes_shards_to_an_engine_server(prefect_serv
     two = _cli_run(tmp_path, prefect_server, 2, SERVER + P2P_ASYNC)
     assert len(two["train/loss"]) == 2
     one = _first_step_on_one_rank(tmp_path, SERVER + P2P_ASYNC[:2])  # sync, one rank
+    assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
+    assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
+    assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)
+
+
+def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]:
+    return [
+        f"name={name}",
+        "model.preset=tiny",
+        "data.task=terminal",
+        "data.num_prompts=16",
+        *SERVER,
+        "weight_sync.transport=shared_memory",
+        "weight_sync.check_equal=true",
+        "agent.function=miles_core.envs.terminal_agent:run_agent",
+        "agent.max_turns=2",
+        "agent.max_tokens=24",
+        "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "train.loss_agg=rollout_mean_token_mean",
+        "train.num_steps=1",  # step 0, compared with one rank; its push is checked bitwise
+        f"train.world_size={world}",
+        f"checkpoint.root={tmp_path}/ckpt",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("mlflow_store")
+def test_an_agentic_run_trains_on_two_ranks_as_on_one(prefect_server, tmp_path):
+    """Agent episodes in sandboxes through the session server on rank 0, the batch trained on
+    two FSDP ranks: step 0 (the same episodes: seeds and weights are a one-rank run's) has the
+    one-rank loss and gradient norm; the push after it is checked bitwise."""
+    two = _cli_run(tmp_path, prefect_server, 2, (), _agentic_overrides)
+    assert len(two["train/loss"]) == 1
+    one = _first_step_on_one_rank(tmp_path, (), _agentic_overrides)
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
     assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
     assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)

@@ -302,3 +302,24 @@ def test_padded_layout_holds_each_row_at_its_place_and_refuses_a_misfit():
     bad = TrainBatch(tokens=[[1, 2, 3]], response_lengths=[2], loss_masks=[[1]])
     with pytest.raises(ValueError, match="loss mask of 1 for 2 response tokens"):
         PaddedBatch.build(bad, pad_id=0)
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_gets_rows_that_train_nothing():
+    from miles_core.train.step import shard
+
+    batch = TrainBatch(
+        tokens=[[1, 2, 3 + i] for i in range(5)],
+        response_lengths=[1] * 5,
+        loss_masks=[[1]] * 5,
+        advantages=[0.5, -0.5, 1.0, -1.0, 2.0],
+        sample_ids=["a", "a", "b", "c", "c"],
+    )
+    batch, rollouts = batch.with_rollout_tokens()
+    parts = [shard(batch, rank, 2) for rank in range(2)]
+    assert [len(p) for p in parts] == [3, 3] and rollouts == 3
+    inert = parts[1].slice(2, 3)  # the sixth row: a copy of the last that trains nothing
+    assert inert.loss_masks == [[0]] and inert.advantages == [0.0]
+    assert inert.sample_ids == ["c"] and inert.rollout_tokens == [2.0]  # no rollout, no token
+    real = parts[0].tokens + parts[1].tokens[:2]
+    assert real == batch.tokens  # every row once, in order
+    assert shard(batch, 0, 1) is not None and len(shard(batch, 0, 1)) == 5  # one rank: as it is

@@ -57,6 +57,30 @@ class TrainBatch:
             token_fields={k: v[start:end] for k, v in self.token_fields.items()},
         )
 
+    def with_inert_rows(self, k: int) -> TrainBatch:
+        """This batch and `k` copies of its last row that train nothing: zero loss mask and
+        advantage, the same rollout id and rollout total (no rollout and no loss token is
+        added), so every rank can get the same number of rows (`train/step.py: shard`)."""
+        if k <= 0:
+            return self
+        last = len(self) - 1
+
+        def more(x, value=None):
+            return None if x is None else x + [x[last] if value is None else value] * k
+
+        return replace(
+            self,
+            tokens=more(self.tokens),
+            response_lengths=more(self.response_lengths),
+            loss_masks=more(self.loss_masks, [0] * len(self.loss_masks[last])),
+            advantages=more(self.advantages, 0.0),
+            rollout_log_probs=more(self.rollout_log_probs),
+            old_log_probs=more(self.old_log_probs),
+            sample_ids=more(self.sample_ids) if self.sample_ids else [],
+            rollout_tokens=more(self.rollout_tokens),
+            token_fields={name: more(rows) for name, rows in self.token_fields.items()},
+        )
+
     def with_rollout_tokens(self) -> tuple[TrainBatch, int]:
         """This batch with each row's rollout loss-mask total, and the number of rollouts."""
         totals: dict[str, float] = {}

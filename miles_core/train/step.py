@@ -42,11 +42,13 @@ class StepBackend(Protocol):
 
 
 def shard(batch: TrainBatch, rank: int, world: int) -> TrainBatch:
-    """This rank's equal share of the global batch."""
-    n = len(batch)
-    if n % world:
-        raise ValueError(f"batch of {n} samples does not split over {world} ranks")
-    per = n // world
+    """This rank's share of the global batch, the same number of rows on every rank (so the
+    ranks' micro-batches, and their collectives, line up). A batch whose rows do not split
+    evenly (an agentic batch: episodes have different numbers of leaves) gets rows that train
+    nothing at its end (`TrainBatch.with_inert_rows`); a rollout's rows may then sit on two
+    ranks, which the losses allow: their normalisers come from the whole batch."""
+    batch = batch.with_inert_rows(-len(batch) % world)
+    per = len(batch) // world
     return batch.slice(rank * per, (rank + 1) * per)
 
 
@@ -64,7 +66,7 @@ def compute_log_probs(backend: StepBackend, batch: TrainBatch) -> list[list[floa
             mb = backend.micro_batch(part)
             out = backend.forward(mb, LossNeeds())
             rows.extend(mb.padded.unpad(out.log_probs, part.response_lengths))
-    return gather_rows(rows, backend.world)
+    return gather_rows(rows, backend.world)[: len(batch)]  # without `shard`'s inert rows
 
 
 def train_step(

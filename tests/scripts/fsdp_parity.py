@@ -39,13 +39,17 @@ reqs = [
 out = EmbeddedEngine(model, tok, seed=0).generate(reqs)
 advantages = [rng.gauss(0, 1) for _ in out]
 for i, loss_overrides in enumerate(configs):
+    loss_overrides = dict(loss_overrides)
+    rows = loss_overrides.pop("rows", len(out))  # the batch's first `rows` samples
+    leaves = loss_overrides.pop("leaves", 1)  # consecutive rows sharing a rollout id
     batch = TrainBatch(
         tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
         response_lengths=[len(r.output_ids) for r in out],
         loss_masks=[[1] * len(r.output_ids) for r in out],
         advantages=list(advantages),
         rollout_log_probs=[r.output_log_probs for r in out],
-    )
+        sample_ids=[f"r{j // leaves}" for j in range(len(out))],
+    ).slice(0, rows)
     cfg = RunConfig().train.model_copy(
         update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2, **loss_overrides}
     )
