@@ -186,7 +186,8 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     (model_check.py), unreadable or malformed datasets (row number in the message), chat roles
     outside CHAT_ROLES, rows without the label the task scores against, prompts that do not
     fit the context with one call's new tokens (rollout.max_new_tokens; agent.max_tokens in an
-    agentic run), an agentic task without agent.function, SFT data without answers, a missing
+    agentic run), an agentic task without agent.function, agent.eval_episodes that only
+    training tasks could fill (data/held_out.py), SFT data without answers, a missing
     starting model, a run name another live run holds (run_lock.py: RunLocked), an
     unwritable checkpoint root, a new run whose name already has checkpoints (unless
     checkpoint.overwrite), and on resume: no checkpoint (or none at `resume_step`), a
