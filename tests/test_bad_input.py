@@ -169,7 +169,10 @@ AGENTIC = [
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.engine=serving"], "needs an engine server .* rollout.engine: serving runs in"),
+        (
+            ["rollout.engine=serving", "weight_sync.transport=colocated"],
+            "needs an engine server .* rollout.engine: serving runs in",
+        ),
         (
             ["rollout.mode=fully_async", "rollout.pause_mode=abort"],
             "an agent episode cannot continue a call it lost: agentic runs in rollout.mode "
@@ -179,9 +182,8 @@ AGENTIC = [
     ],
 )
 def test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting(overrides, message):
-    transport = ["weight_sync.transport=colocated"] if "rollout.engine=serving" in overrides else []
     with pytest.raises(ValidationError, match=message):
-        load_config(None, [*AGENTIC, *overrides, *transport])
+        load_config(None, [*AGENTIC, *overrides])
 
 
 def test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context(
