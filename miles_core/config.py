@@ -31,6 +31,22 @@ class ModelConfig(_Strict):
         "URL read with checkpoint.storage_options)",
     )
     seed: int = Field(0, description="seed of the random init")
+    context: int | None = Field(
+        None,
+        gt=0,
+        le=32768,
+        description="a preset's context (max_position_embeddings; default 512), e.g. for long "
+        "agent episodes; a model.path model keeps its own",
+    )
+
+    @model_validator(mode="after")
+    def _context_for_presets(self) -> ModelConfig:
+        if self.context is not None and self.path is not None:
+            raise ValueError(
+                "model.context sets a preset's context; the model at model.path keeps its own "
+                "(max_position_embeddings in its config.json): leave model.context unset"
+            )
+        return self
 
 
 class DataConfig(_Strict):
@@ -450,6 +466,20 @@ class EvalConfig(_Strict):
 RUN_COMMAND = "miles_core.agents.blackbox:run_command"  # the agent function of agent.command
 
 
+class SandboxConfig(_Strict):
+    """Per-command sandbox limits of a sandbox environment's episodes (`envs/sandbox.py`);
+    unset fields keep the task's own (SandboxTasks limits), else the sandbox's defaults."""
+
+    cpu_s: int | None = Field(None, gt=0, description="CPU seconds per command")
+    wall_s: float | None = Field(None, gt=0, description="wall-clock seconds per command")
+    memory_mb: int | None = Field(None, gt=0, description="address space per command (MiB)")
+    processes: int | None = Field(None, gt=0, description="processes (enforced as root)")
+    file_mb: int | None = Field(None, gt=0, description="largest file a command may write (MiB)")
+
+    def overrides(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
 class AgentConfig(_Strict):
     """Agentic rollout: every sample is an agent episode recorded by the session server."""
 
@@ -457,7 +487,7 @@ class AgentConfig(_Strict):
         None,
         description="agent function 'package.module:name' (async run_agent(base_url, prompt, "
         "request_kwargs, metadata)); set → agentic rollout, e.g. "
-        "miles_core.envs.terminal_agent:run_agent",
+        "miles_core.envs.sandbox_agent:run_agent",
     )
     generate_function: str | None = Field(
         None, description="replace the session-backed generate function (import path)"
@@ -472,9 +502,27 @@ class AgentConfig(_Strict):
         description="TITO family of the session server: a registered name (tiny, qwen3, mistral, "
         "or one added with miles_core.tito.register_family) or 'package.module:Class'",
     )
-    max_turns: int = Field(3, gt=0, description="model calls per episode")
-    max_tokens: int = Field(64, gt=0, description="new tokens per model call")
-    timeout_s: float = Field(120.0, gt=0, description="an episode running longer fails")
+    rollout_function: str | None = Field(
+        None,
+        description="replace the outer agentic rollout function: 'package.module:Class', built "
+        "with a RolloutSetup (agents/layers.py: RolloutFunction); default "
+        "miles_core.agents.rollout:AgenticRollout",
+    )
+    max_turns: int = Field(4, gt=0, le=100, description="model calls per episode")
+    max_tokens: int = Field(
+        96, gt=0, description="new tokens per model call (a tool call must fit: preflight checks)"
+    )
+    max_session_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="an episode's token budget: its conversation (prompt + every reply and tool "
+        "result) at most this many ids; each call's new tokens are capped to what is left, and "
+        "a call with nothing left ends the episode, graded (default: the model's context)",
+    )
+    timeout_s: float = Field(
+        120.0, gt=0, description="an episode running longer (wall clock) fails"
+    )
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     concurrency: int = Field(32, gt=0, description="episodes in flight")
     reward_function: str | None = Field(
         None,
@@ -511,6 +559,7 @@ class AgentConfig(_Strict):
             name
             for name, value in (
                 ("agent.generate_function", self.generate_function),
+                ("agent.rollout_function", self.rollout_function),
                 ("agent.command", self.command),
                 ("agent.reward_function", self.reward_function),
                 ("agent.group_reward_function", self.group_reward_function),

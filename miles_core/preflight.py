@@ -38,7 +38,7 @@ def _model_config(config: RunConfig) -> dict:
         return found
     tok = build_tokenizer()
     return preset_config(
-        config.model.preset, len(tok), tok.pad_token_id, tok.eos_token_id
+        config.model.preset, len(tok), tok.pad_token_id, tok.eos_token_id, config.model.context
     ).to_dict()
 
 
@@ -69,6 +69,45 @@ def _check_lengths(
             )
 
 
+def _check_episode_budget(config: RunConfig, task, context: int) -> None:
+    """A sandbox environment task (`envs/sandbox_tasks.py`): for one task of every kind, each
+    scripted `run` call fits agent.max_tokens, the scripted solution's calls fit agent.max_turns,
+    and its whole episode fits the token budget (agent.max_session_tokens and the context).
+    Otherwise no episode of that kind could succeed: refused, naming the kind and the numbers."""
+    from miles_core.envs.demonstration import call_lengths, demonstration
+    from miles_core.envs.sandbox import SandboxLimits
+    from miles_core.tito import get_family
+
+    a = config.agent
+    family = get_family(a.family)
+    kinds = len(task.kinds) + len(getattr(task, "eval_kinds", ()))
+    draw = getattr(task, "evaluation", task.generate)
+    limits = SandboxLimits(**(dict(task.limits) | a.sandbox.overrides()))
+    budgets = [(v, what) for v, what in ((a.max_session_tokens, "agent.max_session_tokens"),
+               (context, "the model's context")) if v]  # fmt: skip
+    for ex in draw(kinds, config.data.seed):
+        env = task.environment_of(ex.label)
+        longest = max(call_lengths(env, family), default=0)
+        if longest > a.max_tokens:
+            raise ValueError(
+                f"agent.max_tokens ({a.max_tokens}) cannot fit one tool call of a {env.kind!r} "
+                f"task: its scripted run call is {longest} tokens"
+            )
+        if len(env.solution) > a.max_turns:
+            raise ValueError(
+                f"agent.max_turns ({a.max_turns}) cannot fit the scripted solution of a "
+                f"{env.kind!r} task ({len(env.solution)} tool calls): no such episode can succeed"
+            )
+        ids, _, _ = demonstration(env, family, limits)
+        for budget, what in budgets:
+            if len(ids) > budget:
+                raise ValueError(
+                    f"{what} ({budget} tokens) cannot fit the scripted episode of a "
+                    f"{env.kind!r} task ({len(ids)} tokens with its tool results)"
+                    + ("; raise model.context" if what == "the model's context" else "")
+                )
+
+
 def _call_budget(config: RunConfig) -> tuple[str, int]:
     """The new tokens one model call may add to a prompt: an agent's call (the session server
     caps each at agent.max_tokens), else a rollout's."""
@@ -94,7 +133,7 @@ def _check_plugins(config: RunConfig) -> None:
         raise ValueError(
             f"task {config.data.task!r} is agentic (its rewards come from episodes in its "
             "environment, not from scoring a completion): set agent.function, e.g. "
-            "miles_core.envs.terminal_agent:run_agent"
+            "miles_core.envs.sandbox_agent:run_agent"
         )
     if a.eval_episodes and not callable(getattr(get_task(config.data.task), "generate", None)):
         raise ValueError(
@@ -186,7 +225,8 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     (model_check.py), unreadable or malformed datasets (row number in the message), chat roles
     outside CHAT_ROLES, rows without the label the task scores against, prompts that do not
     fit the context with one call's new tokens (rollout.max_new_tokens; agent.max_tokens in an
-    agentic run), an agentic task without agent.function, agent.eval_episodes that only
+    agentic run), a sandbox environment task whose scripted solution cannot fit agent.max_tokens,
+    agent.max_turns or the token budget, an agentic task without agent.function, agent.eval_episodes that only
     training tasks could fill (data/held_out.py), SFT data without answers, a missing
     starting model, a run name another live run holds (run_lock.py: RunLocked), an
     unwritable checkpoint root, a new run whose name already has checkpoints (unless
@@ -216,6 +256,8 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     _check_roles(rows, where)
     if tok is not None and context:
         _check_lengths(rows, tok, _call_budget(config), context, where, "rl")
+    if config.agent.function is not None and hasattr(get_task(data.task), "environment_of"):
+        _check_episode_budget(config, get_task(data.task), context)
     if config.agent.function is not None and config.agent.eval_episodes:
         from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out
 
@@ -233,9 +275,9 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
             sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options
         )
         sft_where = sft.path or f"task {sft.task!r}"
-        sft_task = get_task(sft.task, family=config.agent.family)
+        sft_task = get_task(sft.task)
         scripted = hasattr(sft_task, "demonstration")  # builds its own samples
-        if scripted and tok is not None and getattr(sft_task, "family", None):
+        if scripted and tok is not None:
             from miles_core.tito.check import check_family_matches  # it renders with agent.family
 
             check_family_matches(config.agent.family, tok)

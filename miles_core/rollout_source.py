@@ -138,9 +138,8 @@ class AgentSessions:
     """What an agentic run adds in front of the engine server: the session server (token-faithful
     records of every model call) and the agentic rollout function built on it."""
 
-    def __init__(self, config, fleet, tokenizer, prompts, workdir: Path):
-        from miles_core.agents.layers import RolloutSetup
-        from miles_core.agents.rollout import AgenticRollout
+    def __init__(self, config, fleet, tokenizer, task, prompts, workdir: Path):
+        from miles_core.agents.layers import RolloutSetup, load_rollout_function
         from miles_core.sessions import SessionServerProcess
         from miles_core.tito.check import check_family_matches
 
@@ -150,6 +149,11 @@ class AgentSessions:
         self.config = config
         self.prompts = prompts
         self._eval_examples: list | None = None  # drawn on the first evaluation
+        needs = ("__call__",) if config.rollout.mode == "sync" else ("group",)
+        rollout_cls = load_rollout_function(
+            agent.rollout_function, needs + (("evaluate",) if agent.eval_episodes else ())
+        )
+        budget = agent.max_session_tokens
         self.process = SessionServerProcess(
             fleet.process.url,
             agent.family,
@@ -157,6 +161,7 @@ class AgentSessions:
             args=(
                 "--max-tokens",
                 str(agent.max_tokens),
+                *(() if budget is None else ("--token-budget", str(budget))),
                 *(f"--token-field={f}" for f in config.rollout.token_fields),
             ),
             port_range=config.network.ports,
@@ -164,8 +169,16 @@ class AgentSessions:
         ).start()
         try:
             generate, hooks = _agent_plugins(agent)
-            setup = RolloutSetup(config, prompts, self.process.url, generate, hooks, fleet.api_key)
-            self.rollout = AgenticRollout(setup)
+            setup = RolloutSetup(
+                config,
+                prompts,
+                self.process.url,
+                generate,
+                hooks,
+                fleet.api_key,
+                metadata=episode_metadata(config, task),
+            )
+            self.rollout = rollout_cls(setup)
         except BaseException:
             self.process.stop()
             raise
@@ -197,7 +210,7 @@ class AgenticRollouts(SyncRollouts):
     def __init__(self, config, fleet, tokenizer, task, prompts, engine_version, workdir: Path):
         super().__init__(config, fleet, tokenizer, task, prompts)
         self.engine_version = engine_version
-        self.agents = AgentSessions(config, fleet, tokenizer, prompts, workdir)
+        self.agents = AgentSessions(config, fleet, tokenizer, task, prompts, workdir)
         self.session_process, self.agent_rollout = self.agents.process, self.agents.rollout
 
     def take(self, step: int) -> RolloutResult:
@@ -221,7 +234,7 @@ class AsyncAgenticRollouts(AsyncRollouts):
         from miles_core.agents.episode_groups import EpisodeGroups
 
         super().__init__(config, fleet, tokenizer, task, prompts, engine_version)
-        self.agents = AgentSessions(config, fleet, tokenizer, prompts, workdir)
+        self.agents = AgentSessions(config, fleet, tokenizer, task, prompts, workdir)
         self.session_process, self.agent_rollout = self.agents.process, self.agents.rollout
         self.groups = EpisodeGroups(self.agent_rollout)
 
@@ -233,6 +246,19 @@ class AsyncAgenticRollouts(AsyncRollouts):
             super().close()  # the producer first: its episodes use the session server
         finally:
             self.agents.close()
+
+
+def episode_metadata(config, task) -> dict:
+    """What every episode's agent is handed besides its task: for a sandbox environment task
+    (`envs/sandbox_tasks.py`), the environment's import path and its sandbox limits (the
+    task's, overridden per field by agent.sandbox)."""
+    path = getattr(task, "environment_path", None)
+    if path is None:
+        return {}
+    return {
+        "environment": path,
+        "limits": dict(getattr(task, "limits", {})) | config.agent.sandbox.overrides(),
+    }
 
 
 def _agent_plugins(agent):

@@ -39,7 +39,7 @@ def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
     if config.model.path:
         # a download lands in `workdir`, removed with the run's other temp folders
         return fetch_model_dir(config.model.path, config.checkpoint.storage_options, workdir)
-    model, tok = build_model(config.model.preset, config.model.seed)
+    model, tok = build_model(config.model.preset, config.model.seed, config.model.context)
     return save_hf_dir(model, tok, workdir / "init_model")
 
 

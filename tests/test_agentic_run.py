@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from miles_core.config import load_config
+from miles_core.envs.terminal import KINDS
 from miles_core.runtime import RLRuntime, prepare_model_dir
 
 HOOK_CALLS: list[str] = []
@@ -31,7 +32,7 @@ def _config(tmp_path, *extra):
             "rollout.n_samples_per_prompt=2",
             "weight_sync.transport=shared_memory",
             "weight_sync.check_equal=true",
-            "agent.function=miles_core.envs.terminal_agent:run_agent",
+            "agent.function=miles_core.envs.sandbox_agent:run_agent",
             "agent.max_turns=2",
             "agent.max_tokens=24",
             "train.global_batch_size=4",
@@ -39,7 +40,7 @@ def _config(tmp_path, *extra):
             "train.loss_agg=rollout_mean_token_mean",
             "train.threads=1",
             f"checkpoint.root={tmp_path}/ckpt",
-            "agent.eval_episodes=6",
+            "agent.eval_episodes=7",  # one of each kind, the held-out one last
             "train.num_steps=2",
             *extra,
         ],
@@ -57,8 +58,9 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
         [(version, before)] = rt.finished_evaluations()
         assert version == 0 and before["eval/lag_steps"] == 0.0 and before["eval/errors"] == 0.0
         assert before["eval/policy_version"] == 0.0 and before["eval/failed_episodes"] == 0.0
-        kinds = {k for k in before if k.startswith("eval/success_rate/")}
-        assert kinds == {f"eval/success_rate/{k}" for k in ("create", "count", "fix")}
+        groups = {k.removeprefix("eval/success_rate/") for k in before if "rate/" in k}
+        levels = {g for g in groups if g.startswith("level_")}  # per difficulty level
+        assert groups - levels <= set(KINDS) and levels and "create-fix" in groups  # held out
         for step in range(2):
             result = rt.rollout(step)
             assert len(result.groups) == 2
@@ -83,7 +85,7 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
         assert p.proc.poll() is not None  # both servers stopped
     # the hook scored every episode: 6 evaluation episodes twice, 4 training episodes per step
     assert sorted(HOOK_CALLS) == sorted(
-        [f"eval-{i}" for i in range(6)] * 2
+        [f"eval-{i}" for i in range(7)] * 2
         + [f"s{t}-g{g}-{k}" for t in (0, 1) for g in (0, 1) for k in (0, 1)]
     )
 

@@ -15,10 +15,15 @@ from fastapi import FastAPI
 
 from miles_core.agents.layers import GenerateInput, PluginError, load_plugin
 from miles_core.agents.session_generate import session_generate
-from miles_core.envs.terminal import KINDS, make_task, make_tasks
-from miles_core.envs.terminal_agent import run_agent
+from miles_core.envs.environment import environment_path
+from miles_core.envs.sandbox_agent import run_agent
+from miles_core.envs.terminal import HELD_OUT_KINDS, KINDS, make_task, make_tasks
 from miles_core.proc.managed import free_port
 from miles_core.types import Status
+
+
+def _meta(task, **more) -> dict:
+    return {"task": task.to_dict(), "environment": environment_path(type(task))} | more
 
 
 def _scripted_reply(solutions: dict[str, list[str]], body: dict, bad_args: bool = False) -> dict:
@@ -86,14 +91,15 @@ class _Server:
         self.thread.join(timeout=10)
 
 
-def test_the_terminal_agent_solves_every_kind_with_a_policy_that_knows_the_solutions():
-    tasks = make_tasks(6, seed=3)
+def test_the_sandbox_agent_solves_every_kind_with_a_policy_that_knows_the_solutions():
+    tasks = make_tasks(len(KINDS), seed=3, kinds=KINDS)
     assert {t.kind for t in tasks} == set(KINDS)
     for task in tasks:
         app = _scripted_policy({task.instruction: task.solution})
         with _Server(app) as base_url:
             prompt = [{"role": "user", "content": task.instruction}]
-            out = asyncio.run(run_agent(base_url, prompt, {}, {"task": task.to_dict()}))
+            meta = _meta(task, max_turns=len(task.solution) + 1)
+            out = asyncio.run(run_agent(base_url, prompt, {}, meta))
         assert out["reward"] == 1.0, task
         steps = float(len(task.solution))  # one call per command, then the final answer
         expected = {"turns": steps + 1, "commands": steps, "bad_calls": 0.0, "context_full": 0.0}
@@ -117,7 +123,7 @@ def test_a_conversation_out_of_context_ends_the_episode_and_is_graded():
 
     with _Server(app) as url:
         prompt = [{"role": "user", "content": task.instruction}]
-        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
+        out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
     assert out["reward"] == 1.0
     assert out["metrics"] == {"turns": 1.0, "commands": 1.0, "bad_calls": 0.0, "context_full": 1.0}
 
@@ -126,15 +132,15 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
     task = make_task("create", random.Random(0))
     with _Server(_scripted_policy({task.instruction: task.solution}, bad_args=True)) as url:
         prompt = [{"role": "user", "content": task.instruction}]
-        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict(), "max_turns": 2}))
+        out = asyncio.run(run_agent(url, prompt, {}, _meta(task, max_turns=2)))
     assert out["reward"] == 0.0  # the call was answered with an error, nothing ran
     assert out["metrics"] == {"turns": 2.0, "commands": 0.0, "bad_calls": 1.0, "context_full": 0.0}
     escape = [
         "rm -rf /usr; echo x > /etc/evil; cat /root/.bashrc > a.txt; ln -sf /etc/passwd "
-        + task.target
+        + task.checks[0]["file"]
     ]
     with _Server(_scripted_policy({task.instruction: escape})) as url:
-        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
+        out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
     assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0
 
 
@@ -146,7 +152,7 @@ def sessions(session_stack):
 def _input(url: str, task, rollout_id: str = "r0") -> GenerateInput:
     return GenerateInput(
         prompt=[{"role": "user", "content": task.instruction}],
-        metadata={"task": task.to_dict(), "max_turns": 3},
+        metadata=_meta(task, max_turns=3),
         request_kwargs={"max_tokens": 24, "seed": 1},
         rollout_id=rollout_id,
         session_url=url,
@@ -182,11 +188,11 @@ def test_an_agent_that_raises_or_hangs_yields_failed_samples(sessions):
 
 
 def test_plugins_load_by_import_path_or_are_refused_clearly():
-    assert load_plugin("miles_core.envs.terminal_agent:run_agent", "agent") is run_agent
+    assert load_plugin("miles_core.envs.sandbox_agent:run_agent", "agent") is run_agent
     cases = [
         ("no_colon", "expected 'package.module:name'"),
         ("miles_core.nope:x", "cannot import"),
-        ("miles_core.envs.terminal_agent:missing", "has no 'missing'"),
+        ("miles_core.envs.sandbox_agent:missing", "has no 'missing'"),
         ("miles_core.envs.terminal:make_task", "must be an async function"),
     ]
     for path, words in cases:
@@ -199,7 +205,7 @@ def test_the_checker_cannot_be_gamed_by_editing_the_test():
     cheat = ["echo 'pass' > test_calc.py"]  # a rewritten test would pass trivially
     with _Server(_scripted_policy({task.instruction: cheat})) as url:
         prompt = [{"role": "user", "content": task.instruction}]
-        out = asyncio.run(run_agent(url, prompt, {}, {"task": task.to_dict()}))
+        out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
     assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0
 
 
@@ -233,7 +239,9 @@ def test_the_agentic_evaluation_set_holds_no_training_task():
     evaluation = held_out(task, 96, EVAL_SEED_OFFSET, training, "agent.eval_episodes")
     keys = [example_key(ex) for ex in evaluation]
     assert len(set(keys)) == 96 and not set(keys) & {example_key(ex) for ex in training}
-    # `create` has 50 distinct tasks and 2048 training draws hold all of them: no held-out one
-    # exists until the suite has more variety; `count` and `fix` tasks are held out
-    assert {ex.label["kind"] for ex in evaluation} == {"count", "fix"}
+    # `create` has 50 distinct tasks and 2048 training draws hold all of them: none is held out;
+    # the held-out composition (never trained on) is in the evaluation set
+    kinds = {ex.label["kind"] for ex in evaluation}
+    assert "create" not in kinds and set(HELD_OUT_KINDS) <= kinds
+    assert not set(HELD_OUT_KINDS) & {ex.label["kind"] for ex in training}
     assert held_out(task, 96, EVAL_SEED_OFFSET, training, "x") == evaluation  # the same each time

@@ -162,7 +162,7 @@ AGENTIC = [
     "data.task=terminal",
     "rollout.engine=server",
     "weight_sync.transport=shared_memory",
-    "agent.function=miles_core.envs.terminal_agent:run_agent",
+    "agent.function=miles_core.envs.sandbox_agent:run_agent",
 ]
 
 
@@ -194,7 +194,39 @@ def test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_
         preflight(load_config(None, ["data.task=terminal", root]))
     with pytest.raises(ValueError, match=r"\+ agent.max_tokens 500, more than the model's context"):
         preflight(load_config(None, [*AGENTIC, "agent.max_tokens=500", root]))
-    preflight(load_config(None, [*AGENTIC, "agent.max_tokens=64", root]))  # fits: accepted
+    preflight(load_config(None, [*AGENTIC, root]))  # the defaults fit: accepted
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["agent.max_tokens=48"],
+            r"agent.max_tokens \(48\) cannot fit one tool call of a 'create' task: its scripted "
+            r"run call is \d+ tokens",
+        ),
+        (
+            ["agent.max_turns=2"],
+            r"agent.max_turns \(2\) cannot fit the scripted solution of a 'debug' task \(3 tool "
+            r"calls\)",
+        ),
+        (
+            ["agent.max_session_tokens=300"],
+            r"agent.max_session_tokens \(300 tokens\) cannot fit the scripted episode of a "
+            r"'fix' task \(\d+ tokens with its tool results\)",
+        ),
+        (
+            ["model.context=400"],
+            r"the model's context \(400 tokens\) cannot fit the scripted episode of a 'debug' "
+            r"task .*; raise model.context",
+        ),
+    ],
+)
+def test_preflight_refuses_a_turn_or_token_budget_no_scripted_episode_fits(
+    tmp_path, overrides, message
+):
+    with pytest.raises(ValueError, match=message):
+        preflight(load_config(None, [*AGENTIC, f"checkpoint.root={tmp_path}", *overrides]))
 
 
 def test_preflight_refuses_an_evaluation_set_that_only_training_tasks_could_fill(tmp_path):

@@ -165,9 +165,8 @@ def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> l
         "data.num_prompts=16",
         *SERVER,
         "weight_sync.transport=shared_memory",
-        "agent.function=miles_core.envs.terminal_agent:run_agent",
-        "agent.max_turns=2",
-        "agent.max_tokens=24",
+        "agent.function=miles_core.envs.sandbox_agent:run_agent",
+        "agent.max_turns=3",  # what the suite's scripted solutions need (preflight)
         "rollout.prompts_per_step=2",
         "rollout.n_samples_per_prompt=2",
         "train.global_batch_size=4",

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+from test_agents import _Server  # imported (and rewritten) at collection
 
 from miles_core.agents.layers import GenerateOutput
 from miles_core.agents.rewards import Episode, RewardHooks
@@ -197,7 +198,7 @@ def _agentic(tmp_path, *extra):
             "rollout.prompts_per_step=2",
             "rollout.n_samples_per_prompt=2",
             "weight_sync.transport=shared_memory",
-            "agent.function=miles_core.envs.terminal_agent:run_agent",
+            "agent.function=miles_core.envs.sandbox_agent:run_agent",
             "train.global_batch_size=4",
             "train.micro_batch_size=4",
             f"checkpoint.root={tmp_path}/ckpt",
@@ -252,12 +253,11 @@ def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_pa
     """AgenticRollout with a stand-in generate function (one leaf per episode, env reward 1.0)
     and a session server stand-in that only answers /metrics (real HTTP)."""
     from fastapi import FastAPI
-    from test_agents import _Server
 
     from miles_core.agents.layers import RolloutInput, RolloutSetup
     from miles_core.agents.rollout import AgenticRollout
+    from miles_core.data import get_task
     from miles_core.data.dataset import PromptSource
-    from miles_core.envs.terminal_task import TerminalTasks
     from miles_core.types import Status
 
     counters = FastAPI()
@@ -270,7 +270,7 @@ def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_pa
         return GenerateOutput([_sample(inp.rollout_id)], 1.0, {"turns": 1.0})
 
     cfg = _agentic(tmp_path)
-    source = PromptSource(TerminalTasks().generate(4, seed=0))
+    source = PromptSource(get_task("terminal").generate(4, seed=0))
     hooks = RewardHooks(_second_attempt_raises, None, timeout_s=5)
     with _Server(counters) as url:
         setup = RolloutSetup(cfg, source, url.removesuffix("/v1"), generate, hooks)

@@ -6,6 +6,7 @@ import json
 import httpx
 import pytest
 from openai import OpenAI
+from test_agents import _Server  # imported (and rewritten) at collection
 
 from miles_core.tito import get_family
 from tests.plugins.family import HeadersFamily, save_model_dir
@@ -180,7 +181,6 @@ def test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502():
     with a body that is not a generate response."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-    from test_agents import _Server
 
     from miles_core.sessions.server import create_app
 
@@ -222,7 +222,6 @@ def test_a_reply_sent_back_differently_is_reported_by_where_it_parts_and_its_edi
     In-process session server in front of a real HTTP "engine" that answers that tool call."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
-    from test_agents import _Server
 
     from miles_core.sessions.server import create_app
 

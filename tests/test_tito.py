@@ -197,15 +197,14 @@ def test_terminal_demonstrations_are_rendered_with_the_runs_family(tiny_dir, tmp
     from miles_core.preflight import preflight
 
     headers = HeadersFamily()
-    task = get_task("terminal", family=PLUGIN)
+    task = get_task("terminal")
     example = task.generate(1, seed=0)[0]
-    ids, mask = task.demonstration(example)
+    ids, mask = task.demonstration(example, headers)
     opening = headers.prompt([{"role": "user", "content": example.prompt}])
     assert ids[: len(opening)] == opening and len(ids) - len(opening) == len(mask)
     assert headers.decode(ids).count("### Assistant\n") == sum(
         1 for a, b in zip([0, *mask], mask, strict=False) if b and not a
     )  # one header per assistant turn, and the loss covers exactly those turns
-    assert get_task("terminal").family == "tiny"  # the tiny model's family stays the default
     # a run whose model does not speak the family is refused before anything starts
     overrides = [
         f"model.path={tiny_dir}",

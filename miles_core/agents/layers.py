@@ -1,7 +1,8 @@
 """The three nested plug-in layers of agentic rollout, typed contracts, outermost first:
 
-- rollout function: `async __call__(RolloutInput) -> RolloutOutput` — owns the data, grouping,
-  rewards and everything else for one step (class, built with `RolloutSetup`);
+- rollout function: a class built with `RolloutSetup` (`RolloutFunction` below) — owns the
+  data, grouping, rewards and everything else: a whole step (`__call__`, sync mode), one GRPO
+  group of episodes (`group`, the async producer), evaluation episodes (`evaluate`);
 - generate function: `async generate(GenerateInput) -> GenerateOutput` — one trajectory,
   including how its tokens are recorded (the default opens a session on the session server);
 - agent function: `async run_agent(base_url, prompt, request_kwargs, metadata) -> dict | None`
@@ -10,16 +11,18 @@
 
 The environment sets the reward (the agent function returns it), then the optional reward hooks
 per episode and per group (`agents/rewards.py`); an episode left without one is FAILED. The
-rollout function is wired in `rollout_source.AgenticRollouts` (`AgenticRollout`); generate and
-agent functions are chosen by import path (`agent.generate_function`, `agent.function`).
+rollout function is wired in `rollout_source.AgentSessions`; all three layers are chosen by
+import path (`agent.rollout_function`, default `AgenticRollout`; `agent.generate_function`;
+`agent.function`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_core.registry import import_object
 from miles_core.tito import Message
@@ -73,6 +76,7 @@ class RolloutSetup:
     generate: Callable[[GenerateInput], Awaitable[GenerateOutput]]
     rewards: RewardHooks | None = None  # None: the environment's reward as it is
     api_key: str | None = None  # the session server's key, handed to every GenerateInput
+    metadata: dict[str, Any] = field(default_factory=dict)  # the run's, in every episode's
 
 
 @dataclass
@@ -85,6 +89,56 @@ class RolloutInput:
 class RolloutOutput:
     groups: list[SampleGroup]
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutFunction(Protocol):
+    """The outer layer, built once per run with the `RolloutSetup`."""
+
+    def __init__(self, setup: RolloutSetup) -> None: ...
+
+    async def __call__(self, inp: RolloutInput) -> RolloutOutput:
+        """One step's groups (sync mode)."""
+        ...
+
+    async def group(
+        self,
+        step: int,
+        g: int,
+        data_index: int,
+        example: Any,
+        limit: contextlib.AbstractAsyncContextManager,
+    ) -> SampleGroup:
+        """Group g of step `step` from one example, each episode under `limit` (the run's
+        episodes in flight): what the async producer admits."""
+        ...
+
+    async def evaluate(self, examples: list) -> dict[str, float]:
+        """eval/* metrics of one episode per example, nothing trained."""
+        ...
+
+    def session_counters(self) -> dict[str, float]:
+        """The session server's per-step counters since the last call."""
+        ...
+
+
+DEFAULT_ROLLOUT_FUNCTION = "miles_core.agents.rollout:AgenticRollout"
+
+
+def load_rollout_function(path: str | None, needs: tuple[str, ...]) -> type:
+    """The rollout function class at `path` (default: AgenticRollout), checked to have the
+    methods `needs` (what this run calls of it)."""
+    path = path or DEFAULT_ROLLOUT_FUNCTION
+    cls = import_object(path, "agent.rollout_function", example="package.module:Class")
+    if not inspect.isclass(cls):
+        raise PluginError(f"agent.rollout_function {path!r} must be a class (built with setup)")
+    missing = [name for name in needs if not callable(getattr(cls, name, None))]
+    if missing:
+        raise PluginError(
+            f"agent.rollout_function {path!r} has no {', '.join(missing)}, which this run "
+            "calls (rollout.mode sync: __call__; one_step_off / fully_async: group; "
+            "agent.eval_episodes: evaluate)"
+        )
+    return cls
 
 
 class PluginError(ValueError):

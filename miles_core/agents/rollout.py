@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import statistics
 import time
 from collections import Counter
@@ -54,6 +55,7 @@ class AgenticRollout:
         gen_in = GenerateInput(
             prompt=messages,
             metadata={"task": example.label, "max_turns": agent.max_turns}
+            | self.setup.metadata
             | ({"command": list(agent.command)} if agent.command else {}),
             request_kwargs={
                 "max_tokens": agent.max_tokens,
@@ -246,8 +248,9 @@ def failure_reason(out: GenerateOutput) -> str:
 
 def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) -> dict:
     """`<prefix>/success_rate`: the mean of the environment's grade (the episode's reward
-    where the environment gives none; failed episodes count 0), overall and per task kind
-    where the label names one; `<prefix>/episode_reward_mean`: the reward trained on (after
+    where the environment gives none; failed episodes count 0), overall, per task kind
+    where the label names one ("kind") and per difficulty level ("level": `level_<n>`);
+    `<prefix>/episode_reward_mean`: the reward trained on (after
     the hooks); the agent's own metrics as `agent/<key>_mean`, the mean over the episodes
     that reported the key (failed ones too), and `agent/<key>_episodes`, how many did."""
     rewards = [float(o.reward or 0.0) if _succeeded(o) else 0.0 for o in outputs]
@@ -263,8 +266,11 @@ def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) 
     }
     kinds: dict[str, list[float]] = {}
     for ex, reward in zip(examples, graded, strict=True):
-        if isinstance(ex.label, dict) and isinstance(ex.label.get("kind"), str):
-            kinds.setdefault(ex.label["kind"], []).append(reward)
+        label = ex.label if isinstance(ex.label, dict) else {}
+        if isinstance(label.get("kind"), str):
+            kinds.setdefault(_metric_part(label["kind"]), []).append(reward)
+        if isinstance(label.get("level"), int):
+            kinds.setdefault(f"level_{label['level']}", []).append(reward)
     for kind, values in sorted(kinds.items()):
         out[f"{prefix}/success_rate/{kind}"] = statistics.fmean(values)
     agent_prefix = "agent" if prefix == "rollout" else f"{prefix}/agent"
@@ -273,6 +279,11 @@ def episode_metrics(prefix: str, examples: list, outputs: list[GenerateOutput]) 
         out[f"{agent_prefix}/{key}_mean"] = statistics.fmean(values)
         out[f"{agent_prefix}/{key}_episodes"] = float(len(values))  # what the mean is over
     return out
+
+
+def _metric_part(name: str) -> str:
+    """A task kind as part of a metric name: what MLflow accepts (others become "_")."""
+    return re.sub(r"[^A-Za-z0-9_\-. :]", "_", name) or "_"
 
 
 def _empty(out: GenerateOutput, rollout_id: str) -> Sample:

@@ -1,5 +1,6 @@
 """Evaluation examples that training never sees: drawn from the task's generator at the
-evaluation seed, keeping only examples that are in no training row (by prompt and label) and
+evaluation seed (its `evaluation(n, seed)` where it has one: e.g. task kinds held out of
+training), keeping only examples that are in no training row (by prompt and label) and
 not already kept. A task whose generator cannot produce enough of them is refused before the run
 starts (preflight), naming how many it found."""
 
@@ -28,7 +29,8 @@ def held_out(task, n: int, seed: int, training: Iterable[Example], what: str) ->
     out: list[Example] = []
     kept: set[str] = set()
     draws = n * DRAWS_PER_EXAMPLE
-    for ex in task.generate(draws, seed):
+    draw = getattr(task, "evaluation", task.generate)  # a task may hold kinds out for it
+    for ex in draw(draws, seed):
         key = example_key(ex)
         if key in seen or key in kept:
             continue

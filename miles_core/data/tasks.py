@@ -105,18 +105,9 @@ def _task(obj: Any, name: str) -> Task:
 TASKS: Registry[Task] = Registry("task", "data.task", load=_task)
 for _builtin in (SayA(), Reverse(), Add()):
     TASKS.register(_builtin.name, _builtin)
-_TERMINAL: dict[str, Task] = {}  # per TITO family
-
-
-def _terminal(family: str) -> Task:
-    if family not in _TERMINAL:
-        from miles_core.envs.terminal_task import TerminalTasks  # sandbox + TITO: import on use
-
-        _TERMINAL[family] = TerminalTasks(family)
-    return _TERMINAL[family]
-
-
-TASKS.register("terminal", _terminal)  # built per family by get_task
+# sandboxes + TITO: imported on first use
+TASKS.register("terminal", "miles_core.envs.terminal_tasks:TERMINAL")
+TASKS.register("terminal_basics", "miles_core.envs.terminal_tasks:TERMINAL_BASICS")
 
 
 def register_task(task: Task) -> None:
@@ -127,12 +118,6 @@ def task_names() -> list[str]:
     return TASKS.names()
 
 
-def get_task(name: str, family: str | None = None) -> Task:
-    """A built-in task by name, or any object by import path `package.module:object`.
-
-    `family`: the run's TITO family (`agent.family`, a name or import path) for a task that
-    tokenizes chat itself: the terminal task's SFT demonstrations are rendered with it, so they
-    hold the model's own ids (default `tiny`, the tiny model's family)."""
-    if name == "terminal" and TASKS.get(name) is _terminal:
-        return _terminal(family or "tiny")
+def get_task(name: str) -> Task:
+    """A built-in task by name, or any object by import path `package.module:object`."""
     return TASKS.get(name)

@@ -29,8 +29,10 @@ ARCHITECTURE_FIELDS = (
 
 
 def preset_config(
-    preset: str, vocab_size: int, pad_token_id: int, eos_token_id: int
+    preset: str, vocab_size: int, pad_token_id: int, eos_token_id: int, context: int | None = None
 ) -> Qwen3Config:
+    """The preset's architecture; `context` replaces its max_position_embeddings (RoPE has no
+    weights: the same seed gives the same weights at any context)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
@@ -42,7 +44,7 @@ def preset_config(
         num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads,
         head_dim=p.head_dim,
-        max_position_embeddings=p.max_position_embeddings,
+        max_position_embeddings=context or p.max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
@@ -53,10 +55,12 @@ def preset_config(
     )
 
 
-def build_model(preset: str, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+def build_model(
+    preset: str, seed: int, context: int | None = None
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """A randomly initialised Qwen3ForCausalLM and its tokenizer; same seed, same weights."""
     tok = build_tokenizer()
-    config = preset_config(preset, len(tok), tok.pad_token_id, tok.eos_token_id)
+    config = preset_config(preset, len(tok), tok.pad_token_id, tok.eos_token_id, context)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()

@@ -91,8 +91,13 @@ TITO: tuple[tuple[str, Callable[[Trajectory], int]], ...] = (
 )
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
+    error: dict[str, Any] = {"message": message, "type": kind}
+    if code is not None:  # OpenAI's error codes, e.g. context_length_exceeded
+        error["code"] = code
+    return JSONResponse({"error": error}, status_code=status)
 
 
 def _json_body(model: type[BaseModel]) -> dict:
@@ -121,8 +126,11 @@ def create_app(
     sweep_s: float | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
+    token_budget: int | None = None,
 ) -> FastAPI:
-    """`session_ttl_s`: a session nobody used for that long (a harness that crashed without
+    """`token_budget`: a turn's prompt plus its new tokens at most this many ids (the new
+    tokens are capped to what is left; a turn with nothing left answers 400
+    `context_length_exceeded`). `session_ttl_s`: a session nobody used for that long (a harness that crashed without
     deleting it) is dropped by the sweep that runs every `sweep_s` (default: a quarter of the
     TTL, at most 30 s) and when a session is created, counted in `expired_sessions`.
     `max_sessions` live sessions (429 past it), `max_session_ids` stored ids per session (413)."""
@@ -308,8 +316,20 @@ def create_app(
                 f"would pass the cap of {max_session_ids} (--max-session-ids): start a new "
                 "session",
             )
+        max_new = body.max_completion_tokens or body.max_tokens or default_max_tokens
+        if token_budget is not None:
+            room = token_budget - len(turn.ids)
+            if room < 1:
+                counters["errors_4xx"] += 1
+                return _error(
+                    400,
+                    f"this turn's prompt holds {len(turn.ids)} ids: no room left in the "
+                    f"session's token budget of {token_budget} (context length)",
+                    code="context_length_exceeded",
+                )
+            max_new = min(max_new, room)
         sampling = SamplingParams(
-            max_new_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
+            max_new_tokens=max_new,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=body.top_p or 1.0,
             stop_token_ids=family.stop_ids,
@@ -422,12 +442,20 @@ def main(argv: list[str] | None = None) -> None:
         help="token ids one session may store over all its turns (413 past it)",
     )
     ap.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="a turn's prompt + new tokens at most this many ids (an episode's token budget)",
+    )
+    ap.add_argument(
         "--token-field",
         action="append",
         default=[],
         help="a declared per-token field to record (import path pkg.mod:FIELD; repeatable)",
     )
     args = ap.parse_args(argv)
+    if args.token_budget is not None and args.token_budget < 1:
+        ap.error("--token-budget must be > 0")
     for flag in ("max_sessions", "max_session_ids", "session_ttl_s"):
         if not getattr(args, flag) > 0:
             ap.error(f"--{flag.replace('_', '-')} must be > 0")
@@ -451,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         max_sessions=args.max_sessions,
         max_session_ids=args.max_session_ids,
         api_key=args.api_key,
+        token_budget=args.token_budget,
     )
     config = uvicorn.Config(
         app,

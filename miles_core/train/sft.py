@@ -25,16 +25,25 @@ def sft_sample(tokenizer, example: Example) -> tuple[list[int], list[int]]:
 
 
 def sft_batches(
-    tokenizer, examples: list[Example], batch_size: int, seed: int, task=None
+    tokenizer,
+    examples: list[Example],
+    batch_size: int,
+    seed: int,
+    task=None,
+    family: str = "tiny",
 ) -> Iterator[TrainBatch]:
-    """Endless shuffled batches (a new order every epoch). A task with `demonstration(example)`
-    (multi-turn: loss only on the assistant's turns) supplies its own samples."""
+    """Endless shuffled batches (a new order every epoch). A task with
+    `demonstration(example, family)` (multi-turn: loss only on the assistant's turns) supplies
+    its own samples, rendered with the run's TITO family `family` (`agent.family`)."""
     demo = getattr(task, "demonstration", None)
     if demo is not None:  # demonstrations run commands in sandboxes: a few at a time
         from concurrent.futures import ThreadPoolExecutor
 
+        from miles_core.tito import get_family
+
+        chat = get_family(family)
         with ThreadPoolExecutor(max_workers=4) as pool:
-            encoded = list(pool.map(demo, examples))
+            encoded = list(pool.map(lambda ex: demo(ex, chat), examples))
     else:
         encoded = [sft_sample(tokenizer, ex) for ex in examples]
     rng = random.Random(seed)
@@ -78,8 +87,10 @@ def run_sft(config, model_dir, tracker) -> str:
     )
     from miles_core.data import get_task
 
-    task = get_task(sft.task, family=config.agent.family)  # demonstrations: the run's family
-    batches = sft_batches(tokenizer, examples, sft.batch_size, sft.seed, task)
+    task = get_task(sft.task)
+    batches = sft_batches(
+        tokenizer, examples, sft.batch_size, sft.seed, task, config.agent.family
+    )  # demonstrations: rendered with the run's family
     report = reporter()
     report.start(sft.num_steps, "sft")
     try:

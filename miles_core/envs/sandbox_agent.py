@@ -1,14 +1,18 @@
-"""The terminal agent function: the agent–environment loop for `terminal.py` tasks.
+"""The tool-using agent function for sandbox environments (`environment.py`): any task that
+provides setup / instruction / check / scripted solution.
 
     async run_agent(base_url, prompt, request_kwargs, metadata) -> {"reward", "metrics"}
 
-`metadata["task"]` is a TerminalTask as a dict. The agent sets the task up in a fresh sandbox,
-then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the next step:
-every `run` tool call is executed in the sandbox and its output returned as the tool result; a
-reply without tool calls ends the episode, and so does a conversation that has no room left in
-the model's context (`context_full`). The checker's score of the final workspace is the
-reward (set by the environment). Tools are not sent with the request (a long tool schema does
-not fit a tiny model's context); the model learns the call format from demonstrations.
+`metadata` (built by the rollout from the run's config): "task", the environment as a dict;
+"environment", its class's import path (the data task's, never an episode's); "max_turns";
+"limits", the sandbox limits (`SandboxLimits` fields). The agent sets the task up in a fresh
+sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the
+next step: every `run` tool call is executed in the sandbox and its output returned as the tool
+result; a reply without tool calls ends the episode, and so does a conversation that has no
+room left (`context_full`: the model's context or the session's token budget). The checker's
+score of the final workspace is the reward. Tools are not sent with the request (a long tool
+schema does not fit a tiny model's context); the model learns the call format from
+demonstrations.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import asyncio
 import json
 from typing import Any
 
+from miles_core.envs.environment import load_environment
 from miles_core.envs.sandbox import RunResult, Sandbox, SandboxLimits
-from miles_core.envs.terminal import TerminalTask
 
 OBSERVATION_CHARS = 200
+CONTEXT_FULL = "context_length_exceeded"  # the OpenAI error code the session server answers
 
 
 def observation(result: RunResult) -> str:
@@ -44,12 +49,18 @@ def command_of(call) -> str | None:
     return cmd if isinstance(cmd, str) and cmd.strip() else None
 
 
+def _context_full(error) -> bool:
+    return getattr(error, "code", None) == CONTEXT_FULL or "context length" in str(error)
+
+
 async def run_agent(
     base_url: str, prompt: list[dict], request_kwargs: dict[str, Any], metadata: dict[str, Any]
 ) -> dict:
     from openai import AsyncOpenAI, BadRequestError
 
-    task = TerminalTask.from_dict(metadata["task"])
+    if "environment" not in metadata:
+        raise ValueError("metadata has no 'environment' (the environment class's import path)")
+    task = load_environment(metadata["environment"]).from_dict(metadata["task"])
     max_turns = int(metadata.get("max_turns", 4))
     limits = SandboxLimits(**metadata.get("limits", {}))
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
@@ -64,7 +75,7 @@ async def run_agent(
                         model="policy", messages=messages, **request_kwargs
                     )
                 except BadRequestError as e:
-                    if "context length" not in str(e):
+                    if not _context_full(e):
                         raise
                     context_full = 1  # no room for another turn: grade what was done
                     break

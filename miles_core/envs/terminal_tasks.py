@@ -1,0 +1,17 @@
+"""The terminal suite (`terminal.py`) as data tasks: `terminal` draws every training kind (and,
+for evaluation, the held-out compositions too); `terminal_basics` draws the single tasks only,
+what the SFT demonstrations cover."""
+
+from __future__ import annotations
+
+from miles_core.envs.sandbox_tasks import SandboxTasks
+from miles_core.envs.terminal import (
+    HELD_OUT_KINDS,
+    SINGLE_KINDS,
+    TRAIN_KINDS,
+    TerminalTask,
+    make_task,
+)
+
+TERMINAL = SandboxTasks("terminal", TerminalTask, make_task, TRAIN_KINDS, HELD_OUT_KINDS)
+TERMINAL_BASICS = SandboxTasks("terminal_basics", TerminalTask, make_task, SINGLE_KINDS)
