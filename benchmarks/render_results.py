@@ -418,6 +418,48 @@ def vs_trl(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def agentic_async(r: dict[str, Any]) -> list[str]:
+    runs = r["by_variant"]
+    base = runs["sync"]["steps_per_s"]
+    rows = [
+        [
+            name,
+            _num(v["steps_per_s"], ".3f"),
+            _ratio(v["steps_per_s"], base),
+            _num(v["median_step_s"], ".2f"),
+            f"{_num(v['lag_mean'], '.2f')} / {_num(v['lag_max'], '.0f')}",
+            f"{_num(v['active_episodes'], '.1f')} / {v['limit']} "
+            f"({_num(v['active_fraction'], '.2f')})",
+            _num(v["active_requests"], ".1f"),
+            _num(v["prefix_cache_hit_rate"], ".3f"),
+            _num(v["turns_mean"], ".2f"),
+            _num(v["success_ma9_last"], ".3f"),
+        ]
+        for name, v in runs.items()
+    ]
+    out = _table(
+        [
+            "variant",
+            "steps/s",
+            "× sync",
+            "median step s",
+            "lag mean / max",
+            "active episodes / limit",
+            "requests running",
+            "prefix hit (2 engines)",
+            "turns",
+            "success, 9-step avg",
+        ],
+        rows,
+    )
+    t = r.get("targets", {})
+    return out + [
+        "",
+        f"Targets: fully_async ≥ {t.get('fully_async_over_sync')}× sync, active episodes ≥ "
+        f"{t.get('active_fraction')} of the limit, prefix-cache hit rate ≥ {t.get('prefix_hit')}.",
+    ]
+
+
 def _generic(r: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
 
@@ -427,6 +469,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "prefix_cache": prefix_cache,
     "weight_sync": weight_sync,
     "async_vs_sync": async_vs_sync,
+    "agentic_async": agentic_async,
     "step_time": step_time,
     "session_load": session_load,
     "vs_trl": vs_trl,

@@ -113,6 +113,13 @@ class RolloutConfig(_Strict):
         description="engine: server: an engine without a healthy /health answer for this long "
         "(hung, e.g. SIGSTOP) is killed and replaced; must exceed health_interval_s",
     )
+    num_engines: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="engine: server: engine server processes; more than one sit behind "
+        "sglang-router, with a request's routing key (an agent session's id) sticking to one",
+    )
     max_engine_restarts: int = Field(
         3,
         ge=0,
@@ -670,6 +677,12 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"rollout.prompts_per_step × n_samples_per_prompt ({samples}) must be divisible by "
                 f"train.global_batch_size ({t.global_batch_size})"
+            )
+        if r.num_engines > 1 and _in_trainer_process(r.engine):
+            raise ValueError(
+                f"rollout.num_engines ({r.num_engines}) starts engine servers behind a router; "
+                f"rollout.engine: {r.engine} runs in the trainer's process: set rollout.engine: "
+                "server"
             )
         self._check_transport_fits_engine()
         self._check_eval()

@@ -13,7 +13,7 @@ A new engine is a factory registered here (or under an import path `pkg.mod:fact
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,18 @@ class EngineSetup:
 
 @dataclass
 class BuiltEngine:
+    """`engine` generates (over several servers: the router's client); `servers` are the engine
+    server processes, each with its own client (weight pushes and checks go to each), to
+    supervise and stop; `router` is the process in front of them (or None)."""
+
     engine: RolloutEngine
-    process: Any = None  # the engine server's ManagedProcess, to supervise and stop (or None)
+    servers: list[tuple[Any, RolloutEngine]] = field(default_factory=list)
+    router: Any = None
+
+    @property
+    def process(self) -> Any:
+        """The first engine server's ManagedProcess (or None for an in-process engine)."""
+        return self.servers[0][0] if self.servers else None
 
 
 EngineFactory = Callable[[EngineSetup], BuiltEngine]
@@ -114,7 +124,8 @@ def _serving(s: EngineSetup) -> BuiltEngine:
 
 
 def _server(s: EngineSetup) -> BuiltEngine:
-    """The serving engine as a subprocess on 127.0.0.1, stopped by PID when the run closes."""
+    """The serving engine as `rollout.num_engines` subprocesses on 127.0.0.1 (several: behind
+    sglang-router, `rollout/routed_engine.py`), stopped by PID when the run closes."""
     from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 
     r = s.rollout
@@ -124,19 +135,48 @@ def _server(s: EngineSetup) -> BuiltEngine:
     args += ["--device", r.device]
     if r.engine_threads:
         args += ["--threads", str(r.engine_threads)]
-    process = EngineProcess(
-        s.model_dir,
-        args=args,
-        log_path=s.workdir / "engine.log",
-        port_range=s.port_range,
-        api_key=s.api_key,  # in the child's environment, not its command line
-        weight_roots=s.weight_roots,  # the disk transport's root (miles_core/roots.py)
-    ).start()
-    # our engine server takes SGLang's batch form: one call per group
-    client = HttpEngine(
-        process.url, concurrency=s.batch, batch_size=r.n_samples_per_prompt, api_key=s.api_key
-    )
-    return BuiltEngine(client, process)
+    servers: list[tuple[Any, RolloutEngine]] = []
+    router = None
+    try:
+        for i in range(r.num_engines):
+            process = EngineProcess(
+                s.model_dir,
+                args=args,
+                log_path=s.workdir / ("engine.log" if r.num_engines == 1 else f"engine-{i}.log"),
+                port_range=s.port_range,
+                api_key=s.api_key,  # in the child's environment, not its command line
+                weight_roots=s.weight_roots,  # the disk transport's root (miles_core/roots.py)
+            ).start()
+            # our engine server takes SGLang's batch form: one call per group
+            client = HttpEngine(
+                process.url,
+                concurrency=s.batch,
+                batch_size=r.n_samples_per_prompt,
+                api_key=s.api_key,
+            )
+            servers.append((process, client))
+        if r.num_engines == 1:
+            return BuiltEngine(servers[0][1], servers)
+        from miles_core.rollout.routed_engine import RoutedEngine
+        from miles_core.rollout.router import RouterProcess
+
+        router = RouterProcess(
+            [p.url for p, _ in servers],
+            log_path=s.workdir / "router.log",
+            port_range=s.port_range,
+            api_key=s.api_key,
+        ).start()
+        routed = RoutedEngine(
+            router.url, [c for _, c in servers], concurrency=s.batch, api_key=s.api_key
+        )
+        return BuiltEngine(routed, servers, router)
+    except BaseException:
+        for process, client in servers:
+            client.close()
+            process.stop()
+        if router is not None:
+            router.stop()
+        raise
 
 
 register_engine("embedded", _embedded, IN_PROCESS_ROUTES)

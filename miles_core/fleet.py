@@ -1,15 +1,20 @@
 """The engine fleet of a run: the rollout engine built by name (`rollout.engine`, through the
-engine registry in `engines.py`), the engine server process it may run in, and that process's
+engine registry in `engines.py`), the engine server processes it may run in, and their
 supervision (a dead or hung server is replaced on the same port and given the current weights
 before it serves).
 
-`surviving(what, call)` runs a call over HTTP (a push, a checksum); if it fails because the
-engine server died, it waits for the replacement and makes the call once more.
+`surviving(what, call)` runs a call over HTTP (a push, a checksum); if it fails because an
+engine server died, it waits for the replacement and makes the call once more. With
+`rollout.num_engines` > 1 the engine servers sit behind sglang-router
+(`rollout/routed_engine.py`); each has its own supervisor, and a replacement rejoins the router
+only once it holds the current weights. `gauges()`: per-engine active requests and prefix-cache
+hit rate, logged with each step's rollout metrics.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,11 +27,13 @@ from miles_core.weights.disk import engine_weight_roots
 from miles_core.weights.remote import PushFailed
 
 log = logging.getLogger("miles")
+GAUGE_TIMEOUT_S = 2.0  # a hung engine must not hold up the step that reads its gauges
 
 
 class EngineFleet:
-    """The run's engine (one today; a router over several later), its server process (or None
-    for an in-process engine) and the process's supervisor (None until `supervise`)."""
+    """The run's engine (generation: one server's client, or a router's over several), its
+    engine servers (none for an in-process engine), each with its own client (weight pushes and
+    checks) and its supervisor (from `supervise`), and the router in front of several."""
 
     def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path):
         from miles_core.proc.auth import run_key
@@ -47,14 +54,36 @@ class EngineFleet:
         built = make_engine(config.rollout.engine, setup)
         self.config = config
         self.engine: RolloutEngine = built.engine
-        self.process: Any = built.process  # an engine server's ManagedProcess, or None
-        self.supervisor: EngineSupervisor | None = None
+        self.servers: list[tuple[Any, RolloutEngine]] = list(built.servers)
+        self.router: Any = built.router
+        self.supervisors: list[EngineSupervisor] = []
+        self._seen: dict[str, tuple[float, float]] = {}  # per engine: prompt, cached tokens
 
-    def supervise(self, serve_weights: Callable[[], None], reconnects: bool) -> None:
-        """Heartbeats for the engine server (no-op for an in-process engine); a replacement gets
-        the trainer's weights from `serve_weights` before it serves. A transport that cannot
-        reconnect (`reconnects` false) cannot serve a replacement: a dead engine fails the run."""
-        if self.process is None:
+    @property
+    def process(self) -> Any:
+        """The first engine server's process (None for an in-process engine)."""
+        return self.servers[0][0] if self.servers else None
+
+    @property
+    def supervisor(self) -> EngineSupervisor | None:
+        return self.supervisors[0] if self.supervisors else None
+
+    @property
+    def engines(self) -> list[RolloutEngine]:
+        """What weights are pushed to: every engine server's own client (or the engine)."""
+        return [client for _, client in self.servers] or [self.engine]
+
+    @property
+    def url(self) -> str:
+        """Where generation requests go: the router, else the one engine server."""
+        return self.router.url if self.router is not None else self.process.url
+
+    def supervise(self, serve_weights: Callable[[RolloutEngine], None], reconnects: bool) -> None:
+        """Heartbeats for each engine server (none for an in-process engine); a replacement gets
+        the trainer's weights from `serve_weights(its client)` before it serves, out of the
+        router's rotation until then. A transport that cannot reconnect (`reconnects` false)
+        cannot serve a replacement: a dead engine fails the run."""
+        if not self.servers:
             return
         r = self.config.rollout
         restarts = r.max_engine_restarts
@@ -65,51 +94,131 @@ class EngineFleet:
                 self.config.weight_sync.transport,
             )
             restarts = 0
-        self.supervisor = EngineSupervisor(
-            self.process,
-            serve_weights,
-            interval_s=r.health_interval_s,
-            timeout_s=r.health_timeout_s,
-            max_restarts=restarts,
-        ).start()
-        self.engine.supervisor = self.supervisor  # its requests wait for a replacement
+        for process, client in self.servers:
+            supervisor = EngineSupervisor(
+                process,
+                lambda c=client, p=process: self._serve(serve_weights, c, p),
+                interval_s=r.health_interval_s,
+                timeout_s=r.health_timeout_s,
+                max_restarts=restarts,
+                on_dead=None if self.router is None else self._leave_router,
+            ).start()
+            self.supervisors.append(supervisor)
+        if self.router is None:
+            self.engine.supervisor = self.supervisors[0]  # its requests wait for a replacement
+
+    def _serve(self, serve_weights, client: RolloutEngine, process) -> None:
+        serve_weights(client)
+        if self.router is not None:  # back in rotation only with the current weights
+            self.router.add_worker(process.url)
+
+    def _leave_router(self, url: str) -> None:
+        try:
+            self.router.quarantine(url)
+        except Exception as e:  # noqa: BLE001  (the router drops a dead engine itself too)
+            log.warning("could not take %s out of the router: %r", url, e)
 
     def surviving(self, what: str, call: Callable, *args):
-        """`call(*args)`; if it fails because the engine server died, waits for the
+        """`call(*args)`; if it fails because an engine server died, waits for its
         replacement and makes the call once more."""
-        if self.supervisor is None:
+        if not self.supervisors:
             return call(*args)
-        seen = self.supervisor.wait_serving()
+        seen = [s.wait_serving() for s in self.supervisors]
         try:
             return call(*args)
         except (PushFailed, EngineUnavailable) as e:
-            self.supervisor.wait_for_replacement(seen, e)
+            wait_for_replacements(self.supervisors, seen, e)
         log.warning("repeating the %s on the replaced engine server", what)
         return call(*args)
 
     def checksum(self) -> str:
-        """sha256 of the weights the engine generates with (every engine answers it)."""
+        """sha256 of the weights the engines generate with (every engine answers it; several
+        must agree)."""
         return self.surviving("weights checksum", self.engine.weights_checksum)
 
     @property
     def where(self) -> str:
         return getattr(self.engine, "url", "in this process")
 
+    def gauges(self) -> dict[str, float]:
+        """Per engine server i: `engine/<i>/active_requests` and `waiting_requests` now, and
+        `engine/<i>/prefix_cache_hit_rate` over the prompt tokens since the last call; with
+        several, `engine/prefix_cache_hit_rate` over all of them. {} for in-process engines
+        and for engines that do not report them (SGLang's)."""
+        out: dict[str, float] = {}
+        prompt_all = cached_all = 0.0
+        for i, (process, client) in enumerate(self.servers):
+            try:
+                info = client.server_info(timeout=GAUGE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001  (a dead, hung or replaced engine: no gauge now)
+                continue
+            if "prompt_tokens" not in info:
+                continue
+            prompt, cached = float(info["prompt_tokens"]), float(info["cached_tokens"])
+            last_prompt, last_cached = self._seen.get(process.url, (0.0, 0.0))
+            if prompt < last_prompt:  # a replaced engine counts from zero
+                last_prompt = last_cached = 0.0
+            self._seen[process.url] = (prompt, cached)
+            d_prompt, d_cached = prompt - last_prompt, cached - last_cached
+            prompt_all, cached_all = prompt_all + d_prompt, cached_all + d_cached
+            out[f"engine/{i}/active_requests"] = float(info.get("running", 0.0))
+            out[f"engine/{i}/waiting_requests"] = float(info.get("waiting", 0.0))
+            if d_prompt:
+                out[f"engine/{i}/prefix_cache_hit_rate"] = d_cached / d_prompt
+        if len(self.servers) > 1 and prompt_all:
+            out["engine/prefix_cache_hit_rate"] = cached_all / prompt_all
+        return out
+
     def with_health(self, result: RolloutResult) -> RolloutResult:
-        """The rollout's metrics plus the supervisor's (restarts, re-issued calls)."""
-        if self.supervisor is not None:
-            result.metrics |= self.supervisor.metrics()
+        """The rollout's metrics plus the supervisors' (restarts, re-issued calls) and the
+        engines' gauges."""
+        for key, value in supervision_metrics(self.supervisors).items():
+            result.metrics[key] = value
+        result.metrics |= self.gauges()
         return result
 
     def stop_supervision(self) -> None:
         """First at shutdown: a stopped engine must not be replaced."""
-        if self.supervisor is not None:
-            self.supervisor.stop()
+        for supervisor in self.supervisors:
+            supervisor.stop()
 
     def close(self) -> None:
-        """The engine's client, then its server process (stopped even if the client fails)."""
+        """The engine's clients, then the router, then the engine servers (each stopped even
+        if an earlier step fails)."""
         try:
             self.engine.close()
+            for _, client in self.servers:
+                if client is not self.engine:
+                    client.close()
         finally:
-            if self.process is not None:
-                self.process.stop()
+            try:
+                if self.router is not None:
+                    self.router.stop()
+            finally:
+                for process, _ in self.servers:
+                    process.stop()
+
+
+def supervision_metrics(supervisors: list[EngineSupervisor]) -> dict[str, float]:
+    """The supervisors' counters, summed over the engines."""
+    out: dict[str, float] = {}
+    for supervisor in supervisors:
+        for key, value in supervisor.metrics().items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def wait_for_replacements(
+    supervisors: list[EngineSupervisor], seen: list[int], error: BaseException
+) -> None:
+    """After a call made when supervisor i served generation `seen[i]` failed with `error`:
+    returns once every engine replaced since serves (at least one was); re-raises `error` if
+    none died within a health timeout (the failure was not an engine's death)."""
+    deadline = time.monotonic() + max(s.timeout_s + 2 * s.interval_s for s in supervisors)
+    while True:
+        states = [s.settled(g) for s, g in zip(supervisors, seen, strict=True)]
+        if None not in states and True in states:
+            return
+        if None not in states and time.monotonic() > deadline:
+            raise error
+        time.sleep(0.05)

@@ -144,7 +144,7 @@ class AgentSessions:
         from miles_core.tito.check import check_family_matches
 
         agent = config.agent
-        assert fleet.process is not None  # the config requires an engine server
+        assert fleet.servers, "the config requires an engine server"
         check_family_matches(agent.family, tokenizer)
         self.config = config
         self.prompts = prompts
@@ -155,7 +155,7 @@ class AgentSessions:
         )
         budget = agent.max_session_tokens
         self.process = SessionServerProcess(
-            fleet.process.url,
+            fleet.url,  # the router over several engine servers: sessions stick to one
             agent.family,
             log_path=workdir / "sessions.log",
             args=(

@@ -51,7 +51,7 @@ class WeightSync:
             delta=ws.disk_delta,
         )
         try:  # a transport/engine mismatch refused here leaves nothing open
-            self.transport.connect([fleet.engine])
+            self.transport.connect(fleet.engines)
         except BaseException:
             self.transport.close()
             raise
@@ -94,14 +94,18 @@ class WeightSync:
         with self.lock:
             return self.transport.push(self.trainer, version, pause_mode)
 
-    def serve_current_weights(self) -> None:
-        """Called by the supervisor for a fresh engine server, before it serves: the transport
-        reconnects (a disk transport's next push is full) and the trainer's current weights go
-        out with their version; `check_equal` verifies them."""
+    def serve_current_weights(self, engine) -> None:
+        """Called by the supervisor for a fresh engine server (its client `engine`), before it
+        serves: the transport reconnects to it alone (a disk transport's next push is full),
+        the trainer's current weights go out with their version, and the transport reconnects
+        to every engine; `check_equal` verifies them."""
         with self.lock:
             version = self.policy_version + int(self.trained_since_push)
-            self.transport.connect([self.fleet.engine])
-            stats = self.push_now(version, "abort")
+            self.transport.connect([engine])
+            try:
+                stats = self.push_now(version, "abort")
+            finally:
+                self.transport.connect(self.fleet.engines)
             log.warning(
                 "replaced engine server got policy version %d (%d bytes in %.2f s)",
                 version,

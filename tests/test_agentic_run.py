@@ -91,51 +91,46 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
 
 
 @pytest.mark.slow
-def test_fully_async_agentic_steps_keep_the_staleness_bound_and_every_episode_once(tmp_path):
-    """fully_async: the producer admits groups of episodes ahead of the trainer under paced
-    admission; every step gets exactly its own episodes (none lost, none twice), each sample
-    at most max_staleness versions old (whether an episode starts before or after a push is
-    timing, so neither is asserted). The checkpoint after step 1 holds the producer's buffer
-    (what it had admitted of step 2 by then, done or running): a runtime resumed from it trains
-    steps 2 and 3 on exactly their own episodes, with every episode's outcome (restored groups:
-    from the metadata saved with them)."""
-    steps = 4
+@pytest.mark.parametrize("pause_mode", ["retract", "in_place"])
+def test_thirty_fully_async_agentic_steps_keep_the_staleness_bound_in_each_pause_mode(
+    tmp_path, pause_mode
+):
+    """30 fully_async steps of one group of two episodes, pushes in `pause_mode` while episodes
+    run: every step trains exactly its own episodes (none lost, none twice, across every push),
+    and no sample's oldest model call is more than max_staleness versions behind the step."""
+    steps, staleness = 30, 2
     cfg = _config(
         tmp_path,
         "rollout.mode=fully_async",
-        "rollout.max_staleness=1",
+        f"rollout.max_staleness={staleness}",
+        f"rollout.pause_mode={pause_mode}",
+        "rollout.prompts_per_step=1",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "agent.max_tokens=8",
         "agent.concurrency=2",
         "agent.eval_episodes=0",
+        "weight_sync.check_equal=false",
         f"train.num_steps={steps}",
     )
-
-    def run(rt, step):
-        result = rt.rollout(step)
-        ids = sorted(s.rollout_id for s in result.samples)  # no leaf twice
-        assert ids == [f"s{step}-g{g}-{k}" for g in (0, 1) for k in (0, 1)]
-        assert result.metrics["rollout/staleness/max"] <= 1.0
-        assert all(step - 1 <= min(s.weight_versions) <= step for s in result.samples)
-        assert result.metrics["rollout/failed_episodes"] == 0.0
-        assert result.metrics["agent/turns_episodes"] == 4.0  # every episode's outcome
-        assert 0.0 < result.metrics["rollout/active_episodes_mean"] <= 2.0
-        assert result.metrics["rollout/session/tito_token_edits"] == 0.0
-        rt.train(result)
-        rt.update_weights()  # check_equal: the engine holds the trained weights
-
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
+    trained: list[str] = []
     try:
-        for step in (0, 1):
-            run(rt, step)
-        rt.save(1)
+        for step in range(steps):
+            result = rt.rollout(step)
+            ids = sorted({s.rollout_id for s in result.samples})
+            assert ids == [f"s{step}-g0-0", f"s{step}-g0-1"]
+            assert result.metrics["rollout/failed_episodes"] == 0.0
+            assert result.metrics["agent/turns_episodes"] == 2.0  # every episode's outcome
+            assert 0.0 <= result.metrics["rollout/active_episodes_mean"] <= 2.0  # the limit
+            assert result.metrics["rollout/staleness/max"] <= staleness
+            assert all(min(s.weight_versions) >= step - staleness for s in result.samples)
+            trained += ids
+            rt.train(result)
+            rt.update_weights()
     finally:
         rt.close()
-    rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
-    try:
-        rt.resume(1)
-        for step in (2, 3):
-            run(rt, step)
-    finally:
-        rt.close()
+    assert len(trained) == len(set(trained)) == 2 * steps
 
 
 def test_a_tito_family_that_does_not_match_the_model_is_refused(tiny):
@@ -180,5 +175,46 @@ def test_a_black_box_harness_trains_from_its_config(tmp_path):
             assert len({s.rollout_id for s in group.samples}) == 2 and len(group.samples) == 6
         metrics = rt.train(result)  # one optimizer step: 4 rollouts = 12 leaves
         assert metrics["train/grad_norm"] >= 0.0
+    finally:
+        rt.close()
+
+
+@pytest.mark.slow
+def test_two_engines_behind_the_router_lose_one_mid_episode_and_lose_no_episode(tmp_path):
+    """rollout.num_engines=2: sessions reach the engines through sglang-router. Engine 0 is
+    killed (SIGKILL) while it serves episodes: every episode of the step comes back exactly
+    once, either complete or FAILED with its reason and a zero loss mask (trains nothing); the
+    supervisor replaces engine 0, gives it the current weights, and the router takes it back;
+    the next push reaches both engines (checked bitwise), and the next step runs on both, with
+    per-engine gauges."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from miles_core.types import Status
+
+    cfg = _config(tmp_path, "rollout.num_engines=2", "agent.eval_episodes=0")
+    rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
+    try:
+        victim, victim_client = rt.fleet.servers[0]
+        with ThreadPoolExecutor(1) as pool:
+            rollout = pool.submit(rt.rollout, 0)
+            while victim_client.server_info()["running"] == 0:  # a model call on engine 0
+                assert not rollout.done(), "the step ended before engine 0 served a call"
+            victim.proc.kill()
+            result = rollout.result(timeout=300)
+        episodes = [f"s0-g{g}-{k}" for g in (0, 1) for k in (0, 1)]
+        assert sorted({s.rollout_id for s in result.samples}) == episodes  # none lost
+        failed = {s.rollout_id for s in result.samples if s.status == Status.FAILED}
+        for s in result.samples:
+            if s.rollout_id in failed:  # the whole episode is out, with its reason
+                assert s.status == Status.FAILED and not any(s.loss_mask) and s.reward == 0.0
+                assert s.metadata["error"]
+        assert result.metrics["rollout/failed_episodes"] == float(len(failed))
+        rt.train(result)
+        rt.update_weights()  # waits for the replacement; check_equal on both engines
+        assert rt.fleet.with_health(result).metrics["rollout/engine_restarts_total"] == 1.0
+        assert victim.url in rt.fleet.router.healthy_urls()  # back in rotation
+        result = rt.rollout(1)
+        assert result.metrics["rollout/failed_episodes"] == 0.0
+        assert {"engine/0/active_requests", "engine/1/active_requests"} <= set(result.metrics)
     finally:
         rt.close()

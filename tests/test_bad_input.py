@@ -186,6 +186,11 @@ def test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting(ove
         load_config(None, [*AGENTIC, *overrides])
 
 
+def test_several_engines_need_engine_servers():
+    with pytest.raises(ValidationError, match=r"rollout.num_engines \(2\) starts engine servers"):
+        load_config(None, ["rollout.num_engines=2", "rollout.engine=serving"])
+
+
 def test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context(
     tmp_path,
 ):
@@ -351,6 +356,8 @@ CATALOGUE = [
     ("agent plug-in path that does not import", "refused in preflight", "test_rewards.py::test_reward_hook_paths_are_checked_before_anything_starts"),
     ("agentic run on an in-process engine, or async with pause_mode abort; fewer episodes in flight than a group", "the one setting named", "test_bad_input.py::test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting"),
     ("agentic task without agent.function; prompt + agent.max_tokens past the context", "refused in preflight, the setting named", "test_bad_input.py::test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context"),
+    ("agent.max_tokens below one tool call, agent.max_turns below a scripted solution, a token budget or context below a scripted episode", "refused in preflight, the kind and the numbers named", "test_bad_input.py::test_preflight_refuses_a_turn_or_token_budget_no_scripted_episode_fits"),
+    ("rollout.num_engines > 1 with an in-process engine", "refused, the setting named", "test_bad_input.py::test_several_engines_need_engine_servers"),
     ("agentic evaluation set that only training tasks could fill", "refused in preflight: how many disjoint tasks were found", "test_bad_input.py::test_preflight_refuses_an_evaluation_set_that_only_training_tasks_could_fill"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
     ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),

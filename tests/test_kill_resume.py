@@ -5,9 +5,10 @@ one real Prefect server for all of them, SQLite MLflow).
   the resumed MLflow run equals an uninterrupted run's, bit for bit. Not on an engine server:
   its log-probs depend on which concurrent requests share a decode batch (~1e-8 between any
   two runs, resumed or not), which shows in `train/train_rollout_*`;
-- fully_async on an engine server: along the surviving lineage (checkpointed steps + the steps
-  after the resume) every sample id of the run's data is trained exactly once, in the data
-  order, and the groups buffered at the checkpoint are trained as they were generated; no
+- fully_async on an engine server, text groups and agentic episodes (terminal tasks in
+  sandboxes through the session server): along the surviving lineage (checkpointed steps + the
+  steps after the resume) every sample id of the run's data is trained exactly once, in the
+  data order, and the groups buffered at the checkpoint are trained as they were generated; no
   engine server outlives the killed process, nor the shared-memory weight files it mapped.
 """
 
@@ -75,6 +76,9 @@ def _train(
 ) -> subprocess.Popen:
     # the killed run's temp folders (miles-run-*: SIGKILL leaves them) land in tmp_path
     (tmp_path / tmp).mkdir(exist_ok=True)
+    for d in [tmp_path / tmp, *(tmp_path / tmp).parents]:  # sandboxes there run as their own
+        if d.stat().st_uid == os.geteuid():  # uid (as root): their parents need o+x, not o+r
+            d.chmod(d.stat().st_mode | 0o001)
     env = {
         **os.environ,
         "PREFECT_API_URL": api,
@@ -192,9 +196,29 @@ def test_sync_run_killed_at_a_random_step_resumes_bit_identically(
     store.close()
 
 
+# an agentic run's groups: B prompts × n episodes of the terminal suite, in sandboxes, through
+# the session server (a random tiny model: most episodes end at their first reply)
+AGENTIC = [
+    "data.task=terminal",
+    "data.num_prompts=64",
+    "agent.function=miles_core.envs.sandbox_agent:run_agent",
+    "agent.max_turns=3",
+    "agent.concurrency=4",
+    "rollout.prompts_per_step=4",
+    "rollout.n_samples_per_prompt=2",
+    "train.global_batch_size=8",
+    "train.loss_agg=rollout_mean_token_mean",
+]
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
-def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_path, prefect_api):
+@pytest.mark.parametrize(
+    "extra, b, n", [([], 8, 4), (AGENTIC, 4, 2)], ids=["text", "agentic-episodes"]
+)
+def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(
+    tmp_path, prefect_api, extra, b, n
+):
     kill_at = random.Random(SEED).choice([1, 3])  # checkpoints after steps 1, 3, 5
     print(f"kill -9 once checkpoint step {kill_at} exists")
     # staleness 2: a step's groups start two pushes before the trainer takes them, so at a save
@@ -205,6 +229,7 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_pat
         "checkpoint.interval=2",
         "rollout.mode=fully_async",
         "rollout.max_staleness=2",
+        *extra,
     ]
     args = _args(tmp_path, "async", "mlflow.db", extra)
     victim = _train(tmp_path, prefect_api, args)
@@ -228,7 +253,6 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_pat
     lineage = read_lineage(store, store.latest_step())
     assert sorted(lineage) == list(range(STEPS))
     trained = Counter(i for step in lineage.values() for i in step["sample_ids"])
-    b, n = 8, 4
     expected = {f"s{i // b}-g{i % b}-{k}" for i in range(STEPS * b) for k in range(n)}
     assert set(trained) == expected  # nothing lost
     assert max(trained.values()) == 1  # nothing trained twice
@@ -266,4 +290,7 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(tmp_pat
     run = _run(client, "async")
     assert run.info.status == "FINISHED"
     assert sorted(_newest_per_step(client, run.info.run_id, "train/loss")) == list(range(STEPS))
+    if "agent.function" in " ".join(extra):  # every step's episodes, restored ones included,
+        outcomes = _newest_per_step(client, run.info.run_id, "agent/turns_episodes")
+        assert outcomes == dict.fromkeys(range(STEPS), float(b * n))  # carry their outcome
     store.close()

@@ -85,3 +85,36 @@ def test_a_dead_engine_leaves_rotation_and_is_readmitted_only_at_the_current_ver
     finally:
         replacement.stop()
     client.close()
+
+
+def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path):
+    """The session server in front of the router sends each session's id as routing key: every
+    turn after a session's first reaches the engine that served the first, so the engine finds
+    the whole earlier conversation in its prefix cache (with 2 engines and no affinity, each of
+    these 12 turns would miss with probability 1/2)."""
+    from openai import OpenAI
+
+    from miles_core.sessions import SessionServerProcess
+
+    router, _ = fleet
+    sessions = SessionServerProcess(router.url, "tiny", log_path=tmp_path / "s.log").start()
+    try:
+        for n in range(4):
+            sid = httpx.post(f"{sessions.url}/sessions", json={}).json()["session_id"]
+            client = OpenAI(base_url=f"{sessions.url}/sessions/{sid}/v1", api_key="none")
+            messages = [{"role": "user", "content": f"say a {n}"}]
+            seen = 0  # ids of the conversation so far: the prompt and reply of the last turn
+            for turn in range(4):
+                r = client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=4, seed=turn
+                )
+                if turn:
+                    assert r.usage.prompt_tokens_details.cached_tokens >= seen, (n, turn)
+                seen = r.usage.prompt_tokens + r.usage.completion_tokens - 1
+                messages += [
+                    {"role": "assistant", "content": r.choices[0].message.content or ""},
+                    {"role": "user", "content": "more"},
+                ]
+            client.close()
+    finally:
+        sessions.stop()

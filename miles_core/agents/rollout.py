@@ -21,6 +21,7 @@ import statistics
 import time
 from collections import Counter
 
+from miles_core.agents.in_flight import InFlight
 from miles_core.agents.layers import (
     GenerateInput,
     GenerateOutput,
@@ -120,7 +121,7 @@ class AgenticRollout:
     async def __call__(self, inp: RolloutInput) -> RolloutOutput:
         r = self.config.rollout
         prompts = self.source.next_batch(r.prompts_per_step)
-        limit = asyncio.Semaphore(self.config.agent.concurrency)  # in this call's event loop
+        limit = InFlight(self.config.agent.concurrency)  # in this call's event loop
         t0 = time.perf_counter()
         groups = await asyncio.gather(
             *(self.group(inp.step, g, i, ex, limit) for g, (i, ex) in enumerate(prompts))
@@ -128,7 +129,7 @@ class AgenticRollout:
         seconds = time.perf_counter() - t0
         result = RolloutOutput(list(groups))
         result.metrics = rollout_metrics([s for grp in groups for s in grp.samples], seconds)
-        result.metrics |= step_metrics(result.groups, inp.step)
+        result.metrics |= step_metrics(result.groups, inp.step) | limit.metrics()
         result.metrics |= await asyncio.to_thread(self.session_counters)
         return result
 

@@ -242,8 +242,11 @@ class HttpEngine:
             raise EngineRequestRejected(f"{path} on {self.url}: {_message(r)}")
         return r.json() if r.content else {}
 
-    def server_info(self) -> dict:
-        r = self._sync.get("/get_server_info")
+    def server_info(self, timeout: float | None = None) -> dict:
+        """`/get_server_info`; `timeout` (seconds) instead of the control calls' long read."""
+        r = self._sync.get(
+            "/get_server_info", timeout=httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+        )
         r.raise_for_status()
         return r.json()
 

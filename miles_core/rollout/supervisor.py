@@ -61,8 +61,12 @@ class EngineSupervisor:
         timeout_s: float = 6.0,
         max_restarts: int = 3,
         start_timeout_s: float = 120.0,
+        on_dead: Callable[[str], None] | None = None,
     ):
+        """`on_dead(url)`: called when the engine is declared dead, before it is replaced
+        (e.g. taking it out of a router's rotation)."""
         self.process = process
+        self.on_dead = on_dead
         self.serve_weights = serve_weights
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -109,7 +113,7 @@ class EngineSupervisor:
         with self._cond:
             self.reissued += 1
 
-    def _settled(self, seen: int) -> bool | None:
+    def settled(self, seen: int) -> bool | None:
         """True once a replacement after `seen` serves, None while one is under way or due,
         False while the engine `seen` is still considered healthy. Raises when given up."""
         if self.state == FAILED:
@@ -127,7 +131,7 @@ class EngineSupervisor:
                 if left is not None and left <= 0:
                     raise ProcessUnavailable(f"engine at {self.url} is still being replaced")
                 self._cond.wait(left if left is not None else 1.0)
-            self._settled(self.generation)
+            self.settled(self.generation)
             return self.generation
 
     def wait_for_replacement(self, seen: int, error: BaseException) -> None:
@@ -137,7 +141,7 @@ class EngineSupervisor:
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
         with self._cond:
             while True:
-                settled = self._settled(seen)
+                settled = self.settled(seen)
                 if settled:
                     return
                 left = deadline - time.monotonic()
@@ -149,7 +153,7 @@ class EngineSupervisor:
         while True:
             with self._cond:
                 if self.state != REPLACING:
-                    self._settled(self.generation)
+                    self.settled(self.generation)
                     return self.generation
             await asyncio.sleep(0.05)
 
@@ -158,7 +162,7 @@ class EngineSupervisor:
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
         while True:
             with self._cond:
-                settled = self._settled(seen)
+                settled = self.settled(seen)
             if settled:
                 return
             if settled is False and time.monotonic() > deadline:
@@ -201,6 +205,8 @@ class EngineSupervisor:
             self.state = REPLACING
             self._cond.notify_all()
         log.warning("engine server %s (pid %s) is dead: %s", self.url, old_pid, reason)
+        if self.on_dead is not None:
+            self.on_dead(self.url)
         self._kill()  # a hung process must not answer again; its connections break now
         last_error: BaseException | None = None
         while not self._stop.is_set():

@@ -114,6 +114,7 @@ def completion_response(
     completion_tokens: int,
     weight_version: int,
     output_ids: list[int],
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     if finish_reason == "stop" and reply.get("tool_calls"):
         finish_reason = "tool_calls"
@@ -132,6 +133,8 @@ def completion_response(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            # the prompt's ids the engine found in its prefix cache
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
         # not OpenAI's: what the engine generated, for harnesses and tests that check tokens
         "miles": {"weight_version": str(weight_version), "output_ids": output_ids},

@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from miles_core.proc.auth import bearer, protect
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
 from miles_core.proc.managed import KEEP_ALIVE_S
-from miles_core.rollout.http_engine import error_message, generate_payload
+from miles_core.rollout.http_engine import ROUTING_KEY_HEADER, error_message, generate_payload
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
@@ -339,7 +339,9 @@ def create_app(
             input_ids=turn.ids, sampling_params=sampling, rid=f"{s.id}-{len(t.nodes)}"
         )
         try:
-            async with client().post("/generate", json=generate_payload(req)) as r:
+            # the session id as routing key: behind a router, its turns reach one engine
+            headers = {ROUTING_KEY_HEADER: s.id}
+            async with client().post("/generate", json=generate_payload(req), headers=headers) as r:
                 status, data = r.status, await r.text()
         except (aiohttp.ClientError, TimeoutError) as e:
             counters["errors_5xx"] += 1
@@ -386,6 +388,7 @@ def create_app(
             len(out.output_ids),
             version,
             out.output_ids,
+            out.meta_info.cached_tokens,
         )
 
     @app.post("/sessions/{sid}/samples", openapi_extra=_json_body(SamplesBody))

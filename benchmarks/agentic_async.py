@@ -1,0 +1,195 @@
+"""Sync vs fully async agentic RL, side by side: the same config (examples/agentic_async_cpu.yaml:
+terminal tasks, two engine servers behind sglang-router with session affinity), the same SFT
+warm start, the same seeds; only `rollout.mode` differs.
+
+Per variant, over the timed steps (after `--warmup`): steps/s; lag in versions (each trained
+sample's staleness: mean of the steps' means, max of their maxes); active episodes against the
+in-flight limit `agent.concurrency` (time-weighted over each step's wait for its batch:
+`rollout/active_episodes_fraction`); requests running on the engines (summed over both, mean
+per engine forward step); the prefix-cache hit rate over both engines (prompt ids found in the
+cache / prompt ids); median step time; the training success rate (9-step moving average, last
+value). Prints a table, then one JSON object.
+
+    python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps 100]
+
+The SFT warm start runs once (`terminal_basics`, the example's SFT section) and both variants
+start from it: a random model ends every episode at its first reply, which is not the workload
+(multi-turn episodes with long-tailed lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from miles_core.config import load_config
+from miles_core.runtime import RLRuntime, prepare_model_dir
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agentic_async_cpu.yaml"
+
+
+class _NoTracking:
+    """What `run_sft` logs to, dropped (the benchmark reports its own figures)."""
+
+    run_id = None
+
+    def log_metrics(self, metrics, step) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+def overrides(tmp: Path, args) -> list[str]:
+    return [
+        f"checkpoint.root={tmp}/ckpt",
+        f"sft.num_steps={args.sft_steps}",
+        f"train.num_steps={args.steps}",
+        "agent.eval_episodes=0",  # evaluation is not what is timed
+        "agent.eval_every=0",
+        "checkpoint.interval=0",
+    ]
+
+
+def warm_start(tmp: Path, args) -> str:
+    """The SFT checkpoint both variants start from."""
+    from miles_core.train.sft import run_sft
+
+    cfg = load_config(EXAMPLE, overrides(tmp, args))
+    return run_sft(cfg, prepare_model_dir(cfg, tmp / "init"), _NoTracking())
+
+
+def moving_average(values: list[float], width: int = 9) -> list[float]:
+    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+
+
+def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
+    cfg = load_config(
+        EXAMPLE,
+        [
+            *overrides(tmp, args),
+            f"name=bench-agentic-{mode}",
+            f"rollout.mode={mode}",
+            "model.context=null",  # the SFT checkpoint keeps its own
+            f"model.path={model_uri}",
+            "sft=null",
+        ],
+    )
+    rt = RLRuntime(cfg, prepare_model_dir(cfg, tmp / f"model-{mode}"), None)
+    per_step: list[dict] = []
+    t0 = 0.0
+    try:
+        for step in range(args.steps):
+            if step == args.warmup:
+                t0 = time.perf_counter()
+            load0 = rt.engine.load_counters()
+            t = time.perf_counter()
+            result = rt.rollout(step)
+            rt.train(result)
+            rt.update_weights()
+            m = result.metrics
+            load1 = rt.engine.load_counters()
+            engine_steps = load1.get("steps", 0.0) - load0.get("steps", 0.0)
+            running = (load1.get("running_sum", 0.0) - load0.get("running_sum", 0.0)) / max(
+                engine_steps, 1e-9
+            )
+            per_step.append(
+                {
+                    "step_s": time.perf_counter() - t,
+                    "lag_mean": m.get("rollout/staleness/mean", 0.0),
+                    "lag_max": m.get("rollout/staleness/max", 0.0),
+                    "active_fraction": m.get("rollout/active_episodes_fraction", 0.0),
+                    "active_episodes": m.get("rollout/active_episodes_mean", 0.0),
+                    # requests running per engine step, summed over the engines
+                    "active_requests": running * cfg.rollout.num_engines,
+                    "prefix_hit": m.get("engine/prefix_cache_hit_rate", 0.0),
+                    "success": m.get("rollout/success_rate", 0.0),
+                    "turns": m.get("agent/turns_mean", 0.0),
+                    "failed": m.get("rollout/failed_episodes", 0.0),
+                }
+            )
+            print(f"{mode} step {step}: {json.dumps(per_step[-1])}", flush=True)
+        seconds = time.perf_counter() - t0
+    finally:
+        rt.close()
+    timed = per_step[args.warmup :]
+
+    def mean(key: str) -> float:
+        return statistics.fmean(s[key] for s in timed)
+
+    return {
+        "steps_per_s": len(timed) / seconds,
+        "median_step_s": statistics.median(s["step_s"] for s in timed),
+        "lag_mean": mean("lag_mean"),
+        "lag_max": max(s["lag_max"] for s in timed),
+        "active_fraction": mean("active_fraction"),
+        "active_episodes": mean("active_episodes"),
+        "active_requests": mean("active_requests"),
+        "prefix_cache_hit_rate": mean("prefix_hit"),
+        "turns_mean": mean("turns"),
+        "failed_episodes": sum(s["failed"] for s in per_step),
+        "success_ma9_last": moving_average([s["success"] for s in per_step])[-1],
+        "success": [round(s["success"], 3) for s in per_step],
+        "limit": cfg.agent.concurrency,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--sft-steps", type=int, default=100)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="miles-bench-agentic-"))
+    try:
+        t = time.perf_counter()
+        model = warm_start(tmp, args)
+        print(f"SFT warm start: {time.perf_counter() - t:.0f} s", flush=True)
+        runs = {mode: run(mode, model, tmp, args) for mode in ("sync", "fully_async")}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(runs, args)
+
+
+def report(runs: dict[str, dict], args) -> None:
+    base = runs["sync"]["steps_per_s"]
+    limit = runs["sync"]["limit"]
+    print(f"examples/agentic_async_cpu.yaml, {args.steps} steps ({args.warmup} warm-up)")
+    header = (
+        f"{'variant':12}{'steps/s':>9}{'× sync':>8}{'median s':>10}{'lag':>6}{'lag max':>9}"
+        f"{'active/limit':>14}{'requests':>10}{'prefix hit':>12}{'turns':>7}{'success ma9':>13}"
+    )
+    print(header)
+    for name, r in runs.items():
+        print(
+            f"{name:12}{r['steps_per_s']:>9.3f}{r['steps_per_s'] / base:>8.2f}"
+            f"{r['median_step_s']:>10.2f}{r['lag_mean']:>6.2f}{r['lag_max']:>9.0f}"
+            f"{r['active_episodes']:>7.1f}/{limit:<6}{r['active_requests']:>10.1f}"
+            f"{r['prefix_cache_hit_rate']:>12.3f}{r['turns_mean']:>7.2f}{r['success_ma9_last']:>13.3f}"
+        )
+    fa = runs["fully_async"]
+    result = {
+        "fully_async_over_sync": round(fa["steps_per_s"] / base, 3),
+        "mean_lag": round(fa["lag_mean"], 3),
+        "max_lag": fa["lag_max"],
+        "active_fraction": round(fa["active_fraction"], 3),
+        "prefix_cache_hit_rate": round(fa["prefix_cache_hit_rate"], 3),
+        "by_variant": {
+            k: {f: (round(v, 4) if isinstance(v, float) else v) for f, v in r.items()}
+            for k, r in runs.items()
+        },
+        "targets": {"fully_async_over_sync": 1.5, "active_fraction": 0.8, "prefix_hit": 0.9},
+    }
+    print(json.dumps(result))
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("agentic_async", result)
+
+
+if __name__ == "__main__":
+    main()
