@@ -7,7 +7,9 @@ sample's staleness: mean of the steps' means, max of their maxes); active episod
 in-flight limit `agent.concurrency` (time-weighted over each step's wait for its batch:
 `rollout/active_episodes_fraction`); requests running on the engines (summed over both, mean
 per engine forward step); the prefix-cache hit rate over both engines (prompt ids found in the
-cache / prompt ids); median step time; the training success rate (9-step moving average, last
+cache / prompt ids) and the session prefix rate (prompt ids that repeat the session's previous
+turn: what session affinity can reuse at most, besides prompts shared across sessions); the
+machine's CPU busy fraction (sync's bounds what overlap can gain: 1 / busy); median step time; the training success rate (9-step moving average, last
 value). Prints a table, then one JSON object.
 
     python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps 100]
@@ -26,6 +28,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from miles_core.config import load_config
 from miles_core.runtime import RLRuntime, prepare_model_dir
@@ -64,6 +68,15 @@ def warm_start(tmp: Path, args) -> str:
     return run_sft(cfg, prepare_model_dir(cfg, tmp / "init"), _NoTracking())
 
 
+def cpu_busy(before, after) -> float:
+    """The fraction of the machine's CPU time that was not idle between two `cpu_times()`."""
+    idle = (after.idle + getattr(after, "iowait", 0.0)) - (
+        before.idle + getattr(before, "iowait", 0.0)
+    )
+    total = sum(after) - sum(before)
+    return 1.0 - idle / total if total > 0 else 0.0
+
+
 def moving_average(values: list[float], width: int = 9) -> list[float]:
     return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
@@ -82,11 +95,11 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
     )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, tmp / f"model-{mode}"), None)
     per_step: list[dict] = []
-    t0 = 0.0
+    t0, cpu0 = 0.0, psutil.cpu_times()
     try:
         for step in range(args.steps):
             if step == args.warmup:
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), psutil.cpu_times()
             load0 = rt.engine.load_counters()
             t = time.perf_counter()
             result = rt.rollout(step)
@@ -108,6 +121,7 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
                     # requests running per engine step, summed over the engines
                     "active_requests": running * cfg.rollout.num_engines,
                     "prefix_hit": m.get("engine/prefix_cache_hit_rate", 0.0),
+                    "session_prefix": m.get("rollout/session/session_prefix_rate", 0.0),
                     "success": m.get("rollout/success_rate", 0.0),
                     "turns": m.get("agent/turns_mean", 0.0),
                     "failed": m.get("rollout/failed_episodes", 0.0),
@@ -115,6 +129,7 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
             )
             print(f"{mode} step {step}: {json.dumps(per_step[-1])}", flush=True)
         seconds = time.perf_counter() - t0
+        busy = cpu_busy(cpu0, psutil.cpu_times())
     finally:
         rt.close()
     timed = per_step[args.warmup :]
@@ -131,6 +146,8 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
         "active_episodes": mean("active_episodes"),
         "active_requests": mean("active_requests"),
         "prefix_cache_hit_rate": mean("prefix_hit"),
+        "session_prefix_rate": mean("session_prefix"),
+        "cpu_busy": busy,
         "turns_mean": mean("turns"),
         "failed_episodes": sum(s["failed"] for s in per_step),
         "success_ma9_last": moving_average([s["success"] for s in per_step])[-1],
@@ -162,7 +179,8 @@ def report(runs: dict[str, dict], args) -> None:
     print(f"examples/agentic_async_cpu.yaml, {args.steps} steps ({args.warmup} warm-up)")
     header = (
         f"{'variant':12}{'steps/s':>9}{'× sync':>8}{'median s':>10}{'lag':>6}{'lag max':>9}"
-        f"{'active/limit':>14}{'requests':>10}{'prefix hit':>12}{'turns':>7}{'success ma9':>13}"
+        f"{'active/limit':>14}{'requests':>10}{'prefix hit':>12}{'of session':>12}{'turns':>7}"
+        f"{'CPU busy':>10}{'success ma9':>13}"
     )
     print(header)
     for name, r in runs.items():
@@ -170,11 +188,20 @@ def report(runs: dict[str, dict], args) -> None:
             f"{name:12}{r['steps_per_s']:>9.3f}{r['steps_per_s'] / base:>8.2f}"
             f"{r['median_step_s']:>10.2f}{r['lag_mean']:>6.2f}{r['lag_max']:>9.0f}"
             f"{r['active_episodes']:>7.1f}/{limit:<6}{r['active_requests']:>10.1f}"
-            f"{r['prefix_cache_hit_rate']:>12.3f}{r['turns_mean']:>7.2f}{r['success_ma9_last']:>13.3f}"
+            f"{r['prefix_cache_hit_rate']:>12.3f}{r['session_prefix_rate']:>12.3f}"
+            f"{r['turns_mean']:>7.2f}{r['cpu_busy']:>10.2f}{r['success_ma9_last']:>13.3f}"
         )
     fa = runs["fully_async"]
+    ceiling = 1.0 / runs["sync"]["cpu_busy"] if runs["sync"]["cpu_busy"] else None
+    print(
+        f"sync keeps the CPU {runs['sync']['cpu_busy']:.0%} busy: overlap can gain at most "
+        f"{ceiling:.2f}× at the same work per step"
+        if ceiling
+        else ""
+    )
     result = {
         "fully_async_over_sync": round(fa["steps_per_s"] / base, 3),
+        "cpu_ceiling_over_sync": None if ceiling is None else round(ceiling, 3),
         "mean_lag": round(fa["lag_mean"], 3),
         "max_lag": fa["lag_max"],
         "active_fraction": round(fa["active_fraction"], 3),

@@ -432,7 +432,9 @@ def agentic_async(r: dict[str, Any]) -> list[str]:
             f"({_num(v['active_fraction'], '.2f')})",
             _num(v["active_requests"], ".1f"),
             _num(v["prefix_cache_hit_rate"], ".3f"),
+            _num(v.get("session_prefix_rate"), ".3f"),
             _num(v["turns_mean"], ".2f"),
+            _num(v.get("cpu_busy"), ".2f"),
             _num(v["success_ma9_last"], ".3f"),
         ]
         for name, v in runs.items()
@@ -447,17 +449,27 @@ def agentic_async(r: dict[str, Any]) -> list[str]:
             "active episodes / limit",
             "requests running",
             "prefix hit (2 engines)",
+            "session prefix",
             "turns",
+            "CPU busy",
             "success, 9-step avg",
         ],
         rows,
     )
     t = r.get("targets", {})
-    return out + [
+    out += [
         "",
         f"Targets: fully_async ≥ {t.get('fully_async_over_sync')}× sync, active episodes ≥ "
         f"{t.get('active_fraction')} of the limit, prefix-cache hit rate ≥ {t.get('prefix_hit')}.",
     ]
+    if r.get("cpu_ceiling_over_sync"):
+        out += [
+            "",
+            f"Sync keeps the machine's CPU {runs['sync']['cpu_busy']:.0%} busy, so overlapping "
+            f"can gain at most {_num(r['cpu_ceiling_over_sync'], '.2f')}× at the same work per "
+            "step.",
+        ]
+    return out
 
 
 def _generic(r: dict[str, Any]) -> list[str]:

@@ -126,15 +126,15 @@ def session_stack(tmp_path_factory):
 # the longest modules (seconds of one worker, measured with --durations on 2 cores), longest
 # first: a long module that starts last keeps one worker busy while the other idles
 LONGEST_MODULES = (
-    "test_flow",
-    "test_engine_recovery",
-    "test_local_stack",
     "test_kill_resume",
     "test_fsdp_multirank",
+    "test_flow",
+    "test_agentic_run",
+    "test_local_stack",
+    "test_engine_recovery",
     "test_eval",
     "test_fuzz",
     "test_router",
-    "test_agentic_run",
     "test_engine_server",
     "test_processes",
     "test_backends",

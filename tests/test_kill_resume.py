@@ -204,9 +204,10 @@ AGENTIC = [
     "agent.function=miles_core.envs.sandbox_agent:run_agent",
     "agent.max_turns=3",
     "agent.concurrency=4",
-    "rollout.prompts_per_step=4",
+    "rollout.prompts_per_step=2",
     "rollout.n_samples_per_prompt=2",
-    "train.global_batch_size=8",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
     "train.loss_agg=rollout_mean_token_mean",
 ]
 
@@ -214,7 +215,7 @@ AGENTIC = [
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
 @pytest.mark.parametrize(
-    "extra, b, n", [([], 8, 4), (AGENTIC, 4, 2)], ids=["text", "agentic-episodes"]
+    "extra, b, n", [([], 8, 4), (AGENTIC, 2, 2)], ids=["text", "agentic-episodes"]
 )
 def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(
     tmp_path, prefect_api, extra, b, n

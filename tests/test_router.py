@@ -13,10 +13,12 @@ from miles_core.rollout.router import RouterProcess
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def fleet(tiny_dir, tmp_path):
+@pytest.fixture(scope="module")
+def fleet(tiny_dir, tmp_path_factory):
+    """One router over two engines for the module; the test that kills an engine runs last."""
     engines = [EngineProcess(tiny_dir, args=["--threads", "1"]).start() for _ in range(2)]
-    router = RouterProcess([e.url for e in engines], log_path=tmp_path / "router.log").start()
+    logs = tmp_path_factory.mktemp("router")
+    router = RouterProcess([e.url for e in engines], log_path=logs / "router.log").start()
     yield router, engines
     router.stop()
     for e in engines:
@@ -59,34 +61,6 @@ def test_requests_with_the_same_key_land_on_the_same_engine(fleet):
     client.close()
 
 
-def test_a_dead_engine_leaves_rotation_and_is_readmitted_only_at_the_current_version(
-    fleet, tiny_dir
-):
-    router, engines = fleet
-    client = HttpEngine(router.url)
-    engines[0].proc.kill()
-    t0 = time.monotonic()
-    while engines[0].url in router.healthy_urls():
-        assert time.monotonic() - t0 < 10, "the router did not notice the dead engine within 10 s"
-        time.sleep(0.1)
-    before = _served(engines[1:])
-    _send(client, "any-key", n=4)  # every request now goes to the live engine
-    assert _served(engines[1:])[0] == before[0] + 12
-
-    # a replacement engine starts at version 0 while the fleet is at version 2: quarantined
-    router.remove_worker(engines[0].url)
-    replacement = EngineProcess(tiny_dir, args=["--threads", "1"]).start()
-    try:
-        assert not router.readmit_if_current(replacement.url, version=2)
-        assert replacement.url not in router.healthy_urls()
-        HttpEngine(replacement.url).set_weight_version(2)
-        assert router.readmit_if_current(replacement.url, version=2)
-        assert replacement.url in router.healthy_urls()
-    finally:
-        replacement.stop()
-    client.close()
-
-
 def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path):
     """The session server in front of the router sends each session's id as routing key: every
     turn after a session's first reaches the engine that served the first, so the engine finds
@@ -116,5 +90,35 @@ def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path)
                     {"role": "user", "content": "more"},
                 ]
             client.close()
+        totals = httpx.get(f"{sessions.url}/metrics").json()  # the same, as the run sees it
+        assert totals["cached_prompt_ids"] >= totals["session_prefix_ids"] > 0
     finally:
         sessions.stop()
+
+
+def test_a_dead_engine_leaves_rotation_and_is_readmitted_only_at_the_current_version(
+    fleet, tiny_dir
+):
+    router, engines = fleet
+    client = HttpEngine(router.url)
+    engines[0].proc.kill()
+    t0 = time.monotonic()
+    while engines[0].url in router.healthy_urls():
+        assert time.monotonic() - t0 < 10, "the router did not notice the dead engine within 10 s"
+        time.sleep(0.1)
+    before = _served(engines[1:])
+    _send(client, "any-key", n=4)  # every request now goes to the live engine
+    assert _served(engines[1:])[0] == before[0] + 12
+
+    # a replacement engine starts at version 0 while the fleet is at version 2: quarantined
+    router.remove_worker(engines[0].url)
+    replacement = EngineProcess(tiny_dir, args=["--threads", "1"]).start()
+    try:
+        assert not router.readmit_if_current(replacement.url, version=2)
+        assert replacement.url not in router.healthy_urls()
+        HttpEngine(replacement.url).set_weight_version(2)
+        assert router.readmit_if_current(replacement.url, version=2)
+        assert replacement.url in router.healthy_urls()
+    finally:
+        replacement.stop()
+    client.close()

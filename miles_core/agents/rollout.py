@@ -165,7 +165,11 @@ class AgenticRollout:
         """This step's TITO divergences and branches, from the session server's totals:
         `tito_token_edits` (single-token edits between the engine's replies and the harness's
         re-rendered ones), `tito_diverged_replies`, and where a step has some,
-        `tito_first_divergence_mean` (mean position in a reply where it first differs)."""
+        `tito_first_divergence_mean` (mean position in a reply where it first differs); the
+        model calls' `prefix_cache_hit_rate` (prompt ids the engines found cached) against
+        `session_prefix_rate` (prompt ids that repeat the session's previous turn: what a
+        cache keeping each session on its engine can reuse; prompts shared across sessions,
+        e.g. a GRPO group's, add hits beyond it)."""
         import httpx
 
         from miles_core.proc.auth import bearer
@@ -174,7 +178,14 @@ class AgenticRollout:
         with httpx.Client(base_url=self.setup.session_url, timeout=30, headers=headers) as http:
             totals = http.get("/metrics").json()
         step = {}
-        for key in ("tito_token_edits", "tito_diverged_replies", "tito_first_divergence_sum"):
+        for key in (
+            "tito_token_edits",
+            "tito_diverged_replies",
+            "tito_first_divergence_sum",
+            "prompt_ids",
+            "session_prefix_ids",
+            "cached_prompt_ids",
+        ):
             now = float(totals.get(key, 0))
             step[key] = now - self._seen.get(key, 0.0)
             self._seen[key] = now
@@ -185,6 +196,14 @@ class AgenticRollout:
             "rollout/session/branches": now - self._seen.get("branches", 0.0),
         }
         self._seen["branches"] = now
+        if step["prompt_ids"]:  # the model calls' prompts: found in the engines' prefix caches,
+            # and what keeping each session on one engine could find (its earlier turns)
+            out["rollout/session/prefix_cache_hit_rate"] = (
+                step["cached_prompt_ids"] / step["prompt_ids"]
+            )
+            out["rollout/session/session_prefix_rate"] = (
+                step["session_prefix_ids"] / step["prompt_ids"]
+            )
         if step["tito_diverged_replies"]:
             out["rollout/session/tito_first_divergence_mean"] = (
                 step["tito_first_divergence_sum"] / step["tito_diverged_replies"]

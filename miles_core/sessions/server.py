@@ -365,6 +365,11 @@ def create_app(
         reply, how = await asyncio.to_thread(family.parse_exact, out.output_ids, tools)
         if how != "parsed":
             counters[f"replies_{how}"] += 1
+        # the prefix this turn shares with its session's previous turn (prompt and reply): what
+        # a cache that keeps each session on one engine can reuse, against the engine's hits
+        counters["prompt_ids"] += len(turn.ids)
+        counters["session_prefix_ids"] += len(turn.parent.ids) if turn.parent is not None else 0
+        counters["cached_prompt_ids"] += out.meta_info.cached_tokens
         version = out.meta_info.version
         node = t.record(
             turn,
