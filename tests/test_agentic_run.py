@@ -192,9 +192,12 @@ def test_two_engines_behind_the_router_lose_one_mid_episode_and_lose_no_episode(
 
     from miles_core.types import Status
 
-    cfg = _config(tmp_path, "rollout.num_engines=2", "agent.eval_episodes=0")
+    cfg = _config(tmp_path, "rollout.num_engines=2", "agent.eval_episodes=2")
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
     try:
+        rt.submit_evaluation(0)  # its episodes go through the router too (u64 seeds only)
+        [(_, before)] = rt.finished_evaluations(wait=True)
+        assert before["eval/failed_episodes"] == 0.0
         victim, victim_client = rt.fleet.servers[0]
         with ThreadPoolExecutor(1) as pool:
             rollout = pool.submit(rt.rollout, 0)

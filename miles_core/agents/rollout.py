@@ -79,6 +79,12 @@ class AgenticRollout:
         base = (r.seed + self.config.seed) * 1_000_003 + step * 10_007
         return base + g * r.n_samples_per_prompt + k
 
+    def eval_seed(self, i: int) -> int:
+        """Evaluation episode i: the same seed at every evaluation, apart from every training
+        episode's (those stay below 2**62) and non-negative (sglang-router takes u64 seeds)."""
+        r = self.config.rollout
+        return EVAL_SEEDS + (r.seed + self.config.seed) * 1_000_003 + i
+
     async def group(
         self,
         step: int,
@@ -138,16 +144,20 @@ class AgenticRollout:
         between two evaluations); `eval/success_rate` and friends, nothing trained."""
         limit = asyncio.Semaphore(self.config.agent.concurrency)
         t0 = time.perf_counter()
-        seed = (self.config.rollout.seed + self.config.seed) * 1_000_003 - 1
         outputs = await asyncio.gather(
-            *(self._episode(ex, f"eval-{i}", seed - i, limit) for i, ex in enumerate(examples))
+            *(
+                self._episode(ex, f"eval-{i}", self.eval_seed(i), limit)
+                for i, ex in enumerate(examples)
+            )
         )
         hook_failures = await self._rewards(
             outputs, [ex.label for ex in examples], 1, per_group=False
         )
         metrics = episode_metrics("eval", examples, outputs)
         metrics["eval/reward_hook_failures"] = float(hook_failures)
-        metrics["eval/failed_episodes"] = float(sum(not _succeeded(o) for o in outputs))
+        failed = [failure_reason(o) for o in outputs if not _succeeded(o)]
+        log_failures("evaluation", failed)
+        metrics["eval/failed_episodes"] = float(len(failed))
         metrics["eval/time_s"] = time.perf_counter() - t0
         await asyncio.to_thread(self.session_counters)  # eval sessions: not the next step's
         return metrics
@@ -212,6 +222,7 @@ class AgenticRollout:
 
 
 EPISODE = "episode_summary"  # a leaf-0 sample's metadata key: its episode's outcome
+EVAL_SEEDS = 1 << 62  # evaluation episodes' sampling seeds start here
 
 
 def _summary(out: GenerateOutput, ok: bool) -> dict:
@@ -247,13 +258,18 @@ def step_metrics(groups: list[SampleGroup], step: int) -> dict[str, float]:
             )
     samples = sum(len(grp.samples) for grp in groups)
     failed = [o.error for o in outputs if o.error is not None]
-    for reason, count in Counter(failed).most_common(3):
-        log.warning("step %d: %d episode(s) failed: %s", step, count, reason[:300])
+    log_failures(f"step {step}", failed)
     return episode_metrics("rollout", examples, outputs) | {
         "rollout/failed_episodes": float(len(failed)),
         "rollout/reward_hook_failures": float(hook_failures),
         "rollout/samples_per_episode": samples / max(len(outputs), 1),
     }
+
+
+def log_failures(where: str, reasons: list[str]) -> None:
+    """The three most common reasons episodes failed, with their counts (a warning each)."""
+    for reason, count in Counter(reasons).most_common(3):
+        log.warning("%s: %d episode(s) failed: %s", where, count, reason[:300])
 
 
 def _succeeded(out: GenerateOutput) -> bool:

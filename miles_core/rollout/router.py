@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from miles_core.proc.managed import ManagedProcess
-from miles_core.proc.ports import PortRange
+from miles_core.proc.ports import PortRange, free_port
 from miles_core.rollout.http_engine import ROUTING_KEY_HEADER
 
 __all__ = ["ROUTING_KEY_HEADER", "RouterProcess", "router_binary"]
@@ -53,6 +53,9 @@ class RouterProcess(ManagedProcess):
         # sglang-router binds the port it is given and cannot report one it picked: the port
         # is probed here (ports.free_port, inside `port_range` when set)
         super().__init__(port=port, log_path=log_path, port_range=port_range, api_key=api_key)
+        # its Prometheus exporter: loopback, on a port of its own (the default, 0.0.0.0:29000,
+        # is open to the network and taken by the first router on the machine)
+        self.metrics_port = free_port(self.host, self.port_range)
         self.worker_urls = list(worker_urls)
         self.health_interval_s = health_interval_s
         self.health_failures = health_failures
@@ -77,6 +80,10 @@ class RouterProcess(ManagedProcess):
             str(self.health_failures),
             "--health-success-threshold",
             "1",
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.metrics_port),
             *(["--api-key", self.api_key] if self.api_key else []),
         ]
 
