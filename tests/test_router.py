@@ -61,6 +61,17 @@ def test_requests_with_the_same_key_land_on_the_same_engine(fleet):
     client.close()
 
 
+def test_the_router_listens_on_loopback_only(fleet):
+    """Its API and its Prometheus exporter (whose default is 0.0.0.0:29000)."""
+    import psutil
+
+    router, _ = fleet
+    proc = psutil.Process(router.pid)
+    listening = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert {a.port for a in listening} >= {router.port, router.metrics_port}
+    assert all(a.ip == "127.0.0.1" for a in listening), listening
+
+
 def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path):
     """The session server in front of the router sends each session's id as routing key: every
     turn after a session's first reaches the engine that served the first, so the engine finds
