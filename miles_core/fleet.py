@@ -172,9 +172,7 @@ class EngineFleet:
     def with_health(self, result: RolloutResult) -> RolloutResult:
         """The rollout's metrics plus the supervisors' (restarts, re-issued calls) and the
         engines' gauges."""
-        for key, value in supervision_metrics(self.supervisors).items():
-            result.metrics[key] = value
-        result.metrics |= self.gauges()
+        result.metrics |= supervision_metrics(self.supervisors) | self.gauges()
         return result
 
     def stop_supervision(self) -> None:

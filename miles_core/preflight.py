@@ -76,13 +76,14 @@ def _check_episode_budget(config: RunConfig, task, context: int) -> None:
     Otherwise no episode of that kind could succeed: refused, naming the kind and the numbers."""
     from miles_core.envs.demonstration import call_lengths, demonstration
     from miles_core.envs.sandbox import SandboxLimits
+    from miles_core.rollout_source import episode_metadata
     from miles_core.tito import get_family
 
     a = config.agent
     family = get_family(a.family)
     kinds = len(task.kinds) + len(getattr(task, "eval_kinds", ()))
     draw = getattr(task, "evaluation", task.generate)
-    limits = SandboxLimits(**(dict(task.limits) | a.sandbox.overrides()))
+    limits = SandboxLimits(**episode_metadata(config, task)["limits"])  # what episodes get
     budgets = [(v, what) for v, what in ((a.max_session_tokens, "agent.max_session_tokens"),
                (context, "the model's context")) if v]  # fmt: skip
     for ex in draw(kinds, config.data.seed):
