@@ -12,7 +12,7 @@ turn: what session affinity can reuse at most, besides prompts shared across ses
 machine's CPU busy fraction (sync's bounds what overlap can gain: 1 / busy); median step time; the training success rate (9-step moving average, last
 value). Prints a table, then one JSON object.
 
-    python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps 100]
+    python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps N]
 
 The SFT warm start runs once (`terminal_basics`, the example's SFT section) and both variants
 start from it: a random model ends every episode at its first reply, which is not the workload
@@ -52,7 +52,7 @@ class _NoTracking:
 def overrides(tmp: Path, args) -> list[str]:
     return [
         f"checkpoint.root={tmp}/ckpt",
-        f"sft.num_steps={args.sft_steps}",
+        *([f"sft.num_steps={args.sft_steps}"] if args.sft_steps else []),  # else the example's
         f"train.num_steps={args.steps}",
         "agent.eval_episodes=0",  # evaluation is not what is timed
         "agent.eval_every=0",
@@ -160,7 +160,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--sft-steps", type=int, default=100)
+    ap.add_argument("--sft-steps", type=int, default=None, help="default: the example's")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="miles-bench-agentic-"))
     try:

@@ -54,8 +54,9 @@ def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str
     try:
         if resume:
             config = resumed_config(config, resume_step)  # the model the run started from
-        elif config.sft is not None:
-            config = config.with_model_path(sft(config, parent_run_id=tracker.run_id))
+        elif config.sft is not None:  # a warm start: trained here, or an earlier run's result
+            warm = config.sft.reuse or sft(config, parent_run_id=tracker.run_id)
+            config = config.with_model_path(warm)
         rt = prepare_runtime(config, prepare_model(config, workdir), tracker, resume, resume_step)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)

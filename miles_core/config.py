@@ -347,6 +347,13 @@ class SFTConfig(OptimConfig):
     num_steps: int = Field(200, gt=0)
     batch_size: int = Field(64, gt=0)
     seed: int = 0
+    reuse: str | None = Field(
+        None,
+        description="the HF directory an earlier SFT run of this section saved (its run's "
+        "checkpoint, e.g. <checkpoint.root>/<name>-sft/step_<n>): RL starts from it instead "
+        "of training it again, e.g. to compare RL seeds after one warm start; its examples "
+        "still count as training data (no evaluation task is one of them)",
+    )
 
     @field_validator("task")
     @classmethod

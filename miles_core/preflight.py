@@ -42,6 +42,15 @@ def _model_config(config: RunConfig) -> dict:
     ).to_dict()
 
 
+def _check_reused(path: str, storage_options: dict) -> None:
+    fs, root = fsspec.core.url_to_fs(path.rstrip("/"), **storage_options)
+    if not fs.exists(f"{root}/config.json"):
+        raise FileNotFoundError(
+            f"sft.reuse {path!r} is not a model directory (no config.json): give the "
+            "step_<n> directory an SFT run saved"
+        )
+
+
 def _tokenizer(config: RunConfig):
     if config.model.path and "://" not in config.model.path:
         from transformers import AutoTokenizer
@@ -236,6 +245,9 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     model, or an async rollout buffer the config cannot continue (resume_checks.py)."""
     resume = resume or resume_step is not None
     _check_plugins(config)
+    if config.sft is not None and config.sft.reuse and not resume:  # RL starts from it
+        _check_reused(config.sft.reuse, config.checkpoint.storage_options)
+        config = config.with_model_path(config.sft.reuse)
     explicit = config.tracking.tracking_uri
     check_tracking_uri(
         resolve_tracking_uri(explicit),
@@ -260,14 +272,14 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     if config.agent.function is not None and hasattr(get_task(data.task), "environment_of"):
         _check_episode_budget(config, get_task(data.task), context)
     if config.agent.function is not None and config.agent.eval_episodes:
-        from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out
+        from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out, trained_on
 
         # the evaluation tasks exist and none is a training task (refused here if too few)
         held_out(
             get_task(data.task),
             config.agent.eval_episodes,
             data.seed + EVAL_SEED_OFFSET,
-            rows,
+            trained_on(config, rows),
             "agent.eval_episodes",
         )
     if config.sft is not None:

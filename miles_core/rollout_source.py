@@ -186,7 +186,7 @@ class AgentSessions:
     def score(self, task) -> dict[str, float]:
         """eval/* metrics of agent episodes on fixed tasks (agent.eval_episodes), none of them a
         training task (`data/held_out.py`)."""
-        from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out
+        from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out, trained_on
 
         c = self.config
         if self._eval_examples is None:
@@ -194,7 +194,7 @@ class AgentSessions:
                 task,
                 c.agent.eval_episodes,
                 c.data.seed + EVAL_SEED_OFFSET,
-                self.prompts.examples,
+                trained_on(c, self.prompts.examples),
                 "agent.eval_episodes",
             )
         return asyncio.run(self.rollout.evaluate(self._eval_examples))

@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -21,14 +22,18 @@ from miles_core.envs.terminal import HELD_OUT_KINDS, KINDS, make_task, make_task
 from miles_core.proc.managed import free_port
 from miles_core.types import Status
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def _meta(task, **more) -> dict:
     return {"task": task.to_dict(), "environment": environment_path(type(task))} | more
 
 
-def _scripted_reply(solutions: dict[str, list[str]], body: dict, bad_args: bool = False) -> dict:
+def _scripted_reply(
+    solutions: dict[str, list[str]], body: dict, bad_args: bool = False, final=("done", "stop")
+) -> dict:
     """Answers like a model that knows each task's solution: one `run` call per command, then
-    a final message."""
+    a final message (`final`: its content and finish reason)."""
     messages = body["messages"]
     instruction = messages[0]["content"]
     done = sum(1 for m in messages if m["role"] == "tool")
@@ -48,7 +53,7 @@ def _scripted_reply(solutions: dict[str, list[str]], body: dict, bad_args: bool 
         }
         reason = "tool_calls"
     else:
-        message, reason = {"role": "assistant", "content": "done"}, "stop"
+        message, reason = {"role": "assistant", "content": final[0]}, final[1]
     return {
         "id": "x",
         "object": "chat.completion",
@@ -58,12 +63,14 @@ def _scripted_reply(solutions: dict[str, list[str]], body: dict, bad_args: bool 
     }
 
 
-def _scripted_policy(solutions: dict[str, list[str]], bad_args: bool = False) -> FastAPI:
+def _scripted_policy(
+    solutions: dict[str, list[str]], bad_args: bool = False, final=("done", "stop")
+) -> FastAPI:
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
-        return _scripted_reply(solutions, body, bad_args)
+        return _scripted_reply(solutions, body, bad_args, final)
 
     return app
 
@@ -103,7 +110,7 @@ def test_the_sandbox_agent_solves_every_kind_with_a_policy_that_knows_the_soluti
         assert out["reward"] == 1.0, task
         steps = float(len(task.solution))  # one call per command, then the final answer
         expected = {"turns": steps + 1, "commands": steps, "bad_calls": 0.0, "context_full": 0.0}
-        assert out["metrics"] == expected
+        assert out["metrics"] == expected | {"truncated": 0.0}
 
 
 def test_a_conversation_out_of_context_ends_the_episode_and_is_graded():
@@ -125,7 +132,13 @@ def test_a_conversation_out_of_context_ends_the_episode_and_is_graded():
         prompt = [{"role": "user", "content": task.instruction}]
         out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
     assert out["reward"] == 1.0
-    assert out["metrics"] == {"turns": 1.0, "commands": 1.0, "bad_calls": 0.0, "context_full": 1.0}
+    assert out["metrics"] == {
+        "turns": 1.0,
+        "commands": 1.0,
+        "bad_calls": 0.0,
+        "truncated": 0.0,
+        "context_full": 1.0,
+    }
 
 
 def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
@@ -134,7 +147,13 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
         prompt = [{"role": "user", "content": task.instruction}]
         out = asyncio.run(run_agent(url, prompt, {}, _meta(task, max_turns=2)))
     assert out["reward"] == 0.0  # the call was answered with an error, nothing ran
-    assert out["metrics"] == {"turns": 2.0, "commands": 0.0, "bad_calls": 1.0, "context_full": 0.0}
+    assert out["metrics"] == {
+        "turns": 2.0,
+        "commands": 0.0,
+        "bad_calls": 1.0,
+        "truncated": 0.0,
+        "context_full": 0.0,
+    }
     escape = [
         "rm -rf /usr; echo x > /etc/evil; cat /root/.bashrc > a.txt; ln -sf /etc/passwd "
         + task.checks[0]["file"]
@@ -142,6 +161,28 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
     with _Server(_scripted_policy({task.instruction: escape})) as url:
         out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
     assert out["reward"] == 0.0 and out["metrics"]["commands"] == 1.0
+
+
+def test_broken_replies_after_a_solution_keep_the_grade_and_lose_the_shaped_reward():
+    """The task is solved by its command; then the last reply is a tool call that did not parse
+    (plain text holding call markup), or is cut off at max_tokens, or is a clean answer. The raw
+    grade is 1 each time; `well_formed` keeps it only for the clean one."""
+    from miles_core.agents.rewards import Episode
+    from miles_core.envs.shaping import well_formed
+
+    task = make_task("create", random.Random(0))
+    prompt = [{"role": "user", "content": task.instruction}]
+    broken = '<tool_call>\n{"name": "run", "argumenenenen": x}\n</tool_call>'
+    cases = [((broken, "stop"), "bad_calls", 0.0), (("don", "length"), "truncated", 0.0)]
+    for final, key, shaped in [*cases, (("done", "stop"), None, 1.0)]:
+        with _Server(_scripted_policy({task.instruction: task.solution}, final=final)) as url:
+            out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
+        assert out["reward"] == 1.0 and out["metrics"]["commands"] == 1.0
+        assert {k for k in ("bad_calls", "truncated") if out["metrics"][k]} == (
+            {key} if key else set()
+        )
+        episode = Episode([], task.to_dict(), out["reward"], out["metrics"], out["reward"])
+        assert well_formed(episode) == shaped
 
 
 @pytest.fixture(scope="module")
@@ -228,20 +269,27 @@ def test_an_agent_metric_reported_by_some_episodes_says_how_many_it_averages():
 
 
 def test_the_agentic_evaluation_set_holds_no_training_task():
-    """examples/agentic_terminal_cpu.yaml's sizes: 2048 training draws, 96 evaluation tasks (at
-    the earlier seed-only draw, 63 of those 96 were training tasks); none is a training task,
-    none repeats, and the draw is the same every time."""
-    from miles_core.data import get_task
-    from miles_core.data.held_out import EVAL_SEED_OFFSET, example_key, held_out
+    """examples/agentic_async_cpu.yaml's sizes: its RL prompts and SFT examples, then its
+    evaluation tasks (at the earlier seed-only draw, 63 of 96 were training tasks): none is a
+    training task of either phase, none repeats, every kind is there, the held-out composition
+    only there, and the draw is the same every time."""
+    from miles_core.config import load_config
+    from miles_core.data import get_task, load_examples
+    from miles_core.data.held_out import EVAL_SEED_OFFSET, example_key, held_out, trained_on
 
-    task = get_task("terminal")
-    training = task.generate(2048, 0)
-    evaluation = held_out(task, 96, EVAL_SEED_OFFSET, training, "agent.eval_episodes")
+    config = load_config(REPO / "examples/agentic_async_cpu.yaml")
+    d, n = config.data, config.agent.eval_episodes
+    task = get_task(d.task)
+    rows = load_examples(d.task, None, d.num_prompts, d.seed)
+    training = trained_on(config, rows)
+    assert len(training) == d.num_prompts + config.sft.num_examples
+    evaluation = held_out(task, n, d.seed + EVAL_SEED_OFFSET, training, "agent.eval_episodes")
     keys = [example_key(ex) for ex in evaluation]
-    assert len(set(keys)) == 96 and not set(keys) & {example_key(ex) for ex in training}
-    # `create` has 50 distinct tasks and 2048 training draws hold all of them: none is held out;
-    # the held-out composition (never trained on) is in the evaluation set
-    kinds = {ex.label["kind"] for ex in evaluation}
-    assert "create" not in kinds and set(HELD_OUT_KINDS) <= kinds
+    assert len(set(keys)) == n and not set(keys) & {example_key(ex) for ex in training}
+    assert {ex.label["kind"] for ex in evaluation} == set(KINDS)
     assert not set(HELD_OUT_KINDS) & {ex.label["kind"] for ex in training}
-    assert held_out(task, 96, EVAL_SEED_OFFSET, training, "x") == evaluation  # the same each time
+    # without the SFT examples, some evaluation tasks would be ones the warm start trained on
+    alone = held_out(task, n, d.seed + EVAL_SEED_OFFSET, rows, "x")
+    sft_keys = {example_key(ex) for ex in training[len(rows) :]}
+    assert {example_key(ex) for ex in alone} & sft_keys
+    assert held_out(task, n, d.seed + EVAL_SEED_OFFSET, training, "x") == evaluation

@@ -308,6 +308,11 @@ def test_empty_prompts_and_a_missing_model_are_refused(tmp_path):
     missing = load_config(None, [f"model.path={tmp_path / 'nope'}"])
     with pytest.raises(FileNotFoundError, match="is not a model directory"):
         preflight(missing)
+    # an SFT result to start from that is not one: the setting named, nothing started
+    (tmp_path / "sft-run").mkdir()
+    reused = load_config(None, ["sft.task=reverse", f"sft.reuse={tmp_path / 'sft-run'}"])
+    with pytest.raises(FileNotFoundError, match=r"sft.reuse .*sft-run' is not a model dir"):
+        preflight(reused)
 
 
 # The bad-input catalogue: every class of bad input, what the user gets, and the test that
@@ -327,7 +332,7 @@ CATALOGUE = [
     ("invalid config combination", "the field and the rule", "test_bad_input.py::test_config_errors_name_the_field"),
     ("unknown config key / bad override", "the key named", "test_bad_input.py::test_override_syntax_error"),
     ("CLI: bad input exits 2 before Prefect or MLflow start", "exit 2, message", "test_bad_input.py::test_cli_rejects_bad_input_before_starting_anything"),
-    ("unknown starting model path", "'not a model directory'", "test_bad_input.py::test_empty_prompts_and_a_missing_model_are_refused"),
+    ("unknown starting model path (model.path, sft.reuse)", "'not a model directory', the setting named", "test_bad_input.py::test_empty_prompts_and_a_missing_model_are_refused"),
     ("model/checkpoint mismatch", "both architectures named", "test_bad_input.py::test_preflight_refuses_a_checkpoint_of_another_model"),
     ("resume past the end, unwritable root", "what to change", "test_bad_input.py::test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root"),
     ("--resume-step without such a checkpoint, async buffer the config cannot continue", "the saved steps / the setting to use", "test_checkpoint_state.py::test_resume_rules_refuse_before_anything_starts"),

@@ -238,20 +238,15 @@ def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, m
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
 
-    config = _tiny_config(
-        tmp_path,
-        "warm",
-        2,
-        [
-            "data.task=reverse",
-            "sft.task=reverse",
-            "sft.num_steps=20",
-            "sft.batch_size=16",
-            "sft.micro_batch_size=8",
-            "sft.lr=3e-3",
-        ],
-    )
-    rl_train(config)
+    warm_start = [
+        "data.task=reverse",
+        "sft.task=reverse",
+        "sft.num_steps=20",
+        "sft.batch_size=16",
+        "sft.micro_batch_size=8",
+        "sft.lr=3e-3",
+    ]
+    rl_train(_tiny_config(tmp_path, "warm", 1, warm_start))
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name("resume").experiment_id
     runs = {r.info.run_name: r for r in client.search_runs([exp])}
@@ -262,7 +257,18 @@ def test_sft_warm_start_is_a_nested_run_and_feeds_rl(prefect_server, tmp_path, m
     assert (
         rl_run.data.params["model.path"] == "None"
     )  # the flow param; the RL run started from the SFT output
-    assert (tmp_path / "ckpt" / "warm-sft" / "step_000020" / "model.safetensors").exists()
+    saved = tmp_path / "ckpt" / "warm-sft" / "step_000020"
+    assert (saved / "model.safetensors").exists()
+
+    # another run reuses that warm start (sft.reuse): no SFT of its own, the same first step
+    rl_train(_tiny_config(tmp_path, "again", 1, [*warm_start, f"sft.reuse={saved}"]))
+    runs = {r.info.run_name: r for r in client.search_runs([exp])}
+    assert "again-sft" not in runs and not (tmp_path / "ckpt" / "again-sft").exists()
+    first = {
+        name: _histories(client, runs[name].info.run_id, ["rollout/reward_mean", "train/loss"])
+        for name in ("warm", "again")
+    }
+    assert first["again"] == first["warm"]
 
 
 LOOP_NAMES = ("rollout_loop", "train_loop", "weight_update_loop", "evaluation_loop")

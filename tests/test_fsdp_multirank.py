@@ -139,32 +139,12 @@ SERVER = ("rollout.engine=server", "rollout.engine_threads=1")
 P2P_ASYNC = ("weight_sync.transport=p2p", "weight_sync.dtype=bfloat16", "rollout.mode=fully_async")
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("mlflow_store")
-def test_miles_train_on_two_ranks_pushes_shards_to_an_engine_server(prefect_server, tmp_path):
-    """`miles train` with train.world_size=2 re-launches under torchrun; rank 0 runs the flow in
-    fully async mode, the two trainer ranks push bf16 weights to an engine server with p2p, each
-    rank its own FSDP shard (no gather: the shard path). weight_sync.check_equal compares the
-    engine's checksum with the trainer's (in the push dtype) after every push. Step 0 (samples
-    of the initial weights, in the data order and seeds of a sync run) equals the same step on
-    one rank: the multi-rank driver splits the batch and averages as one rank does. (The
-    gathered path on 2 ranks, `named_weights`, is test_two_rank_step_matches_one_rank's; every
-    gathered transport is tested on one rank in test_flow.py.)"""
-    two = _cli_run(tmp_path, prefect_server, 2, SERVER + P2P_ASYNC)
-    assert len(two["train/loss"]) == 2
-    one = _first_step_on_one_rank(tmp_path, SERVER + P2P_ASYNC[:2])  # sync, one rank
-    assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
-    assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
-    assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)
-
-
 def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]:
     """`_overrides`, then an agentic run's settings over them (later overrides win)."""
     agentic = (
         "data.task=terminal",
         "data.num_prompts=16",
         *SERVER,
-        "weight_sync.transport=shared_memory",
         "agent.function=miles_core.envs.sandbox_agent:run_agent",
         "agent.max_turns=3",  # what the suite's scripted solutions need (preflight)
         "rollout.prompts_per_step=2",
@@ -172,20 +152,25 @@ def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> l
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
         "train.loss_agg=rollout_mean_token_mean",
-        "train.num_steps=1",  # step 0, compared with one rank; its push is checked bitwise
     )
     return _overrides(tmp_path, name, world, (*agentic, *extra))
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
-def test_an_agentic_run_trains_on_two_ranks_as_on_one(prefect_server, tmp_path):
-    """Agent episodes in sandboxes through the session server on rank 0, the batch trained on
-    two FSDP ranks: step 0 (the same episodes: seeds and weights are a one-rank run's) has the
-    one-rank loss and gradient norm; the push after it is checked bitwise."""
-    two = _cli_run(tmp_path, prefect_server, 2, (), _agentic_overrides)
-    assert len(two["train/loss"]) == 1
-    one = _first_step_on_one_rank(tmp_path, (), _agentic_overrides)
+def test_an_agentic_run_on_two_ranks_pushes_shards_and_trains_as_on_one(prefect_server, tmp_path):
+    """`miles train` with train.world_size=2 re-launches under torchrun; rank 0 runs the flow in
+    fully async mode with agent episodes in sandboxes through the session server, and the two
+    trainer ranks push bf16 weights to the engine server with p2p, each rank its own FSDP shard
+    (no gather: the shard path). weight_sync.check_equal compares the engine's checksum with the
+    trainer's (in the push dtype) after every push. Step 0 (episodes of the initial weights, in
+    the data order and seeds of a sync run) has the loss and gradient norm of the same step on
+    one rank: the multi-rank driver splits the batch and averages as one rank does. (The
+    gathered path on 2 ranks, `named_weights`, is test_two_rank_step_matches_one_rank's; every
+    gathered transport is tested on one rank in test_flow.py.)"""
+    two = _cli_run(tmp_path, prefect_server, 2, P2P_ASYNC, _agentic_overrides)
+    assert len(two["train/loss"]) == 2
+    one = _first_step_on_one_rank(tmp_path, P2P_ASYNC[:2], _agentic_overrides)  # sync, one rank
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
     assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
     assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)

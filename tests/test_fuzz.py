@@ -167,6 +167,7 @@ def _generates(url: str) -> list[int]:
     return r.json()["output_ids"]
 
 
+@pytest.mark.slow  # an engine server of its own (≈20 s to start on 2 busy cores), then ~250 requests
 def test_the_engine_server_answers_every_fuzzed_request_below_500(engine):
     before = _generates(engine.url)
     counts = fuzz(engine.url)

@@ -1,7 +1,7 @@
 """Evaluation examples that training never sees: drawn from the task's generator at the
 evaluation seed (its `evaluation(n, seed)` where it has one: e.g. task kinds held out of
-training), keeping only examples that are in no training row (by prompt and label) and
-not already kept. A task whose generator cannot produce enough of them is refused before the run
+training), keeping only examples that are in no training row (by prompt and label: the RL
+prompts and the SFT warm start's examples, `trained_on`) and not already kept. A task whose generator cannot produce enough of them is refused before the run
 starts (preflight), naming how many it found."""
 
 from __future__ import annotations
@@ -18,6 +18,20 @@ EVAL_SEED_OFFSET = 1_000_003  # agent.eval_episodes draws at data.seed + this
 def example_key(ex: Example) -> str:
     """What makes two examples the same task: their prompt and label."""
     return json.dumps([ex.prompt, ex.label], sort_keys=True, default=repr)
+
+
+def trained_on(config, rows: list[Example]) -> list[Example]:
+    """Every example the run trains on: the RL `rows` and, with an SFT warm start, its examples
+    (an evaluation task the SFT model memorised would measure memory, not skill)."""
+    sft = config.sft
+    if sft is None:
+        return list(rows)
+    from miles_core.data import load_examples
+
+    return [
+        *rows,
+        *load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options),
+    ]
 
 
 def held_out(task, n: int, seed: int, training: Iterable[Example], what: str) -> list[Example]:

@@ -8,8 +8,10 @@ provides setup / instruction / check / scripted solution.
 "limits", the sandbox limits (`SandboxLimits` fields). The agent sets the task up in a fresh
 sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the
 next step: every `run` tool call is executed in the sandbox and its output returned as the tool
-result; a reply without tool calls ends the episode, and so does a conversation that has no
-room left (`context_full`: the model's context or the session's token budget). The checker's
+result; a reply without tool calls ends the episode (`bad_calls` counts one that holds broken
+call markup, as it does calls it cannot run), and so do a reply cut off at max_tokens
+(`truncated`) and a conversation that has no room left (`context_full`: the model's context or
+the session's token budget). The checker's
 score of the final workspace is the reward. Tools are not sent with the request (a long tool
 schema does not fit a tiny model's context); the model learns the call format from
 demonstrations.
@@ -26,6 +28,9 @@ from miles_core.envs.sandbox import RunResult, Sandbox, SandboxLimits
 
 OBSERVATION_CHARS = 200
 CONTEXT_FULL = "context_length_exceeded"  # the OpenAI error code the session server answers
+# how our TITO families open a tool call (ChatML / Qwen3, Mistral): a reply that holds one but
+# came back without tool calls is a call that did not parse, not an answer
+CALL_MARKUP = ("<tool_call>", "[TOOL_CALLS]")
 
 
 def observation(result: RunResult) -> str:
@@ -65,7 +70,7 @@ async def run_agent(
     limits = SandboxLimits(**metadata.get("limits", {}))
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = list(prompt)
-    turns = commands = bad_calls = context_full = 0
+    turns = commands = bad_calls = truncated = context_full = 0
     try:
         with Sandbox(limits) as sandbox:
             await asyncio.to_thread(task.setup, sandbox)
@@ -91,7 +96,11 @@ async def run_agent(
                         c.model_dump(include={"id", "type", "function"}) for c in calls
                     ]
                 messages.append(reply)
-                if not calls or choice.finish_reason == "length":
+                if choice.finish_reason == "length":
+                    truncated += 1  # cut off at max_tokens: whatever it was, it ends here
+                    break
+                if not calls:
+                    bad_calls += any(m in reply["content"] for m in CALL_MARKUP)
                     break
                 for call in calls:
                     cmd = command_of(call)
@@ -109,6 +118,7 @@ async def run_agent(
         "turns": float(turns),
         "commands": float(commands),
         "bad_calls": float(bad_calls),
+        "truncated": float(truncated),
         "context_full": float(context_full),
     }
     return {"reward": reward, "metrics": metrics}

@@ -30,8 +30,12 @@ SINGLE_KINDS = ("create", "count", "fix", "debug")
 TRAIN_KINDS = (*SINGLE_KINDS, "create-count", "fix-count")
 HELD_OUT_KINDS = ("create-fix",)
 KINDS = TRAIN_KINDS + HELD_OUT_KINDS
-_WORDS = ["red", "blue", "cat", "dog", "sun", "moon", "tree", "fish", "bird", "star"]
-_FILES = ["a.txt", "b.txt", "notes.txt", "out.txt", "x.txt"]
+# enough variety that evaluation finds every kind outside the SFT and RL draws (held_out.py)
+_WORDS = (
+    "red blue green cat dog cow sun moon star tree leaf root fish bird frog "
+    "rain snow wind gold iron salt milk tea jam box cup pen map key cake lamp ship"
+).split()
+_FILES = ["a.txt", "b.txt", "c.txt", "notes.txt", "out.txt", "x.txt", "log.txt", "list.txt"]
 _OPS = {"add": ("+", "-"), "mul": ("*", "+"), "sub": ("-", "+")}  # name: (right, wrong)
 _APPLY = {"+": lambda a, b: a + b, "*": lambda a, b: a * b, "-": lambda a, b: a - b}
 RUN_TOOL = {
@@ -105,7 +109,8 @@ def _create(rng: random.Random, taken: set[str]) -> TerminalTask:
 
 def _count(rng: random.Random, taken: set[str]) -> TerminalTask:
     word, name = rng.choice(_WORDS), rng.choice([f for f in _FILES if f not in taken])
-    lines = [f"{rng.choice(_WORDS)} {rng.choice(_WORDS)}" for _ in range(rng.randint(3, 7))]
+    pool = [word, *rng.sample(_WORDS, 3)]  # the word shows up on some lines, not most
+    lines = [f"{rng.choice(pool)} {rng.choice(pool)}" for _ in range(rng.randint(3, 7))]
     count = sum(word in line.split() for line in lines)
     return TerminalTask(
         "count",
@@ -119,7 +124,7 @@ def _count(rng: random.Random, taken: set[str]) -> TerminalTask:
 def _fix(rng: random.Random, taken: set[str]) -> TerminalTask:
     name = rng.choice(sorted(_OPS))
     good, bad = _OPS[name]
-    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    a, b = rng.randint(2, 19), rng.randint(2, 19)
     return TerminalTask(
         "fix",
         "make test_calc.py pass",
