@@ -1,8 +1,9 @@
 """Evaluation examples that training never sees: drawn from the task's generator at the
 evaluation seed (its `evaluation(n, seed)` where it has one: e.g. task kinds held out of
 training), keeping only examples that are in no training row (by prompt and label: the RL
-prompts and the SFT warm start's examples, `trained_on`) and not already kept. A task whose generator cannot produce enough of them is refused before the run
-starts (preflight), naming how many it found."""
+prompts and the SFT warm start's examples, `trained_on`) and not already kept. A task whose
+generator cannot produce enough of them is refused before the run starts (preflight), naming
+how many it found."""
 
 from __future__ import annotations
 

@@ -11,10 +11,9 @@ next step: every `run` tool call is executed in the sandbox and its output retur
 result; a reply without tool calls ends the episode (`bad_calls` counts one that holds broken
 call markup, as it does calls it cannot run), and so do a reply cut off at max_tokens
 (`truncated`) and a conversation that has no room left (`context_full`: the model's context or
-the session's token budget). The checker's
-score of the final workspace is the reward. Tools are not sent with the request (a long tool
-schema does not fit a tiny model's context); the model learns the call format from
-demonstrations.
+the session's token budget). The checker's score of the final workspace is the reward. Tools
+are not sent with the request (a long tool schema does not fit a tiny model's context); the
+model learns the call format from demonstrations.
 """
 
 from __future__ import annotations
