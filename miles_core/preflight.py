@@ -8,7 +8,7 @@ import json
 import fsspec
 
 from miles_core.config import RunConfig
-from miles_core.data import get_task, load_examples
+from miles_core.data import get_task, load_examples, sft_examples
 from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
@@ -284,9 +284,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
         )
     if config.sft is not None:
         sft = config.sft
-        sft_rows = load_examples(
-            sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options
-        )
+        sft_rows = sft_examples(sft)
         sft_where = sft.path or f"task {sft.task!r}"
         sft_task = get_task(sft.task)
         scripted = hasattr(sft_task, "demonstration")  # builds its own samples

@@ -3,6 +3,7 @@ from miles_core.data.dataset import (
     PromptSource,
     load_examples,
     read_jsonl,
+    sft_examples,
     to_messages,
 )
 from miles_core.data.tasks import Example, Score, Task, get_task, register_task, task_names
@@ -15,6 +16,7 @@ __all__ = [
     "Task",
     "get_task",
     "load_examples",
+    "sft_examples",
     "read_jsonl",
     "register_task",
     "task_names",

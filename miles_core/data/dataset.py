@@ -65,6 +65,11 @@ def load_examples(
     return get_task(task).generate(num_prompts, seed)
 
 
+def sft_examples(sft) -> list[Example]:
+    """The examples of an `sft:` section (an `SFTConfig`): its file, or its task's draw."""
+    return load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
+
+
 def to_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 

@@ -27,12 +27,9 @@ def trained_on(config, rows: list[Example]) -> list[Example]:
     sft = config.sft
     if sft is None:
         return list(rows)
-    from miles_core.data import load_examples
+    from miles_core.data import sft_examples
 
-    return [
-        *rows,
-        *load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options),
-    ]
+    return [*rows, *sft_examples(sft)]
 
 
 def held_out(task, n: int, seed: int, training: Iterable[Example], what: str) -> list[Example]:

@@ -67,7 +67,7 @@ def run_sft(config, model_dir, tracker) -> str:
     import time
     from pathlib import Path
 
-    from miles_core.data import load_examples
+    from miles_core.data import sft_examples
     from miles_core.models import load_hf_dir
     from miles_core.progress import reporter
     from miles_core.storage import CheckpointStore
@@ -75,7 +75,7 @@ def run_sft(config, model_dir, tracker) -> str:
 
     sft = config.sft
     _, tokenizer = load_hf_dir(model_dir)
-    examples = load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
+    examples = sft_examples(sft)
     trainer = make_backend(
         config.train.backend,
         model_dir=str(model_dir),
