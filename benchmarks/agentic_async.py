@@ -12,11 +12,12 @@ turn: what session affinity can reuse at most, besides prompts shared across ses
 machine's CPU busy fraction (sync's bounds what overlap can gain: 1 / busy); median step time; the training success rate (9-step moving average, last
 value). Prints a table, then one JSON object.
 
-    python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps N]
+    python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps N | --sft-from DIR]
 
 The SFT warm start runs once (`terminal_basics`, the example's SFT section) and both variants
 start from it: a random model ends every episode at its first reply, which is not the workload
-(multi-turn episodes with long-tailed lengths).
+(multi-turn episodes with long-tailed lengths). `--sft-from` takes the model directory of an
+earlier `miles sft` on the example instead (`checkpoints/agentic-async-sft/step_000200`).
 """
 
 from __future__ import annotations
@@ -161,11 +162,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--sft-steps", type=int, default=None, help="default: the example's")
+    ap.add_argument("--sft-from", type=Path, default=None, help="an earlier SFT's model dir")
     args = ap.parse_args()
+    if args.sft_from is not None and not (args.sft_from / "config.json").is_file():
+        ap.error(f"--sft-from {args.sft_from}: not a model directory (no config.json)")
     tmp = Path(tempfile.mkdtemp(prefix="miles-bench-agentic-"))
     try:
         t = time.perf_counter()
-        model = warm_start(tmp, args)
+        model = str(args.sft_from.resolve()) if args.sft_from else warm_start(tmp, args)
         print(f"SFT warm start: {time.perf_counter() - t:.0f} s", flush=True)
         runs = {mode: run(mode, model, tmp, args) for mode in ("sync", "fully_async")}
     finally:
