@@ -60,6 +60,12 @@ class DataConfig(_Strict):
     seed: int = 0
     shuffle: bool = True
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    exclude_sft: bool = Field(
+        False,
+        description="RL prompts that are none of the sft: warm start's examples (RL then works on "
+        "tasks the SFT never showed, as the held-out evaluation does); a generator draws more "
+        "to keep num_prompts, a data.path file's matching rows are left out",
+    )
 
     @field_validator("task")
     @classmethod
@@ -523,6 +529,13 @@ class AgentConfig(_Strict):
         "miles_core.agents.rollout:AgenticRollout",
     )
     max_turns: int = Field(4, gt=0, le=100, description="model calls per episode")
+    turn_slack: int | None = Field(
+        None,
+        ge=0,
+        description="a sandbox task's episode may make as many model calls as its scripted "
+        "solution has tool calls, plus this many (at most agent.max_turns): 0 asks for a "
+        "solution as direct as the script's. Default: agent.max_turns for every episode",
+    )
     max_tokens: int = Field(
         96, gt=0, description="new tokens per model call (a tool call must fit: preflight checks)"
     )
@@ -693,6 +706,11 @@ class RunConfig(_Strict):
             )
         self._check_transport_fits_engine()
         self._check_eval()
+        if self.data.exclude_sft and self.sft is None:
+            raise ValueError(
+                "data.exclude_sft leaves the SFT warm start's examples out of the RL prompts: "
+                "the run has no sft: section"
+            )
         if self.sft is not None and self.sft.world_size != t.world_size:
             raise ValueError(
                 "sft.world_size must equal train.world_size (they share the trainer ranks)"

@@ -8,7 +8,7 @@ import json
 import fsspec
 
 from miles_core.config import RunConfig
-from miles_core.data import get_task, load_examples, sft_examples
+from miles_core.data import get_task, rl_examples, sft_examples
 from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
@@ -258,7 +258,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     context = int(model_config.get("max_position_embeddings") or 0)
     tok = _tokenizer(config)
     data = config.data
-    rows = load_examples(data.task, data.path, data.num_prompts, data.seed, data.storage_options)
+    rows = rl_examples(config)
     where = data.path or f"task {data.task!r}"
     if getattr(get_task(data.task), "needs_label", False):
         missing = next((i for i, ex in enumerate(rows, start=1) if ex.label is None), None)

@@ -251,14 +251,15 @@ class AsyncAgenticRollouts(AsyncRollouts):
 def episode_metadata(config, task) -> dict:
     """What every episode's agent is handed besides its task: for a sandbox environment task
     (`envs/sandbox_tasks.py`), the environment's import path and its sandbox limits (the
-    task's, overridden per field by agent.sandbox)."""
+    task's, overridden per field by agent.sandbox), and agent.turn_slack where set."""
     path = getattr(task, "environment_path", None)
     if path is None:
         return {}
+    slack = config.agent.turn_slack
     return {
         "environment": path,
         "limits": dict(getattr(task, "limits", {})) | config.agent.sandbox.overrides(),
-    }
+    } | ({"turn_slack": slack} if slack is not None else {})
 
 
 def _agent_plugins(agent):

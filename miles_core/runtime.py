@@ -22,7 +22,7 @@ from pathlib import Path
 
 from miles_core.checkpointing import Checkpointing
 from miles_core.config import RunConfig
-from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.data import PromptSource, get_task, rl_examples
 from miles_core.eval.in_run import RunEvaluation
 from miles_core.fleet import EngineFleet
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
@@ -62,8 +62,7 @@ class RLRuntime:
         self.tracker = tracker
         self.task = get_task(config.data.task)
         d = config.data
-        examples = load_examples(d.task, d.path, d.num_prompts, d.seed, d.storage_options)
-        self.source = PromptSource(examples, seed=d.seed, shuffle=d.shuffle)
+        self.source = PromptSource(rl_examples(config), seed=d.seed, shuffle=d.shuffle)
         model, self.tokenizer = load_hf_dir(model_dir)
         self.architecture = architecture_of(model.config)
         self._rollout_step = 0  # the step `train` records in the ledger

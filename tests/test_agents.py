@@ -113,6 +113,53 @@ def test_the_sandbox_agent_solves_every_kind_with_a_policy_that_knows_the_soluti
         assert out["metrics"] == expected | {"truncated": 0.0}
 
 
+def test_detours_take_turns_that_turn_slack_does_not_leave():
+    """`terminal_detours` demonstrates each task after 0, 1 or 2 detours (fixed per example);
+    `agent.turn_slack: 0` gives an episode as many calls as the script has commands, so the
+    same policy solves a `fix` task directly and fails it after a detour; without a slack,
+    `agent.max_turns` alone limits it."""
+    from miles_core.config import load_config
+    from miles_core.data import get_task
+    from miles_core.rollout_source import episode_metadata
+    from miles_core.tito import get_family
+
+    task = get_task("terminal_detours")
+    examples = task.generate(24, seed=0)
+    taken = [task.detours_of(ex) for ex in examples]
+    assert set(taken) == {0, 1, 2} and taken == [task.detours_of(ex) for ex in examples]
+    family = get_family("tiny")
+    for ex in examples[:8]:  # every demonstration still solves its task (or raises)
+        ids, _ = task.demonstration(ex, family)
+        calls = family.decode(ids).count('"cmd"')
+        assert calls == len(ex.label["solution"]) + task.detours_of(ex)
+        assert ('"ls"' in family.decode(ids)) == (task.detours_of(ex) > 0)
+
+    fix = make_task("fix", random.Random(0))
+    config = load_config(
+        None,
+        [
+            "data.task=terminal",
+            "rollout.engine=server",
+            "weight_sync.transport=shared_memory",
+            "agent.function=miles_core.envs.sandbox_agent:run_agent",
+            "agent.max_turns=8",
+            "agent.turn_slack=0",
+        ],
+    )
+    meta = episode_metadata(config, get_task("terminal"))
+    assert meta["turn_slack"] == 0
+    prompt = [{"role": "user", "content": fix.instruction}]
+    for policy, slack, reward, turns in [
+        (fix.solution, 0, 1.0, 2.0),  # cat, sed: the limit is reached, the workspace graded
+        (["ls", *fix.solution], 0, 0.0, 2.0),  # ls, cat: no call left for the edit
+        (["ls", *fix.solution], None, 1.0, 4.0),  # ls, cat, sed, done
+    ]:
+        with _Server(_scripted_policy({fix.instruction: policy})) as url:
+            extra = {"turn_slack": slack} if slack is not None else {}
+            out = asyncio.run(run_agent(url, prompt, {}, _meta(fix, max_turns=8, **extra)))
+        assert (out["reward"], out["metrics"]["turns"]) == (reward, turns), (policy, slack)
+
+
 def test_a_conversation_out_of_context_ends_the_episode_and_is_graded():
     """The session server answers 400 when the next turn does not fit the context: the agent
     stops there and the checker grades what was done (here: the task, solved in turn one)."""
@@ -274,15 +321,19 @@ def test_the_agentic_evaluation_set_holds_no_training_task():
     training task of either phase, none repeats, every kind is there, the held-out composition
     only there, and the draw is the same every time."""
     from miles_core.config import load_config
-    from miles_core.data import get_task, load_examples
+    from miles_core.data import get_task, load_examples, rl_examples
     from miles_core.data.held_out import EVAL_SEED_OFFSET, example_key, held_out, trained_on
 
     config = load_config(REPO / "examples/agentic_async_cpu.yaml")
     d, n = config.data, config.agent.eval_episodes
     task = get_task(d.task)
-    rows = load_examples(d.task, None, d.num_prompts, d.seed)
+    rows = rl_examples(config)
     training = trained_on(config, rows)
     assert len(training) == d.num_prompts + config.sft.num_examples
+    # data.exclude_sft: the RL prompts are none of the SFT examples (a plain draw holds some)
+    sft_keys = {example_key(ex) for ex in training[len(rows) :]}
+    assert d.exclude_sft and not {example_key(ex) for ex in rows} & sft_keys
+    assert {example_key(ex) for ex in load_examples(d.task, None, d.num_prompts, d.seed)} & sft_keys
     evaluation = held_out(task, n, d.seed + EVAL_SEED_OFFSET, training, "agent.eval_episodes")
     keys = [example_key(ex) for ex in evaluation]
     assert len(set(keys)) == n and not set(keys) & {example_key(ex) for ex in training}
@@ -290,6 +341,5 @@ def test_the_agentic_evaluation_set_holds_no_training_task():
     assert not set(HELD_OUT_KINDS) & {ex.label["kind"] for ex in training}
     # without the SFT examples, some evaluation tasks would be ones the warm start trained on
     alone = held_out(task, n, d.seed + EVAL_SEED_OFFSET, rows, "x")
-    sft_keys = {example_key(ex) for ex in training[len(rows) :]}
     assert {example_key(ex) for ex in alone} & sft_keys
     assert held_out(task, n, d.seed + EVAL_SEED_OFFSET, training, "x") == evaluation

@@ -48,6 +48,8 @@ REPO = Path(__file__).resolve().parents[1]
         (["weight_sync.transport=carrier-pigeon"], "unknown weight transport 'carrier-pigeon'"),
         (["rollout.health_timeout_s=1"], r"health_timeout_s \(1.0\) must exceed"),
         (["rollout.max_engine_restarts=-1"], "rollout.max_engine_restarts"),
+        (["data.exclude_sft=true"], "data.exclude_sft .*: the run has no sft: section"),
+        (["agent.turn_slack=-1"], "agent.turn_slack"),
     ],
 )
 def test_config_errors_name_the_field(overrides, message):
@@ -77,6 +79,19 @@ def test_dataset_row_without_prompt_names_the_row(tmp_path):
         read_jsonl(str(path))
     with pytest.raises(DatasetError, match="not found"):
         read_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+def test_exclude_sft_drops_a_files_sft_rows_and_refuses_a_file_of_nothing_else(tmp_path):
+    from miles_core.data import rl_examples
+
+    sft, rl = tmp_path / "sft.jsonl", tmp_path / "rl.jsonl"
+    sft.write_text('{"prompt": "say a", "label": "a"}\n')
+    rl.write_text('{"prompt": "say a", "label": "a"}\n{"prompt": "say b", "label": "b"}\n')
+    sets = [f"data.path={rl}", f"sft.path={sft}", "data.exclude_sft=true", "data.num_prompts=8"]
+    assert [r.prompt for r in rl_examples(load_config(None, sets))] == ["say b"]
+    rl.write_text('{"prompt": "say a", "label": "a"}\n')
+    with pytest.raises(DatasetError, match="every row of .*rl.jsonl.* is an SFT example"):
+        rl_examples(load_config(None, sets))
 
 
 def test_jsonl_rows_are_read_through_fsspec(tmp_path):

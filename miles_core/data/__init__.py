@@ -3,6 +3,7 @@ from miles_core.data.dataset import (
     PromptSource,
     load_examples,
     read_jsonl,
+    rl_examples,
     sft_examples,
     to_messages,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "load_examples",
     "sft_examples",
     "read_jsonl",
+    "rl_examples",
     "register_task",
     "task_names",
     "to_messages",

@@ -70,6 +70,35 @@ def sft_examples(sft) -> list[Example]:
     return load_examples(sft.task, sft.path, sft.num_examples, sft.seed, sft.storage_options)
 
 
+def rl_examples(config) -> list[Example]:
+    """The RL prompts of a run (a `RunConfig`): `data.path`'s rows or `data.num_prompts` draws of
+    `data.task`. With `data.exclude_sft`, none is an example of the SFT warm start: a file's
+    matching rows are left out; a generator draws more (up to DRAWS_PER_EXAMPLE × as many) to
+    keep `num_prompts`, and a ValueError says so when even that does not."""
+    d = config.data
+    rows = load_examples(d.task, d.path, d.num_prompts, d.seed, d.storage_options)
+    if not d.exclude_sft:
+        return rows
+    from miles_core.data.held_out import DRAWS_PER_EXAMPLE, example_key
+
+    sft = {example_key(ex) for ex in sft_examples(config.sft)}
+    draws = d.num_prompts
+    while True:
+        kept = [ex for ex in rows if example_key(ex) not in sft]
+        if d.path or len(kept) >= d.num_prompts:
+            if not kept:
+                raise DatasetError(f"data.exclude_sft: every row of {d.path!r} is an SFT example")
+            return kept[: d.num_prompts]
+        if draws >= d.num_prompts * DRAWS_PER_EXAMPLE:
+            raise DatasetError(
+                f"data.exclude_sft: {len(kept)} of {draws} prompts drawn from task {d.task!r} are "
+                f"not SFT examples, {d.num_prompts} (data.num_prompts) were asked for: lower it "
+                "or sft.num_examples, or give the task more variety"
+            )
+        draws *= 2
+        rows = get_task(d.task).generate(draws, d.seed)
+
+
 def to_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 

@@ -108,6 +108,7 @@ for _builtin in (SayA(), Reverse(), Add()):
 # sandboxes + TITO: imported on first use
 TASKS.register("terminal", "miles_core.envs.terminal_tasks:TERMINAL")
 TASKS.register("terminal_basics", "miles_core.envs.terminal_tasks:TERMINAL_BASICS")
+TASKS.register("terminal_detours", "miles_core.envs.terminal_tasks:TERMINAL_DETOURS")
 
 
 def register_task(task: Task) -> None:

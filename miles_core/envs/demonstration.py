@@ -6,6 +6,7 @@ ones the session server records in RL; the loss mask covers the assistant's turn
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from miles_core.envs.environment import Environment
 from miles_core.envs.sandbox import Sandbox, SandboxLimits
@@ -31,16 +32,20 @@ def tool_call(i: int, cmd: str) -> dict:
 
 
 def demonstration(
-    task: Environment, family: TitoFamily, limits: SandboxLimits | None = None
+    task: Environment,
+    family: TitoFamily,
+    limits: SandboxLimits | None = None,
+    detours: Sequence[str] = (),
 ) -> tuple[list[int], list[int], int]:
     """(token ids, loss mask over the ids after the prompt, prompt length) of `task` solved by
-    its script. RuntimeError if the script does not solve it."""
+    its script, after the `detours` (commands that change nothing, e.g. `ls`: a demonstration
+    that takes more turns than needed). RuntimeError if the script does not solve it."""
     ids = family.prompt([{"role": "user", "content": task.instruction}])
     prompt_len = len(ids)
     mask: list[int] = []
     with Sandbox(limits) as sandbox:
         task.setup(sandbox)
-        for i, cmd in enumerate(task.solution):
+        for i, cmd in enumerate([*detours, *task.solution]):
             done = family.completion(tool_call(i, cmd))
             output = observation(sandbox.run(cmd))
             tool = {"role": "tool", "tool_call_id": f"call_{i}", "content": output}

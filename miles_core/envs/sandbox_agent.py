@@ -5,7 +5,8 @@ provides setup / instruction / check / scripted solution.
 
 `metadata` (built by the rollout from the run's config): "task", the environment as a dict;
 "environment", its class's import path (the data task's, never an episode's); "max_turns";
-"limits", the sandbox limits (`SandboxLimits` fields). The agent sets the task up in a fresh
+"turn_slack" (optional: the turn limit is then the scripted solution's tool calls plus this
+many, at most max_turns); "limits", the sandbox limits (`SandboxLimits` fields). The agent sets the task up in a fresh
 sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the
 next step: every `run` tool call is executed in the sandbox and its output returned as the tool
 result; a reply without tool calls ends the episode (`bad_calls` counts one that holds broken
@@ -66,6 +67,8 @@ async def run_agent(
         raise ValueError("metadata has no 'environment' (the environment class's import path)")
     task = load_environment(metadata["environment"]).from_dict(metadata["task"])
     max_turns = int(metadata.get("max_turns", 4))
+    if metadata.get("turn_slack") is not None:
+        max_turns = min(max_turns, len(task.solution) + int(metadata["turn_slack"]))
     limits = SandboxLimits(**metadata.get("limits", {}))
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = list(prompt)

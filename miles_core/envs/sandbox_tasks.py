@@ -3,18 +3,22 @@ and whose label is the environment as a dict (with its "kind", for per-kind succ
 come from the environment after the episode (the agent function), not from `score`.
 
     SandboxTasks(name, environment=MyEnv, make=make_my_env, kinds=("a", "b"),
-                 eval_kinds=("a+b",), limits={"cpu_s": 5})
+                 eval_kinds=("a+b",), limits={"cpu_s": 5}, detours=("ls",))
 
 `make(kind, rng)` builds one environment; `generate` draws the kinds in turn; `evaluation`
 also draws `eval_kinds` (held out from training); `demonstration` is the SFT sample of an
 example, rendered with the run's TITO family; `limits` are the task's sandbox limits
-(`agent.sandbox` overrides them per field). Register an instance with
+(`agent.sandbox` overrides them per field); `detours` are commands that change nothing, of
+which a demonstration runs the first k before its script (k from 0 to all of them, fixed per
+example): demonstrations that take more turns than needed, which RL can learn to skip where
+`agent.turn_slack` leaves no room for them. Register an instance with
 `miles_core.data.register_task`, or name it by import path in `data.task`.
 """
 
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +41,7 @@ class SandboxTasks:
         kinds: Sequence[str],
         eval_kinds: Sequence[str] = (),
         limits: dict[str, Any] | None = None,
+        detours: Sequence[str] = (),
     ):
         if not kinds:
             raise ValueError(f"task {name!r}: no kinds to draw")
@@ -46,6 +51,7 @@ class SandboxTasks:
         self.kinds = tuple(kinds)
         self.eval_kinds = tuple(eval_kinds)
         self.limits = dict(limits or {})
+        self.detours = tuple(detours)
         SandboxLimits(**self.limits)  # a wrong field name fails here, not in every episode
 
     @property
@@ -74,8 +80,18 @@ class SandboxTasks:
         return self.environment.from_dict(label)
 
     def demonstration(self, example: Example, family: TitoFamily) -> tuple[list[int], list[int]]:
-        """(token ids, loss mask over the ids after the prompt) of the scripted episode."""
+        """(token ids, loss mask over the ids after the prompt) of the scripted episode, after
+        the example's detours."""
         ids, mask, _ = demonstration(
-            self.environment_of(example.label), family, SandboxLimits(**self.limits)
+            self.environment_of(example.label),
+            family,
+            SandboxLimits(**self.limits),
+            self.detours[: self.detours_of(example)],
         )
         return ids, mask
+
+    def detours_of(self, example: Example) -> int:
+        """How many detours the example's demonstration takes: 0 to all, the same every time."""
+        from miles_core.data.held_out import example_key
+
+        return zlib.crc32(example_key(example).encode()) % (len(self.detours) + 1)

@@ -1,6 +1,8 @@
 """The terminal suite (`terminal.py`) as data tasks: `terminal` draws every training kind (and,
 for evaluation, the held-out compositions too); `terminal_basics` draws the single tasks only,
-what the SFT demonstrations cover."""
+what the SFT demonstrations cover; `terminal_detours` the same, with demonstrations that look
+around first (`ls`, then `pwd`: none, one or both before the script), a habit RL can unlearn
+under `agent.turn_slack`."""
 
 from __future__ import annotations
 
@@ -15,3 +17,6 @@ from miles_core.envs.terminal import (
 
 TERMINAL = SandboxTasks("terminal", TerminalTask, make_task, TRAIN_KINDS, HELD_OUT_KINDS)
 TERMINAL_BASICS = SandboxTasks("terminal_basics", TerminalTask, make_task, SINGLE_KINDS)
+TERMINAL_DETOURS = SandboxTasks(
+    "terminal_detours", TerminalTask, make_task, SINGLE_KINDS, detours=("ls", "pwd")
+)
