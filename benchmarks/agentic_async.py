@@ -14,7 +14,7 @@ value). Prints a table, then one JSON object.
 
     python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps N | --sft-from DIR]
 
-The SFT warm start runs once (`terminal_basics`, the example's SFT section) and both variants
+The SFT warm start runs once (the example's SFT section, `terminal_detours`) and both variants
 start from it: a random model ends every episode at its first reply, which is not the workload
 (multi-turn episodes with long-tailed lengths). `--sft-from` takes the model directory of an
 earlier `miles sft` on the example instead (`checkpoints/agentic-async-sft/step_000200`).
@@ -91,7 +91,7 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
             f"rollout.mode={mode}",
             "model.context=null",  # the SFT checkpoint keeps its own
             f"model.path={model_uri}",
-            "sft=null",
+            f"sft.reuse={model_uri}",  # its examples stay out of the RL prompts (exclude_sft)
         ],
     )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, tmp / f"model-{mode}"), None)
