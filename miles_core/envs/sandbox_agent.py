@@ -6,8 +6,8 @@ provides setup / instruction / check / scripted solution.
 `metadata` (built by the rollout from the run's config): "task", the environment as a dict;
 "environment", its class's import path (the data task's, never an episode's); "max_turns";
 "turn_slack" (optional: the turn limit is then the scripted solution's tool calls plus this
-many, at most max_turns); "limits", the sandbox limits (`SandboxLimits` fields). The agent sets the task up in a fresh
-sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the
+many, at most max_turns); "limits", the sandbox limits (`SandboxLimits` fields). The agent sets
+the task up in a fresh sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the
 next step: every `run` tool call is executed in the sandbox and its output returned as the tool
 result; a reply without tool calls ends the episode (`bad_calls` counts one that holds broken
 call markup, as it does calls it cannot run), and so do a reply cut off at max_tokens
