@@ -216,6 +216,21 @@ class RolloutConfig(_Strict):
         return self
 
 
+class ParallelConfig(_Strict):
+    """How a Megatron trainer splits the model over its ranks (train.backend: megatron; FSDP2
+    is data parallel only). tp × pp × cp × dp = train.world_size; dp defaults to what the
+    others leave."""
+
+    tp: int = Field(1, ge=1, description="tensor parallel: heads, MLP columns, vocabulary")
+    pp: int = Field(1, ge=1, description="pipeline parallel: consecutive layers per stage")
+    cp: int = Field(1, ge=1, description="context parallel (needs TransformerEngine: 1 here)")
+    dp: int | None = Field(None, ge=1, description="data parallel; default: what is left")
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
 class OptimConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
     min_lr: float = Field(0.0, ge=0)
@@ -238,6 +253,19 @@ class OptimConfig(_Strict):
     threads: int | None = Field(
         None, ge=1, description="torch threads per process (default: all cores)"
     )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: each trains a share of the batch."""
+        return self.world_size // self.parallel.model_parallel
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> OptimConfig:
+        from miles_core.train.megatron.layout import resolve_layout
+
+        resolve_layout(self.parallel.model_dump(), self.world_size)  # ValueError naming sizes
+        return self
 
     @model_validator(mode="after")
     def _lr_floor(self) -> OptimConfig:
@@ -310,11 +338,16 @@ class TrainConfig(OptimConfig):
 
     @model_validator(mode="after")
     def _micro_batches_divide(self) -> TrainConfig:
-        unit = self.micro_batch_size * self.world_size
+        unit = self.micro_batch_size * self.dp_world
         if self.global_batch_size % unit:
             raise ValueError(
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
-                f"micro_batch_size × world_size ({unit})"
+                f"micro_batch_size × data-parallel ranks ({unit})"
+            )
+        if self.parallel.model_parallel > 1 and self.backend == "fsdp":
+            raise ValueError(
+                f"train.parallel asks for tp={self.parallel.tp}, pp={self.parallel.pp}, "
+                f"cp={self.parallel.cp}: train.backend fsdp is data parallel only (use megatron)"
             )
         return self
 
@@ -369,10 +402,10 @@ class SFTConfig(OptimConfig):
 
     @model_validator(mode="after")
     def _divides(self) -> SFTConfig:
-        unit = self.micro_batch_size * self.world_size
+        unit = self.micro_batch_size * self.dp_world
         if self.batch_size % unit:
             raise ValueError(
-                f"sft.batch_size ({self.batch_size}) must be divisible by micro_batch_size × world_size ({unit})"
+                f"sft.batch_size ({self.batch_size}) must be divisible by micro_batch_size × data-parallel ranks ({unit})"
             )
         return self
 
@@ -714,6 +747,12 @@ class RunConfig(_Strict):
         if self.sft is not None and self.sft.world_size != t.world_size:
             raise ValueError(
                 "sft.world_size must equal train.world_size (they share the trainer ranks)"
+            )
+        if self.sft is not None and "parallel" not in self.sft.model_fields_set:
+            self.sft.parallel = t.parallel  # one trainer layout unless the section sets its own
+        if self.sft is not None and self.sft.parallel != t.parallel:
+            raise ValueError(
+                "sft.parallel must equal train.parallel (they share the trainer and its layout)"
             )
         return self
 

@@ -12,7 +12,7 @@ from miles_core.data import get_task, rl_examples, sft_examples
 from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
-from miles_core.resume_checks import check_buffer_resumable
+from miles_core.resume_checks import check_backend_resumable, check_buffer_resumable
 from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.storage import CheckpointStore, check_checkpoint_matches
 from miles_core.tracking import check_tracking_uri, resolve_tracking_uri
@@ -182,6 +182,13 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
         one = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         gpu_memory = one * config.train.world_size  # FSDP shards the trainer's state
     check_memory(model_config, where, gpu_memory=gpu_memory)
+    from miles_core.train.registry import backend_factory
+
+    # a backend may refuse a model it cannot build or split (Megatron: its converter's
+    # architectures, heads and layers that divide by the parallel layout)
+    check = getattr(backend_factory(config.train.backend), "check_model", None)
+    if check is not None:
+        check(config.train.model_dump(), model_config, where)
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
 
@@ -331,5 +338,6 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
                 architecture_of(model_config), store.uri(latest), config.checkpoint.storage_options
             )
             check_buffer_resumable(store.read_json(latest, BUFFER_FILE), config, latest)
+            check_backend_resumable(store.read_state(latest).get("config"), config, latest)
     finally:
         store.close()

@@ -4,6 +4,9 @@
   with a decaying LR schedule, a changed `train.num_steps` is allowed, with a warning: training
   continues correctly, but no longer bit-identically to an uninterrupted run (other batches,
   other reduction order, another LR curve).
+- A checkpoint saved by another trainer backend is refused: optimizer state does not move
+  between FSDP2 and Megatron (start a new run from its HF weights instead). Another Megatron
+  layout (`train.parallel`) is resharded, with the warning above.
 - A checkpoint that holds an async rollout buffer is refused when the buffer cannot be
   continued: `rollout.mode: sync` (no producer to hand the groups to) or another prompts per
   step / group size (the buffered groups belong to steps of the saved shape).
@@ -22,6 +25,7 @@ SHAPE_FIELDS = (
     "train.global_batch_size",
     "train.micro_batch_size",
     "train.world_size",
+    "train.parallel",
 )
 
 
@@ -46,6 +50,18 @@ def shape_changes(saved: dict[str, Any] | None, config: RunConfig) -> list[str]:
         for f in fields
         if _get(saved, f) is not None and _get(saved, f) != _get(now, f)
     ]
+
+
+def check_backend_resumable(saved: dict[str, Any] | None, config: RunConfig, step: int) -> None:
+    """Raises ValueError when checkpoint `step` was saved by another trainer backend."""
+    before = _get(saved or {}, "train.backend") or "fsdp"
+    if before != config.train.backend:
+        raise ValueError(
+            f"--resume: checkpoint step {step} was saved by train.backend {before}, this run "
+            f"uses {config.train.backend}: optimizer state does not move between backends; "
+            f"resume with train.backend {before}, or start a new run from its HF weights "
+            "(model.path: the checkpoint's directory)"
+        )
 
 
 def check_buffer_resumable(buffer: dict[str, Any] | None, config: RunConfig, step: int) -> None:

@@ -54,8 +54,8 @@ def _sft_batch(tok):
     "override, message",
     [
         (
-            "train.backend=megatron",
-            "unknown trainer backend 'megatron' in train.backend; known: fsdp",
+            "train.backend=deepspeed",
+            "unknown trainer backend 'deepspeed' in train.backend; known: fsdp, megatron",
         ),
         (
             "train.backend=tests.plugins.nowhere:X",
@@ -90,8 +90,12 @@ def test_registered_names_are_not_imported_to_validate_a_config():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = eval(out.stdout)
     assert "miles_core.train.registry" in loaded
-    assert not {"miles_core.train.fsdp", "miles_core.train.losses.policy"} & set(loaded)
-    assert backend_names() == ["fsdp"]
+    assert not {
+        "miles_core.train.fsdp",
+        "miles_core.train.megatron.backend",
+        "miles_core.train.losses.policy",
+    } & set(loaded)
+    assert backend_names() == ["fsdp", "megatron"]
 
 
 def test_followers_rebuild_the_backend_class_rank_0_announced(tiny_dir, monkeypatch):

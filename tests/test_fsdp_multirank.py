@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-SCRIPT = Path(__file__).parent / "scripts" / "fsdp_parity.py"
+SCRIPT = Path(__file__).parent / "scripts" / "trainer_parity.py"
 
 
 CONFIGS = [

@@ -1,4 +1,4 @@
-"""The trainer-backend protocol (FSDP2 now; Megatron-core later behind the same calls).
+"""The trainer-backend protocol (FSDP2 and Megatron-core behind the same calls).
 
 A backend is built by name or import path (`miles_core.train.registry.make_backend`, chosen by
 `train.backend`) from keyword arguments every backend takes:

@@ -165,6 +165,19 @@ class FSDPBackend:
         return steps.train_step(self, batch, loss, self.loss_cfg)
 
     # ------------------------------------------------------------------ the step loop's calls
+    @property
+    def dp_rank(self) -> int:  # every rank is a data-parallel rank
+        return self.rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.world
+
+    reports_stats = True
+
+    def forward_backward(self, parts, needs, on_output, train) -> None:
+        steps.sequential(self, parts, needs, on_output, train)
+
     def micro_batch(self, batch: TrainBatch) -> MicroBatch:
         return MicroBatch.build(batch, self.pad_id, self.device, self.share_prompts)
 

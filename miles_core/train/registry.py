@@ -15,6 +15,7 @@ from miles_core.registry import Registry
 
 BACKENDS: Registry[Callable[..., Any]] = Registry("trainer backend", "train.backend")
 BACKENDS.register("fsdp", "miles_core.train.fsdp:FSDPBackend")
+BACKENDS.register("megatron", "miles_core.train.megatron.backend:MegatronBackend")
 
 
 def register_backend(name: str, factory: Callable[..., Any] | str) -> None:

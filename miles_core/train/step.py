@@ -2,14 +2,16 @@
 denominators, the `× world` factor, metric reduction.
 
 A backend supplies only what differs between FSDP2 and Megatron (`StepBackend`): how a
-micro-batch goes through the model, backward, and the optimizer step. Losses are divided by the
-*global* token (or sequence, or rollout) count and multiplied by the data-parallel world size,
-because the gradient reduction averages over ranks: N ranks compute the same update as one.
+micro-batch goes through the model, how the micro-batches of a step are scheduled
+(`forward_backward`: one after the other here, through the pipeline stages in Megatron), backward,
+and the optimizer step. Losses are divided by the *global* token (or sequence, or rollout) count
+and multiplied by the data-parallel world size, because the gradient reduction averages over
+data-parallel ranks: N ranks compute the same update as one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -19,14 +21,28 @@ from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.registry import get_loss
 
+# called with each micro-batch's outputs where they exist (the last pipeline stage); returns the
+# micro-batch's loss to backpropagate (a train step) or None (a forward-only pass)
+OnOutput = Callable[[MicroBatch, TokenOutputs], "torch.Tensor | None"]
+
 
 class StepBackend(Protocol):
-    rank: int  # data-parallel rank and size: how the global batch is split
-    world: int
+    dp_rank: int  # data-parallel rank and size: how the global batch is split
+    dp_world: int
+    # whether this rank's loss statistics count in the step's metrics (one rank per
+    # data-parallel replica: Megatron's tensor-parallel ranks compute copies)
+    reports_stats: bool
     micro_batch_size: int
     device: torch.device
 
     def micro_batch(self, batch: TrainBatch) -> MicroBatch: ...
+
+    def forward_backward(
+        self, parts: list[TrainBatch], needs: LossNeeds, on_output: OnOutput, train: bool
+    ) -> None:
+        """Every micro-batch forward (and backward on `on_output`'s loss when `train`);
+        `sequential` is the plain schedule."""
+        ...
 
     def forward(self, mb: MicroBatch, needs: LossNeeds) -> TokenOutputs:
         """The policy's per-token outputs (with gradient unless under `torch.no_grad`)."""
@@ -57,16 +73,34 @@ def micro_batches(batch: TrainBatch, size: int) -> Iterator[TrainBatch]:
         yield batch.slice(start, start + size)
 
 
+def sequential(
+    backend: StepBackend,
+    parts: list[TrainBatch],
+    needs: LossNeeds,
+    on_output: OnOutput,
+    train: bool,
+) -> None:
+    """The plain schedule: each micro-batch forward, then backward (gradients accumulate)."""
+    for part in parts:
+        mb = backend.micro_batch(part)
+        loss = on_output(mb, backend.forward(mb, needs))
+        if train and loss is not None:
+            backend.backward(loss)
+
+
 def compute_log_probs(backend: StepBackend, batch: TrainBatch) -> list[list[float]]:
     """Per-sample response log-probs under the current weights; rank 0 gets every row."""
-    local = shard(batch, backend.rank, backend.world)
-    rows: list[list[float]] = []
+    local = shard(batch, backend.dp_rank, backend.dp_world)
+    rows: list[list[float]] | None = None
+
+    def collect(mb: MicroBatch, out: TokenOutputs) -> None:
+        nonlocal rows
+        rows = (rows or []) + mb.padded.unpad(out.log_probs, mb.batch.response_lengths)
+
     with torch.no_grad():
-        for part in micro_batches(local, backend.micro_batch_size):
-            mb = backend.micro_batch(part)
-            out = backend.forward(mb, LossNeeds())
-            rows.extend(mb.padded.unpad(out.log_probs, part.response_lengths))
-    return gather_rows(rows, backend.world)[: len(batch)]  # without `shard`'s inert rows
+        parts = list(micro_batches(local, backend.micro_batch_size))
+        backend.forward_backward(parts, LossNeeds(), collect, train=False)
+    return gather_rows(rows, backend.dp_rank)[: len(batch)]  # without `shard`'s inert rows
 
 
 def train_step(
@@ -77,50 +111,57 @@ def train_step(
     cfg = fn.config(settings)
     needs = fn.needs(cfg)
     backend.set_training(True)
-    local = shard(batch, backend.rank, backend.world)
+    local = shard(batch, backend.dp_rank, backend.dp_world)
     agg = fn.aggregation(cfg)
     global_tokens = float(sum(sum(m) for m in batch.loss_masks))
     denom = max(global_tokens, 1.0) if agg == "token_mean" else float(len(batch))
     if agg == "rollout_mean_token_mean":  # totals over the global batch, then shard
         batch, rollouts = batch.with_rollout_tokens()
-        local, denom = shard(batch, backend.rank, backend.world), float(rollouts)
+        local, denom = shard(batch, backend.dp_rank, backend.dp_world), float(rollouts)
     sums: dict[str, float] = {}
-    for part in micro_batches(local, backend.micro_batch_size):
-        mb = backend.micro_batch(part)
-        out = backend.forward(mb, needs)
+
+    def loss_of(mb: MicroBatch, out: TokenOutputs) -> torch.Tensor:
         mb_loss, stats = fn(out, mb, cfg, denom)
-        backend.backward(mb_loss * backend.world)
         for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v
+        return mb_loss * backend.dp_world
+
+    parts = list(micro_batches(local, backend.micro_batch_size))
+    backend.forward_backward(parts, needs, loss_of, train=True)
     step = backend.optimizer_step()
     backend.set_training(False)
-    metrics = reduce_stats(sums, global_tokens, backend.world, backend.device)
+    metrics = reduce_stats(sums if backend.reports_stats else {}, global_tokens)
     metrics.update(step)
     return metrics
 
 
-def reduce_stats(
-    sums: dict[str, float], global_tokens: float, world: int, device: torch.device
-) -> dict[str, float]:
-    """Sums each stat over the ranks; `_x` token sums become `x` per global token."""
-    keys = sorted(sums)
-    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    if world > 1:
-        if device.type != "cpu":  # nccl reduces device tensors only
-            t = t.to(device)
-        dist.all_reduce(t)
+def reduce_stats(sums: dict[str, float], global_tokens: float) -> dict[str, float]:
+    """Sums each stat over every rank that computed a loss (the others hold none: a pipeline's
+    earlier stages); `_x` token sums become `x` per global token."""
+    total: dict[str, float] = {}
+    for part in _gather(sums):
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + v
     out = {}
-    for k, v in zip(keys, t.tolist(), strict=True):
+    for k in sorted(total):
         if k.startswith("_"):
-            out[k[1:]] = v / max(global_tokens, 1.0)
+            out[k[1:]] = total[k] / max(global_tokens, 1.0)
         else:
-            out[k] = v  # already normalised by the global denominator
+            out[k] = total[k]  # already normalised by the global denominator
     return out
 
 
-def gather_rows(rows: list[list[float]], world: int) -> list[list[float]]:
-    if world == 1:
-        return rows
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, rows)
-    return [r for part in parts for r in part]
+def gather_rows(rows: list[list[float]] | None, dp_rank: int) -> list[list[float]]:
+    """Every data-parallel rank's rows in rank order, from the ranks that hold them (`None`
+    elsewhere: a pipeline's earlier stages; tensor-parallel ranks hold copies, one is kept)."""
+    held = {r: part for r, part in _gather((dp_rank, rows)) if part is not None}
+    return [row for r in sorted(held) for row in held[r]]
+
+
+def _gather(obj: Any) -> list[Any]:
+    """`obj` from every rank of the default group (one object round)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts

@@ -1,6 +1,11 @@
-"""Run under torchrun: rank 0 drives an FSDP2 trainer for two steps on a fixed batch, once per
-loss config (one launch for all of them; the follower ranks replay every trainer rank 0 builds),
-and writes the final weights and metrics of config i to `<out>-<i>.safetensors` / `.json`."""
+"""Run under torchrun: rank 0 drives a trainer for a few steps on a fixed batch, once per config
+(one launch for all of them; the follower ranks replay every trainer rank 0 builds), and writes
+the final weights and metrics of config i to `<out>-<i>.safetensors` / `.json`.
+
+A config holds train settings and optionally `backend` (default fsdp), `parallel` (Megatron's
+layout), `steps` (default 2), `rows` and `leaves` (the batch's shape), `load` (a checkpoint to
+resume from, with `old_from`: the JSON of the run whose old log-probs it continues) and `save`
+(a directory: the trainer's checkpoint after the steps)."""
 
 import json
 import random
@@ -9,7 +14,7 @@ import sys
 from safetensors.torch import save_file
 
 import miles_core  # noqa: F401
-from miles_core.config import RunConfig
+from miles_core.config import ParallelConfig, RunConfig
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.models import load_hf_dir
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
@@ -42,6 +47,10 @@ for i, loss_overrides in enumerate(configs):
     loss_overrides = dict(loss_overrides)
     rows = loss_overrides.pop("rows", len(out))  # the batch's first `rows` samples
     leaves = loss_overrides.pop("leaves", 1)  # consecutive rows sharing a rollout id
+    backend = loss_overrides.pop("backend", "fsdp")
+    num_steps = loss_overrides.pop("steps", 2)
+    load, save, old_from = (loss_overrides.pop(k, None) for k in ("load", "save", "old_from"))
+    parallel = ParallelConfig(**loss_overrides.pop("parallel", {}))
     batch = TrainBatch(
         tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
         response_lengths=[len(r.output_ids) for r in out],
@@ -51,13 +60,27 @@ for i, loss_overrides in enumerate(configs):
         sample_ids=[f"r{j // leaves}" for j in range(len(out))],
     ).slice(0, rows)
     cfg = RunConfig().train.model_copy(
-        update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2, **loss_overrides}
+        update={
+            "micro_batch_size": 4,
+            "world_size": world,
+            "lr": 1e-2,
+            "parallel": parallel,
+            **loss_overrides,
+        }
     )
     trainer = make_backend(
-        "fsdp", model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
+        backend, model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
     )
-    batch.old_log_probs = trainer.compute_log_probs(batch)
-    metrics = [trainer.train_step(batch), trainer.train_step(batch)]
+    if load:
+        trainer.load(load)
+    if old_from:
+        with open(old_from) as f:
+            batch.old_log_probs = json.load(f)["old_log_probs"]
+    else:
+        batch.old_log_probs = trainer.compute_log_probs(batch)
+    metrics = [trainer.train_step(batch) for _ in range(num_steps)]
+    if save:
+        trainer.save(save)
     weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
     trainer.close()
     save_file(weights, f"{out_prefix}-{i}.safetensors")

@@ -1,0 +1,262 @@
+"""HF (Qwen3) ↔ Megatron `GPTModel` weights, both directions, and how each Megatron tensor splits
+over tensor-parallel ranks. Conversion is a permutation of values (no arithmetic), so a round trip
+is bitwise.
+
+Megatron's layouts, per decoder layer:
+
+- `self_attention.linear_qkv.weight`: q, k and v fused and interleaved by query group: for each
+  of the `num_key_value_heads` groups, its query heads, then its key head, then its value head
+  (rows of `head_dim`). A tensor-parallel rank holds whole groups: a dim-0 chunk.
+- `mlp.linear_fc1.weight`: gate and up fused, [gate; up]. Rank r holds [gate_r; up_r].
+- `self_attention.linear_proj.weight`, `mlp.linear_fc2.weight`: row-parallel, dim-1 chunks.
+- `embedding.word_embeddings.weight`, `output_layer.weight`: vocabulary-parallel, dim-0 chunks of
+  the vocabulary padded to a multiple of tp (the padding rows are zero and never leave).
+- norms (`input_layernorm`, `pre_mlp_layernorm`, `q_layernorm`, `k_layernorm`,
+  `final_layernorm`): replicated.
+
+Names here are global (`decoder.layers.<i>` with i over the whole model); a pipeline stage holds
+layers [offset, offset + layers/pp) under local indices (`stage_name` / `global_name`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_core.train.megatron.architecture import check_architecture
+
+
+@dataclass(frozen=True)
+class Shapes:
+    heads: int
+    groups: int  # key/value heads
+    head_dim: int
+    hidden: int
+    ffn: int
+    vocab: int
+    layers: int
+    tied: bool
+
+    @classmethod
+    def of(cls, hf: Any) -> Shapes:
+        """From an HF config (object or dict); refuses an architecture it cannot convert."""
+        d = hf if isinstance(hf, dict) else hf.to_dict()
+        check_architecture(d)
+        heads = int(d["num_attention_heads"])
+        return cls(
+            heads=heads,
+            groups=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            hidden=int(d["hidden_size"]),
+            ffn=int(d["intermediate_size"]),
+            vocab=int(d["vocab_size"]),
+            layers=int(d["num_hidden_layers"]),
+            tied=bool(d.get("tie_word_embeddings", False)),
+        )
+
+    def padded_vocab(self, tp: int) -> int:
+        return -(-self.vocab // tp) * tp
+
+
+# one HF tensor ↔ one Megatron tensor, per layer
+_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_TOP = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+_MC_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # split on dim 1
+QKV = "self_attention.linear_qkv.weight"
+FC1 = "mlp.linear_fc1.weight"
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """[q; k; v] (HF) → Megatron's per-group interleave; `groups` may be a rank's share."""
+    cols = q.shape[-1]
+    q = q.reshape(groups, -1, cols)
+    k = k.reshape(groups, -1, cols)
+    v = v.reshape(groups, -1, cols)
+    return torch.cat([q, k, v], dim=1).reshape(-1, cols)
+
+
+def split_qkv(qkv: torch.Tensor, s: Shapes, groups: int) -> tuple[torch.Tensor, ...]:
+    """Megatron's fused qkv of `groups` query groups → HF (q, k, v) rows of those groups."""
+    per_q = s.heads // s.groups * s.head_dim
+    g = qkv.reshape(groups, per_q + 2 * s.head_dim, -1)
+    q, k, v = g.split([per_q, s.head_dim, s.head_dim], dim=1)
+    cols = qkv.shape[-1]
+    return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
+    """A full HF state dict → full Megatron tensors (global layer names, vocabulary unpadded).
+    Tied embeddings: no `output_layer.weight` (a pipeline's last stage takes the embedding)."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(s.layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for h, mc in _LAYER.items():
+            out[m + mc] = hf[p + h]
+        out[m + QKV] = fuse_qkv(*(hf[p + n] for n in _QKV), s.groups)
+        out[m + FC1] = torch.cat([hf[p + n] for n in _FC1])
+    for h, mc in _TOP.items():
+        if h == "lm_head.weight" and s.tied:
+            continue
+        out[mc] = hf[h]
+    known = set(_TOP) | {
+        f"model.layers.{i}.{n}" for i in range(s.layers) for n in (*_LAYER, *_QKV, *_FC1)
+    }
+    extra = sorted(set(hf) - known - ({"lm_head.weight"} if s.tied else set()))
+    if extra:
+        raise ValueError(f"HF weights the Megatron converter does not know: {extra[:5]}")
+    return out
+
+
+def megatron_to_hf(mc: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors (global names) → the HF state dict (tied: no `lm_head.weight`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in mc.items():
+        out.update(to_hf(name, t, s))
+    return out
+
+
+def hf_names(name: str, s: Shapes) -> list[str]:
+    """The HF tensors Megatron tensor `name` (global) holds, in order (tied `output_layer`:
+    none, it is the embedding)."""
+    m = _MC_LAYER.fullmatch(name)
+    if m is None:
+        if name == "output_layer.weight" and s.tied:
+            return []
+        hf = _TOP_BACK.get(name)
+        if hf is None:
+            raise ValueError(f"unknown Megatron weight {name!r}")
+        return [hf]
+    p = f"model.layers.{m.group(1)}."
+    rest = m.group(2)
+    if rest == QKV:
+        return [p + n for n in _QKV]
+    if rest == FC1:
+        return [p + n for n in _FC1]
+    if rest not in _LAYER_BACK:
+        raise ValueError(f"unknown Megatron weight {name!r}")
+    return [p + _LAYER_BACK[rest]]
+
+
+def to_hf(
+    name: str, t: torch.Tensor, s: Shapes, groups: int | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one Megatron tensor (global name). A tensor-parallel shard converts too:
+    `groups` is then its share of query groups, and each HF tensor comes out as the rows or
+    columns that shard holds (a vocabulary shard keeps its padding rows)."""
+    names = hf_names(name, s)
+    rest = _MC_LAYER.fullmatch(name)
+    rest = rest.group(2) if rest else name
+    if rest == QKV:
+        parts = split_qkv(t, s, groups or s.groups)
+    elif rest == FC1:
+        parts = t.chunk(2)
+    elif rest in VOCAB and groups is None:
+        parts = (t[: s.vocab],)  # a full tensor drops the padding
+    else:
+        parts = (t,)
+    return list(zip(names, parts, strict=False))
+
+
+def tp_dim(name: str) -> int | None:
+    """The dim a Megatron tensor (global or local name) is split on across tp ranks; None:
+    replicated."""
+    rest = _MC_LAYER.fullmatch(name)
+    rest = rest.group(2) if rest else name
+    if rest in (QKV, FC1, *VOCAB):
+        return 0
+    if rest in ROW_PARALLEL:
+        return 1
+    return None
+
+
+def tp_shard(name: str, full: torch.Tensor, tp: int, rank: int, s: Shapes) -> torch.Tensor:
+    """Tensor-parallel rank `rank`'s part of the full Megatron tensor `name`."""
+    dim = tp_dim(name)
+    if dim is None or tp == 1:
+        return full
+    rest = _MC_LAYER.fullmatch(name)
+    rest = rest.group(2) if rest else name
+    if rest == FC1:
+        gate, up = full.chunk(2)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if rest in VOCAB:
+        pad = s.padded_vocab(tp) - full.shape[0]
+        full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+    return full.chunk(tp, dim=dim)[rank].clone()
+
+
+def tp_unshard(name: str, parts: list[torch.Tensor], s: Shapes) -> torch.Tensor:
+    """The full Megatron tensor from every tp rank's part, in rank order (vocabulary padding
+    kept: `to_hf` drops it)."""
+    dim = tp_dim(name)
+    if dim is None or len(parts) == 1:
+        return parts[0]
+    rest = _MC_LAYER.fullmatch(name)
+    rest = rest.group(2) if rest else name
+    if rest == FC1:
+        halves = [p.chunk(2) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(parts, dim=dim)
+
+
+def stage_name(name: str, offset: int) -> str:
+    """Global layer name → the name on the stage whose first layer is `offset`."""
+    m = _MC_LAYER.fullmatch(name)
+    return f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
+
+
+def global_name(name: str, offset: int) -> str:
+    m = _MC_LAYER.fullmatch(name)
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+
+
+def hf_pieces(name: str, s: Shapes, tp: int, rank: int) -> list[tuple[str, int, int, int]]:
+    """Which slice of which HF tensors tp rank `rank`'s shard of Megatron tensor `name` holds:
+    (hf name, dim, start, length), in `to_hf`'s order (p2p placement plans)."""
+    dim = tp_dim(name)
+    rest = _MC_LAYER.fullmatch(name)
+    layer = rest.group(1) if rest else None
+    rest = rest.group(2) if rest else name
+    if name == "output_layer.weight" and s.tied:
+        return []
+    if rest == QKV:
+        p = f"model.layers.{layer}."
+        q_rows = s.heads // tp * s.head_dim
+        kv_rows = s.groups // tp * s.head_dim
+        return [
+            (p + _QKV[0], 0, rank * q_rows, q_rows),
+            (p + _QKV[1], 0, rank * kv_rows, kv_rows),
+            (p + _QKV[2], 0, rank * kv_rows, kv_rows),
+        ]
+    names = hf_names(name, s)
+    if dim is None:
+        return [(names[0], 0, 0, -1)]  # whole: -1 stands for the full length
+    if rest == FC1:
+        rows = s.ffn // tp
+        return [(n, 0, rank * rows, rows) for n in names]
+    if rest in VOCAB:
+        rows = s.padded_vocab(tp) // tp
+        start = min(rank * rows, s.vocab)
+        return [(names[0], 0, start, min(rows, s.vocab - start))]
+    cols = (s.heads * s.head_dim if rest == ROW_PARALLEL[0] else s.ffn) // tp
+    return [(names[0], 1, rank * cols, cols)]
