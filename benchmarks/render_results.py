@@ -476,6 +476,16 @@ def _generic(r: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
 
 
+def trainer_backends(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for preset, per_world in r["step_time_s"].items():
+        for ranks, times in per_world.items():
+            base = times.get("fsdp")
+            for label, t in times.items():
+                rows.append([preset, ranks.split("_")[0], label, _num(t, ".3f"), _ratio(t, base)])
+    return _table(["preset", "ranks", "trainer", "train step s", "vs FSDP2"], rows)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_vs_hf": engine_vs_hf,
     "prefix_cache": prefix_cache,
@@ -483,6 +493,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "async_vs_sync": async_vs_sync,
     "agentic_async": agentic_async,
     "step_time": step_time,
+    "trainer_backends": trainer_backends,
     "session_load": session_load,
     "vs_trl": vs_trl,
 }

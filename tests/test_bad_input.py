@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
         (["rollout.engine=carrier"], "unknown rollout engine 'carrier' in rollout.engine; known: "),
         (
             ["train.micro_batch_size=48"],
-            r"must be divisible by micro_batch_size × world_size \(48\)",
+            r"must be divisible by micro_batch_size × data-parallel ranks \(48\)",
         ),
-        (["train.world_size=3"], r"micro_batch_size × world_size \(96\)"),
+        (["train.world_size=3"], r"micro_batch_size × data-parallel ranks \(96\)"),
         (["data.task=translate"], "unknown task 'translate' in data.task; known: add, "),
         (["train.lr=0"], "train.lr"),
         (["train.lr=-1e-3"], "greater than 0"),

@@ -1,8 +1,8 @@
 """kill -9 of `miles train` at a random step, then `miles train --resume` (real subprocesses,
 one real Prefect server for all of them, SQLite MLflow).
 
-- sync (in-process engine, whose sampling generator the checkpoint carries): every metric of
-  the resumed MLflow run equals an uninterrupted run's, bit for bit. Not on an engine server:
+- sync (in-process engine, whose sampling generator the checkpoint carries), FSDP2 and
+  Megatron: every metric of the resumed MLflow run equals an uninterrupted run's, bit for bit. Not on an engine server:
   its log-probs depend on which concurrent requests share a decode batch (~1e-8 between any
   two runs, resumed or not), which shows in `train/train_rollout_*`;
 - fully_async on an engine server, text groups and agentic episodes (terminal tasks in
@@ -149,12 +149,15 @@ def _run(client: MlflowClient, name: str):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_sync_run_killed_at_a_random_step_resumes_bit_identically(
-    tmp_path, prefect_api, mlflow_template
+    tmp_path, prefect_api, mlflow_template, backend
 ):
+    """Megatron's checkpoint is its distributed one (model and optimizer shards) beside the
+    HF export; the resume loads that."""
     kill_at = random.Random(SEED).randint(1, STEPS - 3)
     print(f"kill -9 once checkpoint step {kill_at} exists")
-    every_step = ["checkpoint.interval=1"]  # the embedded engine
+    every_step = ["checkpoint.interval=1", f"train.backend={backend}"]  # the embedded engine
     shutil.copyfile(mlflow_template, tmp_path / "ref.db")
     # the uninterrupted run has a temp dir of its own: a finished run leaves nothing there
     reference = _train(

@@ -32,7 +32,12 @@ def main() -> None:
         distributed.follow()
         return
     cfg = RunConfig().train.model_copy(
-        update={"micro_batch_size": 4, "world_size": world, "lr": 1e-2, "parallel": ParallelConfig(**parallel)}
+        update={
+            "micro_batch_size": 4,
+            "world_size": world,
+            "lr": 1e-2,
+            "parallel": ParallelConfig(**parallel),
+        }
     )
     trainer = make_backend(
         "megatron", model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump()

@@ -11,7 +11,7 @@ data-parallel ranks, tied embeddings reduced between the first and last stage), 
 step, checkpoints (`checkpoint.py`) and how the weights leave (the block at the end of the class).
 
 On CPU: gloo, the CPU shim (`cpu.py`), fp32, torch's AdamW on Megatron's gradient buffers. CUDA
-is refused before start for now (see `check_device_supported`).
+is refused before start for now (`check_model`, `CUDA_NOT_BUILT`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ from miles_core.train.registry import backend_path, get_loss
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dtype_name
 
 MEGATRON_DIR = "megatron"  # the distributed checkpoint beside the HF export
+CUDA_NOT_BUILT = (
+    "train.backend megatron runs on CPU in this version (its CUDA path, with nccl, bf16 and "
+    "Megatron's distributed optimizer, is not built yet): set train.device: cpu"
+)
 
 
 def init_model_parallel(layout: Layout) -> None:
@@ -74,10 +78,7 @@ class MegatronBackend:
     ):
         self.device = resolve_device(device)
         if self.device.type != "cpu":
-            raise ValueError(
-                "train.backend megatron runs on CPU in this version (its CUDA path, with "
-                "Megatron's distributed optimizer, is not built yet): set train.device: cpu"
-            )
+            raise ValueError(CUDA_NOT_BUILT)
         self.rank, self.world = spmd.init_distributed(self.device)
         spmd.announce_init(
             backend_path(type(self)),
@@ -165,6 +166,8 @@ class MegatronBackend:
         from miles_core.train.megatron.architecture import check_architecture
 
         check_architecture(hf, where)
+        if resolve_device(settings.get("device") or "auto").type != "cpu":
+            raise ValueError(CUDA_NOT_BUILT)
         layout = resolve_layout(settings.get("parallel"), int(settings.get("world_size", 1)))
         check_model_divides(layout, hf)
 
