@@ -694,6 +694,20 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sft_shares_the_trainer(cls, data: Any) -> Any:
+        """An `sft:` section without its own `world_size` / `parallel` takes the trainer's (they
+        share the ranks and the layout; different ones set explicitly are refused below)."""
+        if not isinstance(data, dict):
+            return data
+        sft, train = data.get("sft"), data.get("train")
+        if isinstance(sft, dict) and isinstance(train, dict):
+            shared = {k: train[k] for k in ("world_size", "parallel") if k in train and k not in sft}
+            if shared:
+                data = {**data, "sft": {**sft, **shared}}
+        return data
+
     def _check_transport_fits_engine(self) -> None:
         """The transport's weight route must be one the engine takes (both from registries)."""
         from miles_core.engines import engine_routes
@@ -748,8 +762,6 @@ class RunConfig(_Strict):
             raise ValueError(
                 "sft.world_size must equal train.world_size (they share the trainer ranks)"
             )
-        if self.sft is not None and "parallel" not in self.sft.model_fields_set:
-            self.sft.parallel = t.parallel  # one trainer layout unless the section sets its own
         if self.sft is not None and self.sft.parallel != t.parallel:
             raise ValueError(
                 "sft.parallel must equal train.parallel (they share the trainer and its layout)"

@@ -101,6 +101,16 @@ def test_fsdp_refuses_model_parallel_layouts():
         load_config(None, ["train.world_size=2", "train.parallel.tp=2"])
 
 
+def test_the_sft_warm_start_shares_the_trainer_layout():
+    sets = [*MEGATRON, "train.world_size=2", "train.parallel.tp=2", "sft.batch_size=8"]
+    config = load_config(None, [*sets, "sft.micro_batch_size=4"])
+    assert (config.sft.world_size, config.sft.parallel.tp) == (2, 2)
+    with pytest.raises(ValueError, match="sft.parallel must equal train.parallel"):
+        load_config(
+            None, [*sets, "sft.micro_batch_size=4", "sft.parallel.pp=2", "sft.parallel.tp=1"]
+        )
+
+
 def test_a_layout_that_does_not_divide_the_model_is_refused_before_start(tmp_path):
     from miles_core.preflight import preflight
 
