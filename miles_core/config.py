@@ -703,7 +703,9 @@ class RunConfig(_Strict):
             return data
         sft, train = data.get("sft"), data.get("train")
         if isinstance(sft, dict) and isinstance(train, dict):
-            shared = {k: train[k] for k in ("world_size", "parallel") if k in train and k not in sft}
+            shared = {
+                k: train[k] for k in ("world_size", "parallel") if k in train and k not in sft
+            }
             if shared:
                 data = {**data, "sft": {**sft, **shared}}
         return data

@@ -42,8 +42,8 @@ from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_scheduler
-from miles_core.train.registry import backend_path, get_loss
 from miles_core.train.shared_prefix import response_logits
+from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
 
 
@@ -55,7 +55,7 @@ def has_dropout(config) -> bool:
     )
 
 
-class FSDPBackend:
+class FSDPBackend(SPMDCalls):
     def __init__(
         self,
         model_dir: str,
@@ -67,16 +67,13 @@ class FSDPBackend:
     ):
         self.device = resolve_device(device)
         self.rank, self.world = spmd.init_distributed(self.device)
-        spmd.announce_init(
-            backend_path(type(self)),
-            dict(
-                model_dir=model_dir,
-                optim=optim,
-                loss=loss,
-                total_steps=total_steps,
-                seed=seed,
-                device=device,
-            ),
+        self._announce_init(
+            model_dir=model_dir,
+            optim=optim,
+            loss=loss,
+            total_steps=total_steps,
+            seed=seed,
+            device=device,
         )
         if optim.get("threads"):
             torch.set_num_threads(int(optim["threads"]))
@@ -129,40 +126,6 @@ class FSDPBackend:
         # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
         # where the group's rows would share one dropout draw over their prompt
         self.share_prompts = bool(optim.get("share_prompts", True)) and not self.stochastic_forward
-
-    def _needs_reference(self) -> bool:
-        """The run's RL loss (`loss.loss`, default policy) asks for reference log-probs."""
-        if not self.loss_cfg:
-            return False
-        fn = get_loss(self.loss_cfg.get("loss") or "policy")
-        return fn.needs(fn.config(self.loss_cfg)).reference
-
-    # ------------------------------------------------------------------ public calls (rank 0)
-    def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        spmd.announce("compute_log_probs", (batch,))
-        return self._compute_log_probs(batch)
-
-    def train_step(self, batch: TrainBatch, loss: str = "policy") -> dict[str, float]:
-        spmd.announce("train_step", (batch, loss))
-        return self._train_step(batch, loss)
-
-    def save(self, directory: str) -> None:
-        spmd.announce("save", (directory,))
-        self._save(directory)
-
-    def load(self, directory: str) -> None:
-        spmd.announce("load", (directory,))
-        self._load(directory)
-
-    def close(self) -> None:
-        spmd.announce("close", None)
-
-    # ------------------------------------------------------------------ implementations (all ranks)
-    def _compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        return steps.compute_log_probs(self, batch)
-
-    def _train_step(self, batch: TrainBatch, loss: str) -> dict[str, float]:
-        return steps.train_step(self, batch, loss, self.loss_cfg)
 
     # ------------------------------------------------------------------ the step loop's calls
     @property
@@ -262,12 +225,6 @@ class FSDPBackend:
 
     # ------------------------------------------------------------------ how weights leave
     # (miles_core.weights.source.TrainerWeights; this block is the weight-sync stream's)
-    def named_weights(
-        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        spmd.announce("named_weights", (bucket_bytes, dtype))
-        return self._named_weights(bucket_bytes, dtype)
-
     def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
         """For every parameter, in `send_shards` order: its HF name, full shape, the dtype sent
         and the slice each rank holds. FSDP2 shards along the dim of its `Shard` placement
@@ -291,26 +248,6 @@ class FSDPBackend:
                 pieces = [Placement(0, 0, 0, shape[0] if shape else 1)]
             plan.append(TensorPlan(name, shape, sent, pieces))
         return plan
-
-    def join_group(self, group: dict) -> None:
-        """Every rank joins the weight-transfer group {host, port, world, backend} as its own
-        rank."""
-        spmd.announce("join_group", (group,))
-        self._join_group(group)
-
-    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
-        """p2p push: every rank sends its pieces of `shard_plan` (cast to `dtype` if given) to
-        each engine rank of the joined group (no gather). Returns the bytes this rank sent."""
-        spmd.announce("send_shards", (engine_ranks, dtype))
-        return self._send_shards(engine_ranks, dtype)
-
-    def _join_group(self, group: dict) -> None:
-        from miles_core.weights.group import open_group
-
-        backend = group.get("backend", "gloo")
-        self._transfer_group = open_group(
-            group["host"], group["port"], self.rank, group["world"], backend=backend
-        )
 
     def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
         from miles_core.weights.group import Scratch, send_pieces

@@ -29,14 +29,13 @@ from transformers import AutoConfig
 
 from miles_core.device import resolve_device
 from miles_core.train import distributed as spmd
-from miles_core.train import step as steps
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_scheduler
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.layout import Layout, check_model_divides, resolve_layout
-from miles_core.train.registry import backend_path, get_loss
+from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dtype_name
 
 MEGATRON_DIR = "megatron"  # the distributed checkpoint beside the HF export
@@ -66,7 +65,7 @@ def init_model_parallel(layout: Layout) -> None:
     )
 
 
-class MegatronBackend:
+class MegatronBackend(SPMDCalls):
     def __init__(
         self,
         model_dir: str,
@@ -80,16 +79,13 @@ class MegatronBackend:
         if self.device.type != "cpu":
             raise ValueError(CUDA_NOT_BUILT)
         self.rank, self.world = spmd.init_distributed(self.device)
-        spmd.announce_init(
-            backend_path(type(self)),
-            dict(
-                model_dir=model_dir,
-                optim=optim,
-                loss=loss,
-                total_steps=total_steps,
-                seed=seed,
-                device=device,
-            ),
+        self._announce_init(
+            model_dir=model_dir,
+            optim=optim,
+            loss=loss,
+            total_steps=total_steps,
+            seed=seed,
+            device=device,
         )
         if optim.get("threads"):
             torch.set_num_threads(int(optim["threads"]))
@@ -177,12 +173,6 @@ class MegatronBackend:
         pad = (args[0] == self.pad_id).unsqueeze(-1)
         return torch.where(pad, out.detach(), out) if bool(pad.any()) else out
 
-    def _needs_reference(self) -> bool:
-        if not self.loss_cfg:
-            return False
-        fn = get_loss(self.loss_cfg.get("loss") or "policy")
-        return fn.needs(fn.config(self.loss_cfg)).reference
-
     def _holders(self) -> dict[tuple[int, int], int]:
         """(pipeline stage, tensor-parallel rank) → the global rank of data-parallel replica 0
         holding it (the ranks that send weights)."""
@@ -217,32 +207,6 @@ class MegatronBackend:
                 if param.shape != shard.shape:
                     raise ValueError(f"{name}: shard {tuple(shard.shape)} != {tuple(param.shape)}")
                 param.copy_(shard)
-
-    # ------------------------------------------------------------------ public calls (rank 0)
-    def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        spmd.announce("compute_log_probs", (batch,))
-        return self._compute_log_probs(batch)
-
-    def train_step(self, batch: TrainBatch, loss: str = "policy") -> dict[str, float]:
-        spmd.announce("train_step", (batch, loss))
-        return self._train_step(batch, loss)
-
-    def save(self, directory: str) -> None:
-        spmd.announce("save", (directory,))
-        self._save(directory)
-
-    def load(self, directory: str) -> None:
-        spmd.announce("load", (directory,))
-        self._load(directory)
-
-    def close(self) -> None:
-        spmd.announce("close", None)
-
-    def _compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        return steps.compute_log_probs(self, batch)
-
-    def _train_step(self, batch: TrainBatch, loss: str) -> dict[str, float]:
-        return steps.train_step(self, batch, loss, self.loss_cfg)
 
     # ------------------------------------------------------------------ the step loop's calls
     def micro_batch(self, batch: TrainBatch) -> MicroBatch:
@@ -482,12 +446,6 @@ class MegatronBackend:
             return full
         return None
 
-    def named_weights(
-        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        spmd.announce("named_weights", (bucket_bytes, dtype))
-        return self._named_weights(bucket_bytes, dtype)
-
     def _named_weights(
         self, bucket_bytes: int, dtype: torch.dtype | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -549,25 +507,6 @@ class MegatronBackend:
 
     def _empty_full(self, name: str) -> torch.Tensor:
         return torch.empty(self._full_shape(name), dtype=torch.float32, device="meta")
-
-    def join_group(self, group: dict) -> None:
-        spmd.announce("join_group", (group,))
-        self._join_group(group)
-
-    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
-        spmd.announce("send_shards", (engine_ranks, dtype))
-        return self._send_shards(engine_ranks, dtype)
-
-    def _join_group(self, group: dict) -> None:
-        from miles_core.weights.group import open_group
-
-        self._transfer_group = open_group(
-            group["host"],
-            group["port"],
-            self.rank,
-            group["world"],
-            backend=group.get("backend", "gloo"),
-        )
 
     def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
         """Every holding rank sends its tensor-parallel shards, converted to HF slices (no
