@@ -127,7 +127,7 @@ def session_stack(tmp_path_factory):
 # first: a long module that starts last keeps one worker busy while the other idles
 LONGEST_MODULES = (
     "test_kill_resume",
-    "test_fsdp_multirank",
+    "test_multirank",
     "test_flow",
     "test_agentic_run",
     "test_local_stack",

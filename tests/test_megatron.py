@@ -1,23 +1,16 @@
-"""The Megatron-core backend (`train.backend: megatron`): HF ↔ Megatron conversion, parity with
-FSDP2 under every layout the 2 cores allow (real torchrun ranks over gloo), every weight transport
-bitwise after a push from a tensor- and pipeline-parallel trainer, reshardable checkpoints, and
-the layouts and models refused before anything starts."""
+"""The Megatron-core backend (`train.backend: megatron`): HF ↔ Megatron conversion and the
+layouts and models refused before anything starts. Its multi-rank tests (parity with FSDP2
+under every layout, reshardable checkpoints, every transport from tp2×pp2) share their torchrun
+launches with FSDP2's, in tests/test_multirank.py."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from miles_core.config import load_config
 from miles_core.models.builder import preset_config
 from miles_core.train.megatron import convert
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def _hf_state(tiny, tied=True):
@@ -145,134 +138,3 @@ def test_an_architecture_the_converter_does_not_know_is_refused_before_start(tmp
     )
     with pytest.raises(ValueError, match="'llama' model"):
         preflight(config)
-
-
-# ------------------------------------------------------------------ multi-rank (torchrun)
-STEPS = 3
-LR = 1e-2
-
-
-def _launch(script: str, nproc: int, *args: str, timeout: int = 400) -> None:
-    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone"]
-    launcher = [*torchrun, f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MILES_DIST_TIMEOUT_S": "120"}
-    proc = subprocess.run(
-        [*launcher, str(SCRIPTS / script), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _parity(nproc: int, model_dir: Path, out: Path, configs: list[dict]) -> list[tuple]:
-    _launch("trainer_parity.py", nproc, str(model_dir), str(out), json.dumps(configs))
-    return [
-        (load_file(f"{out}-{i}.safetensors"), json.loads(Path(f"{out}-{i}.json").read_text()))
-        for i in range(len(configs))
-    ]
-
-
-LAYOUTS = {  # name: (ranks, train.parallel)
-    "tp1": (1, {}),
-    "tp2": (2, {"tp": 2}),
-    "pp2": (2, {"pp": 2}),
-    "dp2": (2, {}),
-    "tp2xpp2": (4, {"tp": 2, "pp": 2}),
-}
-
-
-@pytest.fixture(scope="module")
-def runs(tiny_dir, tmp_path_factory):
-    """FSDP2 on one rank, then Megatron under every layout, 3 steps each on the same batch and
-    initial weights: one launch per world size. Two ranks also save a checkpoint after 2 steps
-    and resume it, under the same layout and under another (resharded), for the third."""
-    tmp = tmp_path_factory.mktemp("megatron")
-    common = {"steps": STEPS, "lr": LR}
-    by_world: dict[int, list[str]] = {}
-    for name, (world, _) in LAYOUTS.items():
-        by_world.setdefault(world, []).append(name)
-    out = {}
-    ckpt = str(tmp / "ckpt")
-    for world, names in sorted(by_world.items()):
-        configs = [common | {"backend": "megatron", "parallel": LAYOUTS[n][1]} for n in names]
-        if world == 1:
-            names, configs = ["fsdp", *names], [common, *configs]
-        if world == 2:  # checkpoint after 2 steps (tp2), resume as tp2 and as pp2
-            first = str(tmp / f"w{world}") + f"-{len(configs)}.json"
-            names += ["save", "resume_tp2", "resume_pp2"]
-            configs += [
-                common | {"steps": 2, "backend": "megatron", "parallel": {"tp": 2}, "save": ckpt},
-                common
-                | {
-                    "steps": 1,
-                    "backend": "megatron",
-                    "parallel": {"tp": 2},
-                    "load": ckpt,
-                    "old_from": first,
-                },
-                common
-                | {
-                    "steps": 1,
-                    "backend": "megatron",
-                    "parallel": {"pp": 2},
-                    "load": ckpt,
-                    "old_from": first,
-                },
-            ]
-        for name, result in zip(
-            names, _parity(world, tiny_dir, tmp / f"w{world}", configs), strict=True
-        ):
-            out[name] = result
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_matches_fsdp(runs, layout):
-    """Per-token log-probs, loss and grad norm within 1e-5 of FSDP2 at each of 3 steps; the
-    weights after them within FSDP's multi-rank tolerance per element (Adam moves a weight by
-    at most ≈2·lr per step, even for a near-zero gradient whose sign rounding flips). Megatron
-    computes q/k/v and gate/up in fused matmuls, so its logits differ from HF's by ~1e-7, and
-    Adam turns that into flips on a few near-zero gradients: at most 1e-3 of the weights move
-    by more than 1e-5 (FSDP on two ranks runs HF's arithmetic: none)."""
-    (w_ref, r_ref), (w, r) = runs["fsdp"], runs[layout]
-    assert set(w) == set(w_ref)
-    total = sum(t.numel() for t in w_ref.values())
-    off = 0
-    for name in w_ref:
-        diff = (w[name] - w_ref[name]).abs()
-        assert diff.max() <= 2 * STEPS * LR, name
-        off += int((diff > 1e-5).sum())
-    assert off <= 1e-3 * total, f"{off} of {total} weights differ by more than 1e-5"
-    for m_ref, m in zip(r_ref["metrics"], r["metrics"], strict=True):
-        for key in ("loss", "pg_loss", "ppo_kl", "entropy", "grad_norm"):
-            assert m[key] == pytest.approx(m_ref[key], abs=1e-5), key
-    assert r_ref["metrics"][1]["ppo_kl"] != 0.0  # the steps moved the weights
-    flat_ref = [x for row in r_ref["old_log_probs"] for x in row]
-    flat = [x for row in r["old_log_probs"] for x in row]
-    assert max(abs(a - b) for a, b in zip(flat, flat_ref, strict=True)) < 1e-5
-
-
-@pytest.mark.slow
-def test_a_checkpoint_resumes_bitwise_and_reshards_to_another_layout(runs):
-    """2 steps, save (dist-checkpointing: model and optimizer shards), resume for the third:
-    the same layout gives the uninterrupted run's weights bit for bit; pipeline stages instead
-    of tensor shards load the same checkpoint (resharded) and agree to rounding."""
-    uninterrupted, _ = runs["tp2"]
-    same, _ = runs["resume_tp2"]
-    other, _ = runs["resume_pp2"]
-    for name, t in uninterrupted.items():
-        assert torch.equal(same[name], t), name
-        assert (other[name] - t).abs().max() < 1e-5, name
-
-
-@pytest.mark.slow
-def test_every_transport_is_bitwise_after_a_push_from_tp2_pp2(tiny_dir, tmp_path):
-    out = tmp_path / "push.json"
-    _launch("megatron_push.py", 4, str(tiny_dir), json.dumps({"tp": 2, "pp": 2}), str(out))
-    results = json.loads(out.read_text())
-    assert results == {
-        k: True for k in ("colocated", "shared_memory", "disk", "broadcast", "p2p", "p2p_bf16")
-    }

@@ -4,25 +4,80 @@ the final weights and metrics of config i to `<out>-<i>.safetensors` / `.json`.
 
 A config holds train settings and optionally `backend` (default fsdp), `parallel` (Megatron's
 layout), `steps` (default 2), `rows` and `leaves` (the batch's shape), `load` (a checkpoint to
-resume from, with `old_from`: the JSON of the run whose old log-probs it continues) and `save`
-(a directory: the trainer's checkpoint after the steps)."""
+resume from, with `old_from`: the JSON of the run whose old log-probs it continues), `save`
+(a directory: the trainer's checkpoint after the steps) and `push` (true: after the weights are
+written, the trainer pushes through every transport in turn, a step between two pushes, and the
+JSON gets {transport: engine checksum == trainer's} under "pushes", `push_through_transports`)."""
 
 import json
 import random
 import sys
+import tempfile
+from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 import miles_core  # noqa: F401
 from miles_core.config import ParallelConfig, RunConfig
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.models import load_hf_dir
+from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
 from miles_core.train.batch import TrainBatch
 from miles_core.train.registry import make_backend
+from miles_core.weights import make_transport, weights_checksum
+from miles_core.weights.disk import DiskTransport
 
+
+def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[str, bool]:
+    """Pushes the trainer's weights through every transport in turn, a train step before each
+    (so each push carries new weights): colocated (into an engine in this process), shared
+    memory, disk, broadcast (gathered on rank 0) and p2p (each holding rank sends its own shards;
+    fp32, then bf16) to an engine server subprocess. After each push the engine's checksum is
+    compared with the trainer's weights in the push dtype, as `weight_sync.check_equal` does."""
+    model, tok = load_hf_dir(model_dir)
+    tmp = Path(tempfile.mkdtemp())
+    server = EngineProcess(
+        model_dir, args=["--threads", "1"], log_path=tmp / "engine.log", weight_roots=[tmp]
+    )
+    server.start()
+    client = HttpEngine(server.url)
+    results: dict[str, bool] = {}
+    try:
+        for name, dtype in TRANSPORTS:
+            trainer.train_step(batch)
+            if name == "disk":
+                transport = DiskTransport(root=str(tmp / "w"), keep=1)
+            else:
+                transport = make_transport(name, **({"dtype": dtype} if dtype else {}))
+            engine = EmbeddedEngine(model, tok, seed=0) if name == "colocated" else client
+            transport.connect([engine])
+            transport.push(trainer, version=len(results) + 1, pause_mode="retract")
+            expected = [
+                (n, t.to(dtype).to(t.dtype) if dtype is not None else t)
+                for b in trainer.named_weights()
+                for n, t in b
+            ]
+            key = name if dtype is None else f"{name}_bf16"
+            results[key] = engine.weights_checksum() == weights_checksum(expected)
+            transport.close()
+    finally:
+        client.close()
+        server.stop()
+    return results
+
+
+TRANSPORTS = [
+    ("colocated", None),
+    ("shared_memory", None),
+    ("disk", None),
+    ("broadcast", None),
+    ("p2p", None),
+    ("p2p", torch.bfloat16),
+]
 model_dir, out_prefix = sys.argv[1], sys.argv[2]
 configs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else [{}]
 rank, world = distributed.init_distributed()
@@ -49,7 +104,9 @@ for i, loss_overrides in enumerate(configs):
     leaves = loss_overrides.pop("leaves", 1)  # consecutive rows sharing a rollout id
     backend = loss_overrides.pop("backend", "fsdp")
     num_steps = loss_overrides.pop("steps", 2)
-    load, save, old_from = (loss_overrides.pop(k, None) for k in ("load", "save", "old_from"))
+    load, save, old_from, push = (
+        loss_overrides.pop(k, None) for k in ("load", "save", "old_from", "push")
+    )
     parallel = ParallelConfig(**loss_overrides.pop("parallel", {}))
     batch = TrainBatch(
         tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
@@ -82,8 +139,9 @@ for i, loss_overrides in enumerate(configs):
     if save:
         trainer.save(save)
     weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
+    pushes = push_through_transports(trainer, model_dir, batch) if push else None
     trainer.close()
     save_file(weights, f"{out_prefix}-{i}.safetensors")
     with open(f"{out_prefix}-{i}.json", "w") as f:
-        json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs}, f)
+        json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs, "pushes": pushes}, f)
 distributed.shutdown()

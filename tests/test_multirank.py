@@ -1,6 +1,13 @@
-"""A 2-rank gloo FSDP2 step (torchrun, real processes) equals the 1-rank step within 1e-5 (also
-for a batch whose rows do not split evenly), `miles train` on two ranks, fully async, pushes its
-shards to an engine server (p2p, bf16), and an agentic run trains on two ranks as on one."""
+"""Multi-rank training on real torchrun ranks over gloo:
+
+- a 2-rank FSDP2 step equals the 1-rank step within 1e-5 (also for a batch whose rows do not
+  split evenly);
+- the Megatron backend under every layout the 2 cores allow (tp1, tp2, pp2, dp2, tp2×pp2 on 4
+  ranks) matches one FSDP2 rank over 3 steps; its checkpoint resumes bitwise under the same
+  layout and resharded under another; every transport is bitwise after a push from tp2×pp2.
+  These share FSDP2's launches (one per world size, `tests/scripts/trainer_parity.py`);
+- `miles train` on two ranks, fully async, pushes its shards to an engine server (p2p, bf16),
+  and an agentic run trains on two ranks as on one."""
 
 import json
 import os
@@ -9,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_parity.py"
@@ -46,18 +54,63 @@ def _run(nproc: int, model_dir: Path, out: Path, configs: list[dict]) -> list[tu
     ]
 
 
+STEPS, LR = 3, 1e-2  # the Megatron comparisons: 3 optimizer steps at lr 1e-2
+MEGATRON_LAYOUTS = {  # name: (ranks, train.parallel)
+    "tp1": (1, {}),
+    "tp2": (2, {"tp": 2}),
+    "pp2": (2, {"pp": 2}),
+    "dp2": (2, {}),
+    "tp2xpp2": (4, {"tp": 2, "pp": 2}),
+}
+
+
+def _megatron_configs(world: int, out: Path, first: int, ckpt: str) -> list[tuple[str, dict]]:
+    """(name, config) of the Megatron runs of a launch of `world` ranks whose results start at
+    index `first`: the FSDP2 reference (one rank), every layout of this size, and on two ranks a
+    checkpoint after 2 steps (tp2) resumed for the third as tp2 and as pp2; on four, the pushes
+    through every transport after the parity steps."""
+    common = {"steps": STEPS, "lr": LR}
+    runs = [
+        (name, common | {"backend": "megatron", "parallel": parallel})
+        for name, (ranks, parallel) in MEGATRON_LAYOUTS.items()
+        if ranks == world
+    ]
+    if world == 1:
+        runs.insert(0, ("fsdp", common))
+    if world == 2:
+        saved = f"{out}-{first + len(runs)}.json"  # its old log-probs: those of the resumes
+        tp2, pp2 = {"backend": "megatron", "parallel": {"tp": 2}}, {"parallel": {"pp": 2}}
+        runs += [
+            ("save", common | tp2 | {"steps": 2, "save": ckpt}),
+            ("resume_tp2", common | tp2 | {"steps": 1, "load": ckpt, "old_from": saved}),
+            ("resume_pp2", common | tp2 | pp2 | {"steps": 1, "load": ckpt, "old_from": saved}),
+        ]
+    if world == 4:
+        runs[0][1]["push"] = True
+    return runs
+
+
 @pytest.fixture(scope="module")
 def parity_runs(tiny_dir, tmp_path_factory):
-    """Every loss config on 1 rank and on 2 ranks: one launch per world size."""
+    """Every FSDP2 loss config on 1 rank and on 2 ranks, and the Megatron runs, in one launch
+    per world size: (FSDP2 one rank, FSDP2 two ranks, {Megatron run name: result})."""
     tmp = tmp_path_factory.mktemp("parity")
-    return _run(1, tiny_dir, tmp / "one", CONFIGS), _run(2, tiny_dir, tmp / "two", CONFIGS)
+    ckpt = str(tmp / "ckpt")
+    fsdp, megatron = [], {}
+    for world, out in ((1, tmp / "one"), (2, tmp / "two"), (4, tmp / "four")):
+        plain = CONFIGS if world < 4 else []
+        extra = _megatron_configs(world, out, len(plain), ckpt)
+        results = _run(world, tiny_dir, out, [*plain, *(c for _, c in extra)])
+        fsdp.append(results[: len(plain)])
+        megatron.update(zip((n for n, _ in extra), results[len(plain) :], strict=True))
+    return fsdp[0], fsdp[1], megatron
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CONFIGS)), ids=CONFIG_IDS)
 def test_two_rank_step_matches_one_rank(parity_runs, case):
     overrides = CONFIGS[case]
-    (w1, r1), (w2, r2) = parity_runs[0][case], parity_runs[1][case]
+    (w1, r1), (w2, r2) = parity_runs[0][case], parity_runs[1][case]  # FSDP2: 1 and 2 ranks
     assert set(w1) == set(w2)
     # Adam's first steps move every weight by ≈ lr·sign(grad), so a gradient that is zero up to
     # reduction-order noise (1 rank vs 2) may flip its sign: such elements may differ by up to
@@ -79,6 +132,59 @@ def test_two_rank_step_matches_one_rank(parity_runs, case):
     flat1 = [x for row in r1["old_log_probs"] for x in row]
     flat2 = [x for row in r2["old_log_probs"] for x in row]
     assert max(abs(a - b) for a, b in zip(flat1, flat2, strict=True)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(MEGATRON_LAYOUTS))
+def test_megatron_matches_fsdp(parity_runs, layout):
+    """Per-token log-probs, loss and grad norm within 1e-5 of FSDP2 at each of 3 steps; the
+    weights after them within FSDP's multi-rank tolerance per element (Adam moves a weight by
+    at most ≈2·lr per step, even for a near-zero gradient whose sign rounding flips). Megatron
+    computes q/k/v and gate/up in fused matmuls, so its logits differ from HF's by ~1e-7, and
+    Adam turns that into flips on a few near-zero gradients: at most 1e-3 of the weights move
+    by more than 1e-5 (FSDP on two ranks runs HF's arithmetic: none)."""
+    runs = parity_runs[2]
+    (w_ref, r_ref), (w, r) = runs["fsdp"], runs[layout]
+    assert set(w) == set(w_ref)
+    total = sum(t.numel() for t in w_ref.values())
+    off = 0
+    for name in w_ref:
+        diff = (w[name] - w_ref[name]).abs()
+        assert diff.max() <= 2 * STEPS * LR, name
+        off += int((diff > 1e-5).sum())
+    assert off <= 1e-3 * total, f"{off} of {total} weights differ by more than 1e-5"
+    for m_ref, m in zip(r_ref["metrics"], r["metrics"], strict=True):
+        for key in ("loss", "pg_loss", "ppo_kl", "entropy", "grad_norm"):
+            assert m[key] == pytest.approx(m_ref[key], abs=1e-5), key
+    assert r_ref["metrics"][1]["ppo_kl"] != 0.0  # the steps moved the weights
+    flat_ref = [x for row in r_ref["old_log_probs"] for x in row]
+    flat = [x for row in r["old_log_probs"] for x in row]
+    assert max(abs(a - b) for a, b in zip(flat, flat_ref, strict=True)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_bitwise_and_reshards_to_another_layout(parity_runs):
+    """2 steps, save (dist-checkpointing: model and optimizer shards), resume for the third:
+    the same layout gives the uninterrupted run's weights bit for bit; pipeline stages instead
+    of tensor shards load the same checkpoint (resharded) and agree to rounding."""
+    runs = parity_runs[2]
+    uninterrupted, _ = runs["tp2"]
+    same, _ = runs["resume_tp2"]
+    other, _ = runs["resume_pp2"]
+    for name, t in uninterrupted.items():
+        assert torch.equal(same[name], t), name
+        assert (other[name] - t).abs().max() < 1e-5, name
+
+
+@pytest.mark.slow
+def test_every_transport_is_bitwise_after_a_push_from_tp2_pp2(parity_runs):
+    """After its parity steps the tp2×pp2 trainer (4 ranks) pushes through every transport, a
+    step before each: the engine holds exactly the trainer's weights after each push
+    (`tests/scripts/trainer_parity.py: push_through_transports`)."""
+    pushes = parity_runs[2]["tp2xpp2"][1]["pushes"]
+    assert pushes == {
+        k: True for k in ("colocated", "shared_memory", "disk", "broadcast", "p2p", "p2p_bf16")
+    }
 
 
 def _overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> list[str]:
