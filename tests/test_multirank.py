@@ -54,7 +54,9 @@ def _run(nproc: int, model_dir: Path, out: Path, configs: list[dict]) -> list[tu
     ]
 
 
-STEPS, LR = 3, 1e-2  # the Megatron comparisons: 3 optimizer steps at lr 1e-2
+STEPS, LR = 3, 1e-2  # the Megatron comparisons: 3 optimizer steps at lr 1e-2, with a KL to
+# the reference model and an entropy bonus (the reference pass and the entropy's gradient too)
+MEGATRON_LOSS = {"kl_coef": 0.1, "entropy_coef": 0.01}
 MEGATRON_LAYOUTS = {  # name: (ranks, train.parallel)
     "tp1": (1, {}),
     "tp2": (2, {"tp": 2}),
@@ -69,7 +71,7 @@ def _megatron_configs(world: int, out: Path, first: int, ckpt: str) -> list[tupl
     index `first`: the FSDP2 reference (one rank), every layout of this size, and on two ranks a
     checkpoint after 2 steps (tp2) resumed for the third as tp2 and as pp2; on four, the pushes
     through every transport after the parity steps."""
-    common = {"steps": STEPS, "lr": LR}
+    common = {"steps": STEPS, "lr": LR, **MEGATRON_LOSS}
     runs = [
         (name, common | {"backend": "megatron", "parallel": parallel})
         for name, (ranks, parallel) in MEGATRON_LAYOUTS.items()
@@ -154,7 +156,7 @@ def test_megatron_matches_fsdp(parity_runs, layout):
         off += int((diff > 1e-5).sum())
     assert off <= 1e-3 * total, f"{off} of {total} weights differ by more than 1e-5"
     for m_ref, m in zip(r_ref["metrics"], r["metrics"], strict=True):
-        for key in ("loss", "pg_loss", "ppo_kl", "entropy", "grad_norm"):
+        for key in ("loss", "pg_loss", "ppo_kl", "kl_loss", "entropy", "grad_norm"):
             assert m[key] == pytest.approx(m_ref[key], abs=1e-5), key
     assert r_ref["metrics"][1]["ppo_kl"] != 0.0  # the steps moved the weights
     flat_ref = [x for row in r_ref["old_log_probs"] for x in row]

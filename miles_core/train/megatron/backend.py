@@ -16,7 +16,6 @@ is refused before start for now (`check_model`, `CUDA_NOT_BUILT`).
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,13 +121,18 @@ class MegatronBackend(SPMDCalls):
         self.micro_batch_size = int(optim["micro_batch_size"])
         self.dtype = torch.float32
 
+        # every rank reads the HF weights and keeps its stage's tensor-parallel shards
+        full = convert.hf_to_megatron(self._hf_file(Path(model_dir)), self.shapes)
         model = build_gpt(hf, self.layout, self.dtype)
-        self._load_hf(model, model_dir)
+        self._set_full(model, full)
+        self.ref_model = None
+        if self._needs_reference():  # built like the policy (Megatron modules hold process
+            ref = build_gpt(hf, self.layout, self.dtype)  # groups: they cannot be deep-copied)
+            self._set_full(ref, full)
+            self.ref_model = ref.eval().requires_grad_(False)
+        del full
         if self.stage.first and self.hf_config.pad_token_id is not None:
             model.embedding.word_embeddings.register_forward_hook(self._no_pad_gradient)
-        self.ref_model = None
-        if self._needs_reference():
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.model = model
         self.ddp = DistributedDataParallel(
             config=model.config,
@@ -188,11 +192,6 @@ class MegatronBackend(SPMDCalls):
     def _stage_names(self, model) -> dict[str, str]:
         """This stage's parameter names (local) → their global names."""
         return {n: convert.global_name(n, self.layer_offset) for n, _ in model.named_parameters()}
-
-    def _load_hf(self, model, directory: str) -> None:
-        """Every rank reads the HF weights and keeps its stage's tensor-parallel shards."""
-        hf = load_file(str(Path(directory) / "model.safetensors"))
-        self._set_full(model, convert.hf_to_megatron(hf, self.shapes))
 
     def _set_full(self, model, full: dict[str, torch.Tensor]) -> None:
         s, tp = self.shapes, self.layout.tp
