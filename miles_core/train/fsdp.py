@@ -41,7 +41,7 @@ from miles_core.train import step as steps
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
-from miles_core.train.lr_schedule import build_scheduler
+from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
@@ -106,22 +106,7 @@ class FSDPBackend(SPMDCalls):
         # reduce-scatter hooks and DTensor optimizer ops cost 20 % of the tiny preset's train
         # step; the plain module runs the same fp32 AdamW over the same parameters, bitwise
         self.model = model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=optim["lr"],
-            betas=(optim["adam_beta1"], optim["adam_beta2"]),
-            weight_decay=optim["weight_decay"],
-            eps=1e-8,
-            fused=True,  # one kernel over all parameters: 5x the for-loop's speed on CPU
-        )
-        self.scheduler = build_scheduler(
-            self.optimizer,
-            optim["lr"],
-            optim["min_lr"],
-            optim["lr_warmup_steps"],
-            total_steps,
-            optim["lr_decay_style"],
-        )
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
         self.micro_batch_size = int(optim["micro_batch_size"])
         # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
         # where the group's rows would share one dropout draw over their prompt

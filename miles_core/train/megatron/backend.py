@@ -31,7 +31,7 @@ from miles_core.train import distributed as spmd
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
-from miles_core.train.lr_schedule import build_scheduler
+from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.megatron import convert
 from miles_core.train.megatron.layout import Layout, check_model_divides, resolve_layout
 from miles_core.train.spmd_calls import SPMDCalls
@@ -142,22 +142,7 @@ class MegatronBackend(SPMDCalls):
             module=model,
         )
         self.params = [p for p in self.ddp.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=optim["lr"],
-            betas=(optim["adam_beta1"], optim["adam_beta2"]),
-            weight_decay=optim["weight_decay"],
-            eps=1e-8,
-            fused=True,
-        )
-        self.scheduler = build_scheduler(
-            self.optimizer,
-            optim["lr"],
-            optim["min_lr"],
-            optim["lr_warmup_steps"],
-            total_steps,
-            optim["lr_decay_style"],
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.params, optim, total_steps)
 
     @staticmethod
     def check_model(settings: dict[str, Any], hf: dict[str, Any], where: str) -> None:
