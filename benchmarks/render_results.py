@@ -492,6 +492,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "weight_sync": weight_sync,
     "async_vs_sync": async_vs_sync,
     "agentic_async": agentic_async,
+    "agentic_async_gpu": agentic_async,
     "step_time": step_time,
     "trainer_backends": trainer_backends,
     "session_load": session_load,

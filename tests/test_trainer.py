@@ -299,6 +299,10 @@ def test_padded_layout_holds_each_row_at_its_place_and_refuses_a_misfit():
     assert padded.targets.tolist() == [[3, 4], [0, 0], [5, 0]]
     assert padded.targets_index.tolist() == [[1, 2], [0, 0], [0, 0]]
     assert padded.mask.tolist() == [[1.0, 0.0], [0.0, 0.0], [1.0, 0.0]]
+    # the batch's per-token rows (engine log-probs, old log-probs) land beside the padded
+    # tensors, wherever `.to(device)` put them (on CUDA the loss mixes both; "meta" stands in)
+    assert padded.per_token([[0.5, 0.25], [], [1.0]]).tolist() == [[0.5, 0.25], [0, 0], [1, 0]]
+    assert padded.to("meta").per_token([[0.5], [], []]).device.type == "meta"
     bad = TrainBatch(tokens=[[1, 2, 3]], response_lengths=[2], loss_masks=[[1]])
     with pytest.raises(ValueError, match="loss mask of 1 for 2 response tokens"):
         PaddedBatch.build(bad, pad_id=0)

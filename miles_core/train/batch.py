@@ -167,7 +167,8 @@ class PaddedBatch:
         return cls(input_ids, index, targets, mask, fields)
 
     def per_token(self, rows: list[list[float]]) -> torch.Tensor:
-        return pad_rows(rows, self.mask.shape[1], 0.0, torch.float32)
+        """Response-aligned Python rows as a [B, R] float tensor beside `mask` (its device)."""
+        return pad_rows(rows, self.mask.shape[1], 0.0, torch.float32).to(self.mask.device)
 
     def unpad(self, values: torch.Tensor, lengths: list[int]) -> list[list[float]]:
         return [values[i, :n].tolist() for i, n in enumerate(lengths)]
