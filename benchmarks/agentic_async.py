@@ -9,8 +9,11 @@ in-flight limit `agent.concurrency` (time-weighted over each step's wait for its
 per engine forward step); the prefix-cache hit rate over both engines (prompt ids found in the
 cache / prompt ids) and the session prefix rate (prompt ids that repeat the session's previous
 turn: what session affinity can reuse at most, besides prompts shared across sessions); the
-machine's CPU busy fraction (sync's bounds what overlap can gain: 1 / busy); median step time; the training success rate (9-step moving average, last
-value). Prints a table, then one JSON object.
+machine's CPU busy fraction (on the CPU alone, sync's bounds what overlap can gain: 1 / busy);
+median step time; the training success rate (9-step moving average, last value); where an
+episode's time goes (its wall time from its in-flight slot, of which waiting for the model and
+in the sandbox). Prints a table, then one JSON object; the figures go to
+results/agentic_async.json, or results/agentic_async_gpu.json where CUDA is there.
 
     python benchmarks/agentic_async.py [--steps 24] [--warmup 4] [--sft-steps N | --sft-from DIR]
         [--set KEY=VALUE ...]
@@ -128,6 +131,10 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
                     "session_prefix": m.get("rollout/session/session_prefix_rate", 0.0),
                     "success": m.get("rollout/success_rate", 0.0),
                     "turns": m.get("agent/turns_mean", 0.0),
+                    # where an episode's time goes: waiting for the model, in the sandbox
+                    "episode_s": m.get("agent/episode_s_mean", 0.0),
+                    "model_s": m.get("agent/model_s_mean", 0.0),
+                    "sandbox_s": m.get("agent/sandbox_s_mean", 0.0),
                     "failed": m.get("rollout/failed_episodes", 0.0),
                 }
             )
@@ -153,6 +160,9 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
         "session_prefix_rate": mean("session_prefix"),
         "cpu_busy": busy,
         "turns_mean": mean("turns"),
+        "episode_s": mean("episode_s"),
+        "model_s": mean("model_s"),
+        "sandbox_s": mean("sandbox_s"),
         "failed_episodes": sum(s["failed"] for s in per_step),
         "success_ma9_last": moving_average([s["success"] for s in per_step])[-1],
         "success": [round(s["success"], 3) for s in per_step],
@@ -191,7 +201,7 @@ def report(runs: dict[str, dict], args) -> None:
     header = (
         f"{'variant':12}{'steps/s':>9}{'× sync':>8}{'median s':>10}{'lag':>6}{'lag max':>9}"
         f"{'active/limit':>14}{'requests':>10}{'prefix hit':>12}{'of session':>12}{'turns':>7}"
-        f"{'CPU busy':>10}{'success ma9':>13}"
+        f"{'CPU busy':>10}{'success ma9':>13}{'episode s (model, sandbox)':>28}"
     )
     print(header)
     for name, r in runs.items():
@@ -201,6 +211,7 @@ def report(runs: dict[str, dict], args) -> None:
             f"{r['active_episodes']:>7.1f}/{limit:<6}{r['active_requests']:>10.1f}"
             f"{r['prefix_cache_hit_rate']:>12.3f}{r['session_prefix_rate']:>12.3f}"
             f"{r['turns_mean']:>7.2f}{r['cpu_busy']:>10.2f}{r['success_ma9_last']:>13.3f}"
+            f"{r['episode_s']:>12.2f} ({r['model_s']:.2f}, {r['sandbox_s']:.2f})"
         )
     fa = runs["fully_async"]
     # on the CPU alone, what sync leaves idle bounds what overlap can gain; beside a GPU it

@@ -436,6 +436,8 @@ def agentic_async(r: dict[str, Any]) -> list[str]:
             _num(v["turns_mean"], ".2f"),
             _num(v.get("cpu_busy"), ".2f"),
             _num(v["success_ma9_last"], ".3f"),
+            f"{_num(v.get('episode_s'), '.2f')} ({_num(v.get('model_s'), '.2f')}, "
+            f"{_num(v.get('sandbox_s'), '.2f')})",
         ]
         for name, v in runs.items()
     ]
@@ -453,6 +455,7 @@ def agentic_async(r: dict[str, Any]) -> list[str]:
             "turns",
             "CPU busy",
             "success, 9-step avg",
+            "episode s (model, sandbox)",
         ],
         rows,
     )

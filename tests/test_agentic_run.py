@@ -70,6 +70,10 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
             assert result.metrics["rollout/reward_hook_failures"] == 0.0
             assert 0.0 <= result.metrics["rollout/success_rate"] <= 1.0
             assert result.metrics["agent/turns_mean"] >= 1.0
+            m = {
+                k: result.metrics[f"agent/{k}_mean"] for k in ("episode_s", "model_s", "sandbox_s")
+            }
+            assert 0 < m["model_s"] + m["sandbox_s"] <= m["episode_s"], m  # where the time went
             assert result.metrics["rollout/session/tito_token_edits"] == 0.0
             assert result.metrics["rollout/session/branches"] == 0.0  # the agent appends only
             metrics = rt.train(result)

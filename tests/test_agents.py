@@ -98,6 +98,15 @@ class _Server:
         self.thread.join(timeout=10)
 
 
+def counts(out: dict) -> dict:
+    """An episode's counters, without where its time went (`model_s`, `sandbox_s`: checked to be
+    there and positive)."""
+    metrics = dict(out["metrics"])
+    model_s, sandbox_s = metrics.pop("model_s"), metrics.pop("sandbox_s")
+    assert model_s > 0 and sandbox_s > 0, (model_s, sandbox_s)
+    return metrics
+
+
 def test_the_sandbox_agent_solves_every_kind_with_a_policy_that_knows_the_solutions():
     tasks = make_tasks(len(KINDS), seed=3, kinds=KINDS)
     assert {t.kind for t in tasks} == set(KINDS)
@@ -106,11 +115,14 @@ def test_the_sandbox_agent_solves_every_kind_with_a_policy_that_knows_the_soluti
         with _Server(app) as base_url:
             prompt = [{"role": "user", "content": task.instruction}]
             meta = _meta(task, max_turns=len(task.solution) + 1)
+            t = time.perf_counter()
             out = asyncio.run(run_agent(base_url, prompt, {}, meta))
+            wall = time.perf_counter() - t
         assert out["reward"] == 1.0, task
+        assert out["metrics"]["model_s"] + out["metrics"]["sandbox_s"] <= wall
         steps = float(len(task.solution))  # one call per command, then the final answer
         expected = {"turns": steps + 1, "commands": steps, "bad_calls": 0.0, "context_full": 0.0}
-        assert out["metrics"] == expected | {"truncated": 0.0}
+        assert counts(out) == expected | {"truncated": 0.0}
 
 
 def test_detours_take_turns_that_turn_slack_does_not_leave():
@@ -179,7 +191,7 @@ def test_a_conversation_out_of_context_ends_the_episode_and_is_graded():
         prompt = [{"role": "user", "content": task.instruction}]
         out = asyncio.run(run_agent(url, prompt, {}, _meta(task)))
     assert out["reward"] == 1.0
-    assert out["metrics"] == {
+    assert counts(out) == {
         "turns": 1.0,
         "commands": 1.0,
         "bad_calls": 0.0,
@@ -194,7 +206,7 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
         prompt = [{"role": "user", "content": task.instruction}]
         out = asyncio.run(run_agent(url, prompt, {}, _meta(task, max_turns=2)))
     assert out["reward"] == 0.0  # the call was answered with an error, nothing ran
-    assert out["metrics"] == {
+    assert counts(out) == {
         "turns": 2.0,
         "commands": 0.0,
         "bad_calls": 1.0,

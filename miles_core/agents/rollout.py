@@ -68,10 +68,14 @@ class AgenticRollout:
             api_key=self.setup.api_key,
         )
         async with limit:
+            t0 = time.perf_counter()  # from its in-flight slot, not its wait for one
             try:
-                return await self.setup.generate(gen_in)
+                out = await self.setup.generate(gen_in)
             except Exception as e:  # noqa: BLE001  (one episode's failure, not the step's)
                 return GenerateOutput([], error=f"generate function failed: {e!r}")
+            # the whole episode (session, agent, trajectory): agent/episode_s_mean
+            out.metrics.setdefault("episode_s", time.perf_counter() - t0)
+            return out
 
     def episode_seed(self, step: int, g: int, k: int) -> int:
         """Episode k of group g of step `step`: the same seed in sync and async runs."""

@@ -12,7 +12,10 @@ next step: every `run` tool call is executed in the sandbox and its output retur
 result; a reply without tool calls ends the episode (`bad_calls` counts one that holds broken
 call markup, as it does calls it cannot run), and so do a reply cut off at max_tokens
 (`truncated`) and a conversation that has no room left (`context_full`: the model's context or
-the session's token budget). The checker's score of the final workspace is the reward. Tools
+the session's token budget). The checker's score of the final workspace is the reward. Where the
+episode's time went: `model_s` waiting for the model's replies (the session server, the router
+and the engine's queue included), `sandbox_s` in the sandbox (setup, commands, check, waiting
+for a worker thread included); the rollout adds the whole episode's `episode_s`. Tools
 are not sent with the request (a long tool schema does not fit a tiny model's context); the
 model learns the call format from demonstrations.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 from miles_core.envs.environment import load_environment
@@ -73,13 +77,25 @@ async def run_agent(
     client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = list(prompt)
     turns = commands = bad_calls = truncated = context_full = 0
+    clock = {"model_s": 0.0, "sandbox_s": 0.0}
+
+    async def timed(key: str, call):
+        t = time.perf_counter()
+        try:
+            return await call
+        finally:
+            clock[key] += time.perf_counter() - t
+
     try:
         with Sandbox(limits) as sandbox:
-            await asyncio.to_thread(task.setup, sandbox)
+            await timed("sandbox_s", asyncio.to_thread(task.setup, sandbox))
             for _ in range(max_turns):
                 try:
-                    r = await client.chat.completions.create(
-                        model="policy", messages=messages, **request_kwargs
+                    r = await timed(
+                        "model_s",
+                        client.chat.completions.create(
+                            model="policy", messages=messages, **request_kwargs
+                        ),
                     )
                 except BadRequestError as e:
                     if not _context_full(e):
@@ -111,9 +127,10 @@ async def run_agent(
                         text = '[error: call run with a JSON object {"cmd": "..."}]'
                     else:
                         commands += 1
-                        text = observation(await asyncio.to_thread(sandbox.run, cmd))
+                        ran = await timed("sandbox_s", asyncio.to_thread(sandbox.run, cmd))
+                        text = observation(ran)
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
-            reward = await asyncio.to_thread(task.check, sandbox)
+            reward = await timed("sandbox_s", asyncio.to_thread(task.check, sandbox))
     finally:
         await client.close()
     metrics = {
@@ -122,5 +139,6 @@ async def run_agent(
         "bad_calls": float(bad_calls),
         "truncated": float(truncated),
         "context_full": float(context_full),
+        **clock,
     }
     return {"reward": reward, "metrics": metrics}
