@@ -243,8 +243,10 @@ def report(runs: dict[str, dict], args) -> None:
     print(json.dumps(result))
     from record import record_result  # benchmarks/record.py: results/<name>.json + docs
 
-    # engines and trainer on CUDA (device auto) or on the CPU: two machines, two results files
-    record_result("agentic_async_gpu" if torch.cuda.is_available() else "agentic_async", result)
+    if torch.cuda.is_available():  # engines and trainer on CUDA (device auto): its own file
+        record_result("agentic_async_gpu", result)
+    else:
+        record_result("agentic_async", result)
 
 
 if __name__ == "__main__":

@@ -26,29 +26,30 @@ def _module(name: str):
     return module
 
 
-def _recorded_name(script: Path) -> str | None:
-    """The name a benchmark passes to record_result (None if it never calls it)."""
-    for node in ast.walk(ast.parse(script.read_text())):
-        if (
-            isinstance(node, ast.Call)
-            and getattr(node.func, "id", None) == "record_result"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-        ):
-            return node.args[0].value
-    return None
+def _recorded_names(script: Path) -> set[str]:
+    """The names a benchmark passes to record_result."""
+    return {
+        node.args[0].value
+        for node in ast.walk(ast.parse(script.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "record_result"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    }
 
 
 def test_every_benchmark_records_its_results_under_its_own_name_and_has_a_docs_table():
+    """`<name>.py` records `<name>`, and may record `<name>_<machine>` beside it (e.g. _gpu)."""
     render = _module("render_results")
     docs = (REPO / "docs" / "benchmarks.md").read_text()
     assert BENCHMARKS, "no benchmarks found"
     for name in BENCHMARKS:
-        assert _recorded_name(BENCH / f"{name}.py") == name, (
-            f"{name}.py does not record_result({name!r}, ...)"
-        )
-        assert f"<!-- results:{name} -->" in docs, f"docs/benchmarks.md has no table for {name}"
-        assert name in render.RENDERERS, f"render_results.py has no renderer for {name}"
+        recorded = _recorded_names(BENCH / f"{name}.py")
+        assert name in recorded, f"{name}.py does not record_result({name!r}, ...)"
+        for each in recorded:
+            assert each == name or each.startswith(f"{name}_"), f"{name}.py records {each!r}"
+            assert f"<!-- results:{each} -->" in docs, f"docs/benchmarks.md has no table for {each}"
+            assert each in render.RENDERERS, f"render_results.py has no renderer for {each}"
 
 
 def test_the_benchmark_tables_in_the_docs_match_the_results_files():
