@@ -22,8 +22,11 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    preset: Literal["tiny", "small", "medium"] = Field(
-        "tiny", description="architecture preset for a random init"
+    preset: Literal["tiny", "small", "medium", "tiny-moe", "small-moe", "tiny-moe-shared"] = Field(
+        "tiny",
+        description="architecture preset for a random init: dense Qwen3 (tiny, small, medium) "
+        "or mixture of experts (tiny-moe, small-moe: Qwen3-MoE; tiny-moe-shared: GLM4-MoE "
+        "with a shared expert)",
     )
     path: str | None = Field(
         None,

@@ -61,10 +61,13 @@ EngineFactory = Callable[[EngineSetup], BuiltEngine]
 
 @dataclass(frozen=True)
 class EngineKind:
-    """A registered engine: its factory and the weight routes its engines take."""
+    """A registered engine: its factory, the weight routes its engines take, and what it says of
+    a model before anything starts (`check_model(hf_config_dict)`: why it cannot run it, or
+    None)."""
 
     factory: EngineFactory
     routes: frozenset[str]
+    check_model: Callable[[dict[str, Any]], str | None] | None = None
 
 
 def _engine_kind(obj: Any, name: str) -> EngineKind:
@@ -74,14 +77,20 @@ def _engine_kind(obj: Any, name: str) -> EngineKind:
         return obj
     if not callable(obj):
         raise ValueError(f"rollout engine {name!r} is not a factory: {obj!r}")
-    return EngineKind(obj, frozenset(getattr(obj, "weight_routes", SERVER_ROUTES)))
+    routes = frozenset(getattr(obj, "weight_routes", SERVER_ROUTES))
+    return EngineKind(obj, routes, getattr(obj, "check_model", None))
 
 
 ENGINES: Registry[EngineKind] = Registry("rollout engine", "rollout.engine", load=_engine_kind)
 
 
-def register_engine(name: str, factory: EngineFactory, routes: frozenset[str]) -> None:
-    ENGINES.register(name, EngineKind(factory, frozenset(routes)))
+def register_engine(
+    name: str,
+    factory: EngineFactory,
+    routes: frozenset[str],
+    check_model: Callable[[dict[str, Any]], str | None] | None = None,
+) -> None:
+    ENGINES.register(name, EngineKind(factory, frozenset(routes), check_model))
 
 
 def engine_names() -> list[str]:
@@ -91,6 +100,12 @@ def engine_names() -> list[str]:
 def engine_routes(name: str) -> frozenset[str]:
     """The weight routes engine `name` takes (for config checks before anything starts)."""
     return ENGINES.get(name).routes
+
+
+def engine_refuses(name: str, hf_config: dict[str, Any]) -> str | None:
+    """Why engine `name` cannot run a model of this HF config (a dict), or None."""
+    check = ENGINES.get(name).check_model
+    return None if check is None else check(hf_config)
 
 
 def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
@@ -179,6 +194,15 @@ def _server(s: EngineSetup) -> BuiltEngine:
         raise
 
 
+def _runner_refuses(hf_config: dict[str, Any]) -> str | None:
+    """The serving engine's forward (`engine/runner.py`) runs dense Qwen3 only."""
+    from types import SimpleNamespace
+
+    from miles_core.engine.runner import unsupported
+
+    return unsupported(SimpleNamespace(**hf_config))
+
+
 register_engine("embedded", _embedded, IN_PROCESS_ROUTES)
-register_engine("serving", _serving, IN_PROCESS_ROUTES)
-register_engine("server", _server, SERVER_ROUTES)
+register_engine("serving", _serving, IN_PROCESS_ROUTES, _runner_refuses)
+register_engine("server", _server, SERVER_ROUTES, _runner_refuses)

@@ -64,8 +64,40 @@ def check_model_config(cfg: dict, where: str) -> dict[str, int]:
     return sizes  # type: ignore[return-value]
 
 
-def estimate_parameters(sizes: dict[str, int], tied: bool) -> int:
-    """Parameters of a decoder-only transformer (Llama/Qwen layout) of these sizes."""
+def _count(cfg: dict, *keys: str) -> int:
+    """The first of `keys` that holds a non-negative integer (0 if none does)."""
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 0
+
+
+def moe_sizes(cfg: dict) -> dict[str, int]:
+    """A mixture-of-experts config's sizes ({} for a dense one): routed experts, one expert's
+    width, shared experts, and the layers that stay dense (Qwen3-MoE's mlp_only_layers and
+    decoder_sparse_step, GLM4-MoE's first_k_dense_replace)."""
+    experts = _count(cfg, "num_local_experts", "n_routed_experts", "num_experts")
+    if not experts:
+        return {}
+    n = _count(cfg, "num_hidden_layers")
+    dense = set(cfg.get("mlp_only_layers") or [])
+    dense |= set(range(_count(cfg, "first_k_dense_replace")))
+    step = _count(cfg, "decoder_sparse_step") or 1
+    dense |= {i for i in range(n) if (i + 1) % step}
+    return {
+        "experts": experts,
+        "expert_size": _count(cfg, "moe_intermediate_size"),
+        "shared": _count(cfg, "n_shared_experts"),
+        "moe_layers": n - len(dense & set(range(n))),
+    }
+
+
+def estimate_parameters(
+    sizes: dict[str, int], tied: bool, moe: dict[str, int] | None = None
+) -> int:
+    """Parameters of a decoder-only transformer (Llama/Qwen layout) of these sizes; `moe`
+    (`moe_sizes`): its MoE layers hold routed and shared experts and a router instead."""
     v, h, n = sizes["vocab_size"], sizes["hidden_size"], sizes["num_hidden_layers"]
     heads = sizes["num_attention_heads"]
     kv = sizes.get("num_key_value_heads", heads)
@@ -73,7 +105,11 @@ def estimate_parameters(sizes: dict[str, int], tied: bool) -> int:
     inter = sizes.get("intermediate_size", 4 * h)
     attn = 2 * h * heads * head_dim + 2 * h * kv * head_dim
     per_layer = attn + 3 * h * inter + 2 * h
-    return v * h * (1 if tied else 2) + n * per_layer + h
+    total = v * h * (1 if tied else 2) + n * per_layer + h
+    if moe:
+        moe_mlp = (moe["experts"] + moe["shared"]) * 3 * h * moe["expert_size"] + moe["experts"] * h
+        total += moe["moe_layers"] * (moe_mlp - 3 * h * inter)
+    return total
 
 
 def check_memory(
@@ -88,7 +124,7 @@ def check_memory(
     its GPUs) the trainer's 16 bytes per parameter go there, and RAM holds at least one fp32
     copy while the model loads. Returns the estimate of the RAM part in bytes."""
     sizes = check_model_config(cfg, where)
-    params = estimate_parameters(sizes, bool(cfg.get("tie_word_embeddings", False)))
+    params = estimate_parameters(sizes, bool(cfg.get("tie_word_embeddings", False)), moe_sizes(cfg))
     shown = ", ".join(f"{k} {sizes[k]}" for k in SIZE_FIELDS)
     have = psutil.virtual_memory().available if memory is None else memory
     if gpu_memory is not None:

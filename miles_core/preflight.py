@@ -189,6 +189,13 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
     check = getattr(backend_factory(config.train.backend), "check_model", None)
     if check is not None:
         check(config.train.model_dump(), model_config, where)
+    from miles_core.engines import engine_refuses
+
+    # an engine may refuse a model its forward does not implement (the serving engine: dense
+    # Qwen3 only)
+    reason = engine_refuses(config.rollout.engine, model_config)
+    if reason is not None:
+        raise ValueError(f"rollout.engine {config.rollout.engine} cannot run {where}: {reason}")
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_core.engine.kv_cache import SlotKVCache
+from miles_core.engine.moe import MoEBlock, is_moe_layer
 
 # fp32 weights up to this many elements stay plain tensors (F.linear) instead of oneDNN packs: a
 # packed GEMM costs ≈10 µs more per call at these sizes (1 thread, 32 rows: 192×64 11.7 against
@@ -47,9 +48,10 @@ class _LayerWeights:
     qkv: torch.Tensor  # input-norm weight folded in
     qk_norm: torch.Tensor  # [H + KVH, hd]: q_norm weight per query head, k_norm per key head
     o: torch.Tensor
-    gate: torch.Tensor  # post-attention-norm weight folded in
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | None  # post-attention-norm weight folded in (None: an MoE layer)
+    up: torch.Tensor | None
+    down: torch.Tensor | None
+    moe: MoEBlock | None = None  # a mixture-of-experts layer's MLP (moe.py)
 
 
 @dataclass
@@ -59,9 +61,29 @@ class _Weights:
     lm_head: torch.Tensor  # final-norm weight folded in
 
 
+RUNNER_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe")
+
+
 def unsupported(config) -> str | None:
-    """Why the runner would not compute this Qwen3 config's forward exactly (None: it does). It
-    implements full causal attention with default RoPE, no attention bias, SiLU."""
+    """Why the runner would not compute this config's forward exactly (None: it does). It
+    implements Qwen3's attention (q/k RMSNorm, full causal attention with default full RoPE, no
+    attention bias) and SiLU MLPs, dense or mixture-of-experts (qwen3_moe, glm4_moe).
+    `config`: an HF config, or any object with its fields as attributes."""
+    model_type = getattr(config, "model_type", "qwen3")
+    if model_type not in RUNNER_MODEL_TYPES:
+        return (
+            f"model_type {model_type!r} (the runner implements {', '.join(RUNNER_MODEL_TYPES)}; "
+            "the embedded engine runs any model transformers loads)"
+        )
+    rope_params = getattr(config, "rope_parameters", None) or {}
+    if model_type == "glm4_moe":
+        if not getattr(config, "use_qk_norm", False):
+            return "glm4_moe without use_qk_norm (the runner's attention normalises q and k)"
+        if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
+            return (
+                f"partial_rotary_factor {rope_params['partial_rotary_factor']} (the runner "
+                "rotates every dimension)"
+            )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", "default") != "default":
         return f"rope_type {rope.get('rope_type')!r} (the runner implements 'default')"
@@ -110,7 +132,7 @@ class Qwen3Runner:
         self.device = next(model.parameters()).device
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.max_len = max_len or cfg.max_position_embeddings
         inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
@@ -138,6 +160,7 @@ class Qwen3Runner:
         self.emulate_bf16 = dtype == torch.bfloat16 and not bf16_gemms_native(self.device)
         self.gemm_dtype = torch.float32 if self.emulate_bf16 else dtype
         self._w: _Weights | None = None
+        self.last_routes: torch.Tensor | None = None  # MoE models: the last forward's experts
 
     def invalidate(self) -> None:
         """Weights changed (update, release, resume): drop the packed copies."""
@@ -168,7 +191,8 @@ class Qwen3Runner:
         bad = []
         for i, (f, h) in enumerate(zip(fresh.layers, held.layers, strict=True)):
             for name in ("qkv", "qk_norm", "o", "gate", "up", "down"):
-                if not _same(getattr(f, name), getattr(h, name)):
+                a, b = getattr(f, name), getattr(h, name)
+                if (a is None) != (b is None) or (a is not None and not _same(a, b)):
                     bad.append(f"layers.{i}.{name}")
         for name in ("embed", "lm_head"):
             if not _same(getattr(fresh, name), getattr(held, name)):
@@ -193,15 +217,22 @@ class Qwen3Runner:
                         )
                     ).float(),
                     o=self._pack(a.o_proj.weight),
-                    gate=self._pack(mlp.gate_proj.weight * post_norm),
-                    up=self._pack(mlp.up_proj.weight * post_norm),
-                    down=self._pack(mlp.down_proj.weight),
+                    **self._mlp(mlp, post_norm),
                 )
             )
         return _Weights(
             embed=m.embed_tokens.weight.detach().to(self.dtype),
             layers=layers,
             lm_head=self._pack(self.model.lm_head.weight * m.norm.weight),
+        )
+
+    def _mlp(self, mlp: torch.nn.Module, post_norm: torch.Tensor) -> dict:
+        if is_moe_layer(mlp):  # runs on the live modules: nothing packed
+            return dict(gate=None, up=None, down=None, moe=MoEBlock(mlp, post_norm))
+        return dict(
+            gate=self._pack(mlp.gate_proj.weight * post_norm),
+            up=self._pack(mlp.up_proj.weight * post_norm),
+            down=self._pack(mlp.down_proj.weight),
         )
 
     # ------------------------------------------------------------------ GEMMs (+ epilogues)
@@ -258,6 +289,7 @@ class Qwen3Runner:
         half = hd // 2
         cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, hd], shared by every layer
         sin = self.sin_signed[positions].unsqueeze(2)
+        routes: list[torch.Tensor] = []
         for i, lw in enumerate(w.layers):
             qkv = self._mm(self._rms(h), lw.qkv).view(b, t, nh + 2 * nkv, hd).float()
             qk = self._rms(qkv[:, :, : nh + nkv]) * lw.qk_norm
@@ -278,7 +310,14 @@ class Qwen3Runner:
             o = o.transpose(1, 2).reshape(b, t, nh * hd).to(self.dtype)
             h = self._mm_add(o, h, lw.o)
             x = self._rms(h)
-            h = self._mm_add(self._mm_mul(x, self._mm_silu(x, lw.gate), lw.up), h, lw.down)
+            if lw.moe is not None:
+                out, experts = lw.moe(x)
+                h = h + out.to(h.dtype)
+                routes.append(experts)
+            else:
+                h = self._mm_add(self._mm_mul(x, self._mm_silu(x, lw.gate), lw.up), h, lw.down)
+        # [B, T, MoE layers, top_k]: the experts each position of this forward was routed to
+        self.last_routes = torch.stack(routes, dim=2) if routes else None
         return h
 
     def _logits(self, w: _Weights, h_last: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Build, save and load tiny Qwen3 causal LMs as ordinary Hugging Face directories."""
+"""Build, save and load tiny causal LMs (Qwen3, and the MoE families of `families.py`) as
+ordinary Hugging Face directories."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
+from miles_core.models.families import family_config
 from miles_core.models.presets import PRESETS
 from miles_core.models.tokenizer import build_tokenizer
 
@@ -25,40 +32,37 @@ ARCHITECTURE_FIELDS = (
     "max_position_embeddings",
     "rms_norm_eps",
     "rope_parameters",
+    # mixture of experts (absent, None, in a dense config)
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "n_group",
+    "topk_group",
+    "use_qk_norm",
 )
 
 
 def preset_config(
     preset: str, vocab_size: int, pad_token_id: int, eos_token_id: int, context: int | None = None
-) -> Qwen3Config:
+) -> PretrainedConfig:
     """The preset's architecture; `context` replaces its max_position_embeddings (RoPE has no
     weights: the same seed gives the same weights at any context)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    p = PRESETS[preset]
-    return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        head_dim=p.head_dim,
-        max_position_embeddings=context or p.max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        bos_token_id=None,
-        rope_theta=10000.0,
-        attention_dropout=0.0,
-        dtype="float32",
-    )
+    return family_config(PRESETS[preset], vocab_size, pad_token_id, eos_token_id, context)
 
 
 def build_model(
     preset: str, seed: int, context: int | None = None
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """A randomly initialised Qwen3ForCausalLM and its tokenizer; same seed, same weights."""
+    """A randomly initialised model of the preset and its tokenizer; same seed, same weights."""
     tok = build_tokenizer()
     config = preset_config(preset, len(tok), tok.pad_token_id, tok.eos_token_id, context)
     torch.manual_seed(seed)

@@ -1,0 +1,151 @@
+"""Mixture-of-experts models: the presets build their HF family (Qwen3-MoE; GLM4-MoE with a
+shared expert and a dense first layer), train with FSDP2 through the HF modules and generate on
+the embedded engine; an engine whose forward is dense-only refuses them before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles_core import runtime
+from miles_core.config import load_config
+from miles_core.engines import engine_refuses
+from miles_core.models import PRESETS, build_model, count_parameters, save_hf_dir
+from miles_core.models.builder import preset_config
+from miles_core.models.tokenizer import build_tokenizer
+from miles_core.preflight import preflight
+
+MOE = sorted(name for name, p in PRESETS.items() if p.is_moe)
+
+
+def test_moe_presets_route_every_token_on_their_moe_layers_and_reload_offline(tmp_path):
+    assert MOE == ["small-moe", "tiny-moe", "tiny-moe-shared"]
+    tok = build_tokenizer()
+    sizes = {}
+    for name in MOE:  # sizes from a build on the meta device: no memory, no init
+        config = preset_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
+        with torch.device("meta"):
+            sizes[name] = count_parameters(AutoModelForCausalLM.from_config(config))
+    assert 200_000 <= sizes["tiny-moe"] <= 300_000
+    assert 9_000_000 <= sizes["small-moe"] <= 11_000_000
+    assert 250_000 <= sizes["tiny-moe-shared"] <= 350_000
+    for name in ("tiny-moe", "tiny-moe-shared"):
+        p = PRESETS[name]
+        model, tok = build_model(name, seed=0)
+        ids = torch.tensor([tok.encode("reverse abcd", add_special_tokens=False)])
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+        moe_layers = p.num_hidden_layers - p.dense_layers
+        assert len(out.router_logits) == moe_layers, name
+        assert all(r.shape == (ids.shape[1], p.num_experts) for r in out.router_logits)
+        save_hf_dir(model, tok, tmp_path / name)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        assert again.config.model_type == p.family
+        with torch.no_grad():
+            assert torch.equal(out.logits, again(ids).logits), name
+    assert hasattr(model.model.layers[1].mlp, "shared_experts")  # tiny-moe-shared, the last
+    assert not hasattr(model.model.layers[0].mlp, "experts")  # its dense first layer
+
+
+def test_an_engine_refuses_before_start_a_model_its_forward_does_not_implement(tmp_path):
+    """The serving engine's runner implements full RoPE: a GLM4-MoE with partial rotary (its
+    default) is refused by it, and left to the embedded engine (HF modules)."""
+    model, tok = build_model("tiny-moe-shared", seed=0)
+    model.config.rope_parameters["partial_rotary_factor"] = 0.5
+    save_hf_dir(model, tok, tmp_path / "partial")
+    for engine, transport in [("serving", "colocated"), ("server", "disk")]:
+        cfg = load_config(
+            None,
+            [
+                f"model.path={tmp_path / 'partial'}",
+                f"rollout.engine={engine}",
+                f"weight_sync.transport={transport}",
+                f"checkpoint.root={tmp_path / 'ckpt'}",
+                f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            ],
+        )
+        with pytest.raises(ValueError) as e:
+            preflight(cfg)
+        assert str(e.value) == (
+            f"rollout.engine {engine} cannot run model.path {str(tmp_path / 'partial')!r}: "
+            "partial_rotary_factor 0.5 (the runner rotates every dimension)"
+        )
+    assert not (tmp_path / "ckpt").exists()
+    assert engine_refuses("embedded", model.config.to_dict()) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset, engine", [("tiny-moe", "embedded"), ("tiny-moe-shared", "serving")]
+)
+def test_rl_steps_train_the_experts_and_routers_and_the_engine_serves_them(
+    tmp_path, preset, engine
+):
+    cfg = load_config(
+        None,
+        [
+            f"model.preset={preset}",
+            f"rollout.engine={engine}",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.lr=1e-3",
+            "train.entropy_coef=0.01",  # a gradient whatever the random model's rewards
+            f"checkpoint.root={tmp_path / 'ckpt'}",
+            "weight_sync.check_equal=true",
+        ],
+    )
+    model_dir = runtime.prepare_model_dir(cfg, tmp_path / "init")
+    rt = runtime.RLRuntime(cfg, model_dir, None)
+    try:
+        before = {n: t.clone() for n, t in rt.trainer.full_state_dict().items()}
+        for step in range(2):
+            result = rt.rollout(step)
+            metrics = rt.train(result)
+            assert metrics["train/grad_norm"] > 0 and torch.isfinite(
+                torch.tensor(metrics["train/loss"])
+            )
+            rt.update_weights()  # check_equal: the engine holds the trained weights
+        after = rt.trainer.full_state_dict()
+        moved = {n for n in before if not torch.equal(before[n], after[n])}
+        assert any("experts" in n for n in moved) and any("mlp.gate." in n for n in moved), moved
+    finally:
+        rt.close()
+
+
+def _hf_routes(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HF forward's last logits and its routers' top-k experts, [B, T, MoE layers, k]."""
+    got: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, inp, out: got.append(out[2]))
+        for name, m in model.named_modules()
+        if name.endswith("mlp.gate")
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    b, t = ids.shape
+    return logits, torch.stack([g.view(b, t, -1) for g in got], dim=2)
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
+def test_the_serving_runner_computes_the_hf_forward_and_routes_of_moe_models(preset):
+    from miles_core.engine.runner import Qwen3Runner
+
+    model, _ = build_model(preset, seed=1)
+    runner = Qwen3Runner(model, slots=2, max_len=64)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (2, 12), generator=gen)
+    logits, routes = _hf_routes(model, ids)
+    assert (runner.prefill([0, 1], [0, 0], ids.tolist()) - logits).abs().max() < 1e-5
+    assert torch.equal(runner.last_routes, routes)  # every token, every MoE layer
+    nxt = torch.randint(3, 100, (2, 1), generator=gen)
+    logits, routes = _hf_routes(model, torch.cat([ids, nxt], dim=1))
+    assert (runner.decode([0, 1], [12, 12], nxt[:, 0].tolist()) - logits).abs().max() < 1e-5
+    assert torch.equal(runner.last_routes, routes[:, -1:])
