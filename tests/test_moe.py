@@ -4,11 +4,16 @@ the embedded engine; an engine whose forward is dense-only refuses them before a
 
 from __future__ import annotations
 
+import base64
+import struct
+
+import httpx
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_core import runtime
+from miles_core import routed_experts, runtime
 from miles_core.config import load_config
 from miles_core.engines import engine_refuses
 from miles_core.models import PRESETS, build_model, count_parameters, save_hf_dir
@@ -149,3 +154,98 @@ def test_the_serving_runner_computes_the_hf_forward_and_routes_of_moe_models(pre
     logits, routes = _hf_routes(model, torch.cat([ids, nxt], dim=1))
     assert (runner.decode([0, 1], [12, 12], nxt[:, 0].tolist()) - logits).abs().max() < 1e-5
     assert torch.equal(runner.last_routes, routes[:, -1:])
+
+
+def test_routed_experts_travel_in_sglangs_layout_and_a_misfit_is_refused():
+    """base64 of little-endian int32, [tokens − 1, MoE layers, top_k] (SGLang's
+    meta_info.routed_experts), built here byte by byte."""
+    routes = np.arange(5 * 2 * 2, dtype=np.int64).reshape(5, 2, 2) % 8
+    raw = base64.b64encode(struct.pack("<20i", *routes.reshape(-1).tolist())).decode()
+    assert routed_experts.encode(routes) == raw
+    back = routed_experts.decode(raw, 2, 2)
+    assert back.dtype == np.int32 and np.array_equal(back, routes)
+    with pytest.raises(ValueError, match=r"not whole rows of \(3, 2\) int32"):
+        routed_experts.decode(raw, 3, 2)  # another model's layers
+
+
+def _sequence_routes(model, ids: list[int]) -> np.ndarray:
+    """The HF routers' experts for every position of `ids` but the last: [len − 1, L, k]."""
+    _, routes = _hf_routes(model, torch.tensor([ids]))
+    return routes[0, :-1].numpy()
+
+
+def test_the_serving_engine_returns_the_routes_of_every_position_it_processed():
+    from miles_core.engine.serving import ServingEngine
+    from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
+
+    model, tok = build_model("tiny-moe-shared", seed=1)
+    engine = ServingEngine(model, tok, seed=0, max_running=4, scheduler="caller")
+    field = routed_experts.routed_experts_field(2, 2)
+    prompt = [5, 6, 7, 8, 9, 10]
+
+    def ask(ids: list[int], n: int, routes: bool = True) -> list:
+        sp = SamplingParams(max_new_tokens=n, sampling_seed=3)
+        req = GenerateRequest(input_ids=ids, sampling_params=sp, return_routed_experts=routes)
+        return engine.generate([req, req.model_copy()])  # siblings: the second reuses the prefix
+
+    first, sibling = ask(prompt, 4)
+    assert sibling.meta_info.cached_tokens > 0
+    for out in (first, sibling):
+        got = routed_experts.decode(out.meta_info.model_extra["routed_experts"], 2, 2)
+        assert np.array_equal(got, _sequence_routes(model, prompt + out.output_ids))
+    # a continuation (prompt + what was generated, as after a pause-abort) returns every row
+    # again; joined as the per-token channel joins them, the rows are the whole trajectory's
+    head = routed_experts.decode(first.meta_info.model_extra["routed_experts"], 2, 2)
+    more, _ = ask(prompt + first.output_ids, 3)
+    whole = field.join(head, field.decode(more.meta_info.model_extra["routed_experts"]))
+    ids = prompt + first.output_ids + more.output_ids
+    assert whole.shape == (len(ids) - 1, 2, 2)
+    assert np.array_equal(whole, _sequence_routes(model, ids))
+    plain, _ = ask(prompt, 2, routes=False)
+    assert "routed_experts" not in plain.meta_info.model_extra
+    dense = ServingEngine(*build_model("tiny", seed=1), seed=0, max_running=2, scheduler="caller")
+    with pytest.raises(EngineRequestError, match="no mixture-of-experts layers"):
+        dense.validate(GenerateRequest(input_ids=prompt, return_routed_experts=True))
+
+
+@pytest.mark.slow
+def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path):
+    """`return_routed_experts` in SGLang's GenerateReqInput (single and batch form, through our
+    client too) → meta_info.routed_experts of every position (a dense model's refusal: the
+    in-process test above; the server answers an EngineRequestError with 400)."""
+    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+    from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+    from miles_core.token_fields import register_token_field, unregister_token_field
+
+    model, tok = build_model("tiny-moe-shared", seed=1)
+    save_hf_dir(model, tok, tmp_path / "moe")
+    prompt = [5, 6, 7, 8]
+    with EngineProcess(tmp_path / "moe", args=["--threads", "1"]) as proc:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 3},
+            "return_routed_experts": True,
+        }
+        out = httpx.post(f"{proc.url}/generate", json=body, timeout=60).json()
+        got = routed_experts.decode(out["meta_info"]["routed_experts"], 2, 2)
+        assert np.array_equal(got, _sequence_routes(model, prompt + out["output_ids"]))
+        batch = {**body, "input_ids": [prompt, prompt[:2]], "return_routed_experts": [False, True]}
+        outs = httpx.post(f"{proc.url}/generate", json=batch, timeout=60).json()
+        assert "routed_experts" not in outs[0]["meta_info"]
+        assert routed_experts.decode(outs[1]["meta_info"]["routed_experts"], 2, 2).shape == (
+            2 + 3 - 1,
+            2,
+            2,
+        )
+        register_token_field(routed_experts.routed_experts_field(2, 2))
+        client = HttpEngine(proc.url)
+        try:
+            sp = SamplingParams(max_new_tokens=3)
+            [resp] = client.generate(
+                [GenerateRequest(input_ids=prompt, sampling_params=sp, return_routed_experts=True)]
+            )
+            want = _sequence_routes(model, prompt + resp.output_ids)
+            assert np.array_equal(resp.token_fields["routed_experts"], want)
+        finally:
+            client.close()
+            unregister_token_field("routed_experts")

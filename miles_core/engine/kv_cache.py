@@ -4,6 +4,11 @@ A sequence owns one slot while it runs; `kv[layer][slot, :n]` are its first n po
 the first kv_heads rows and values in the rest, so one indexed write stores both.
 Slots of finished sequences stay filled (CACHED) so a later request with the same prefix can take
 the slot over, or copy the prefix, instead of recomputing it (see `slots.py`).
+
+A mixture-of-experts model's cache also keeps, per slot and position, the experts each MoE layer
+routed that position to (`routes`: [slots, max_len, MoE layers, top_k] int32): it moves with the
+keys and values (copies, swaps), so a request that reuses a cached prefix still has the routes
+of every position it holds (what `return_routed_experts` returns).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ class SlotKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        routes: tuple[int, int] | None = None,
     ):
         self._shape = (slots, max_len, 2 * kv_heads, head_dim)
+        self._routes_shape = None if routes is None else (slots, max_len, *routes)
+        self.routes: torch.Tensor | None = None
         self._dtype = dtype
         self._device = torch.device(device)
         self._layers = layers
@@ -31,23 +39,27 @@ class SlotKVCache:
         self.max_len = max_len
         self.allocate()
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """Everything indexed [slot, position]: the KV of every layer, and the routes."""
+        return self.kv if self.routes is None else [*self.kv, self.routes]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        for kv in self.kv:
+        for kv in self._tensors():
             kv[dst, :length] = kv[src, :length]
 
     def copy_prefixes(self, src: list[int], dst: list[int], length: int) -> None:
         """`copy_prefix` for many pairs at once: one indexed copy per layer."""
         src_t = torch.tensor(src, device=self._device)
         dst_t = torch.tensor(dst, device=self._device)
-        for kv in self.kv:
+        for kv in self._tensors():
             kv[dst_t, :length] = kv[src_t, :length]
 
     def swap(self, i: int, j: int, length: int) -> None:
         """Exchanges the first `length` positions of slots i and j."""
-        for kv in self.kv:
+        for kv in self._tensors():
             held = kv[i, :length].clone()
             kv[i, :length] = kv[j, :length]
             kv[j, :length] = held
@@ -55,6 +67,7 @@ class SlotKVCache:
     def release(self) -> None:
         """Frees the memory (release_memory_occupation); `allocate` brings it back zeroed."""
         self.kv = []
+        self.routes = None
 
     def allocate(self) -> None:
         if not self.kv:
@@ -62,3 +75,7 @@ class SlotKVCache:
                 torch.zeros(self._shape, dtype=self._dtype, device=self._device)
                 for _ in range(self._layers)
             ]
+            if self._routes_shape is not None:
+                self.routes = torch.zeros(
+                    self._routes_shape, dtype=torch.int32, device=self._device
+                )

@@ -147,6 +147,8 @@ class Qwen3Runner:
         self.cos = (emb.cos() * scale).to(self.device)
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.device)
         self.scaling = self.head_dim**-0.5
+        self.moe_layers = sum(is_moe_layer(layer.mlp) for layer in model.model.layers)
+        self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.cache = SlotKVCache(
             cfg.num_hidden_layers,
             slots,
@@ -154,6 +156,7 @@ class Qwen3Runner:
             self.max_len,
             self.head_dim,
             device=self.device,
+            routes=self.routes_shape,
         )
         self.use_onednn = self.device.type == "cpu" and torch.backends.mkldnn.is_available()
         # bf16 numerics with fp32 GEMMs where the CPU has no bf16 GEMMs (see the module docstring)
@@ -161,6 +164,18 @@ class Qwen3Runner:
         self.gemm_dtype = torch.float32 if self.emulate_bf16 else dtype
         self._w: _Weights | None = None
         self.last_routes: torch.Tensor | None = None  # MoE models: the last forward's experts
+
+    @property
+    def routes_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, top_k) of one position's routes; None for a dense model."""
+        return (self.moe_layers, self.top_k) if self.moe_layers else None
+
+    def routes_of(self, slot: int, length: int) -> torch.Tensor | None:
+        """The routes of a slot's first `length` positions [length, MoE layers, top_k] (CPU
+        int32), or None for a dense model or a released cache."""
+        if self.cache.routes is None:
+            return None
+        return self.cache.routes[slot, :length].cpu()
 
     def invalidate(self) -> None:
         """Weights changed (update, release, resume): drop the packed copies."""
@@ -354,6 +369,9 @@ class Qwen3Runner:
             return self._split(kv[layer][slot_t, :total])
 
         h = self._layers(w, w.embed[ids], positions, write, read, mask)
+        if self.cache.routes is not None and self.last_routes is not None:
+            for i, (slot, s, n) in enumerate(zip(slots, starts, lens, strict=True)):
+                self.cache.routes[slot, s : s + n] = self.last_routes[i, :n]
         last = self._ids([n - 1 for n in lens])
         return self._logits(w, h[torch.arange(bsz, device=self.device), last])
 
@@ -381,6 +399,8 @@ class Qwen3Runner:
 
         h = w.embed[self._ids(tokens)].view(bsz, 1, -1)
         h = self._layers(w, h, pos_t.view(bsz, 1), write, read, mask)
+        if self.cache.routes is not None and self.last_routes is not None:
+            self.cache.routes[slot_t, pos_t] = self.last_routes[:, 0].to(torch.int32)
         return self._logits(w, h[:, 0])
 
     def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

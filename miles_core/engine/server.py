@@ -54,6 +54,7 @@ class GenerateBody(_Body):
     text: str | list[str] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     return_logprob: bool | list[bool] = False
+    return_routed_experts: bool | list[bool] = False
     rid: str | list[str] | None = None
     stream: bool = False
 
@@ -499,8 +500,9 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
     if isinstance(body.rid, str) and n > 1:
         raise EngineRequestError(f"give one rid per prompt ({n} prompts), or none")
     rids = _listify(body.rid, n, "rid") if body.rid is not None else [None] * n
+    routed = _listify(body.return_routed_experts, n, "return_routed_experts")
     out = []
-    for ids, sp, rid in zip(prompts, params, rids, strict=True):
+    for ids, sp, rid, want_routes in zip(prompts, params, rids, routed, strict=True):
         try:
             sampling = SamplingParams.model_validate(sp)
         except ValidationError as e:
@@ -508,7 +510,9 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
             raise EngineRequestError(
                 f"sampling_params.{'.'.join(map(str, first['loc']))}: {first['msg']}"
             ) from None
-        req = GenerateRequest(input_ids=ids, sampling_params=sampling, rid=rid)
+        req = GenerateRequest(
+            input_ids=ids, sampling_params=sampling, rid=rid, return_routed_experts=want_routes
+        )
         engine.validate(req)
         out.append(req)
     return out

@@ -40,6 +40,8 @@ from miles_core.rollout.protocol import (
     MetaInfo,
     validate_request,
 )
+from miles_core.routed_experts import WIRE_KEY
+from miles_core.routed_experts import encode as encode_routes
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
@@ -208,6 +210,10 @@ class ServingEngine:
         if not self.runner.cache.kv:
             raise EngineRequestError(
                 "the KV cache is released; resume memory occupation (tags: kv_cache) first"
+            )
+        if req.return_routed_experts and self.runner.routes_shape is None:
+            raise EngineRequestError(
+                "return_routed_experts: this model has no mixture-of-experts layers"
             )
 
     def submit(self, req: GenerateRequest) -> RequestHandle:
@@ -602,11 +608,23 @@ class ServingEngine:
             self.table.park(r.slot, r.tokens[: r.kv_len])
             r.slot = None
 
+    def _routed_experts(self, r: _Request) -> dict[str, str]:
+        """`meta_info.routed_experts` of a finishing request: the routes its slot holds for
+        every position but the last (tokens − 1 rows). A request that ends before its tokens
+        were all processed (aborted while waiting) has none to give: the key is left out, and
+        its continuation returns the rows."""
+        n = len(r.tokens) - 1
+        if r.slot is None or r.kv_len != n:
+            return {}
+        routes = self.runner.routes_of(r.slot.index, n)
+        return {} if routes is None else {WIRE_KEY: encode_routes(routes.numpy())}
+
     def _finish(self, r: _Request, reason: FinishReason) -> None:
         """Called with the step lock held."""
         if r.done.is_set():
             return
         r.finish = reason
+        extra = self._routed_experts(r) if r.req.return_routed_experts else {}
         self._leave_slot(r)
         if r in self._running:
             self._running.remove(r)
@@ -630,6 +648,7 @@ class ServingEngine:
                 output_token_logprobs=[
                     (lp, t, None) for lp, t in zip(r.logprobs, r.output, strict=True)
                 ],
+                **extra,
             ),
         )
         with r.lock:

@@ -29,12 +29,15 @@ ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity hea
 
 def generate_payload(req: GenerateRequest) -> dict:
     """The `/generate` body in SGLang's field names (checked by tests/contract)."""
-    return {
+    body = {
         "input_ids": req.input_ids,
         "sampling_params": req.sampling_params.model_dump(exclude_none=True),
         "return_logprob": True,
         "rid": req.rid,
     }
+    if req.return_routed_experts:
+        body["return_routed_experts"] = True
+    return body
 
 
 def batch_payload(requests: list[GenerateRequest]) -> dict:
@@ -47,6 +50,8 @@ def batch_payload(requests: list[GenerateRequest]) -> dict:
     }
     if all(r.rid is not None for r in requests):
         body["rid"] = [r.rid for r in requests]
+    if any(r.return_routed_experts for r in requests):
+        body["return_routed_experts"] = [r.return_routed_experts for r in requests]
     return body
 
 

@@ -1,0 +1,48 @@
+"""Routed experts: what a mixture-of-experts engine records per token for routing replay (R3),
+in SGLang's names and layout.
+
+A `/generate` request asks with `return_routed_experts: true`; the response then carries
+`meta_info.routed_experts`: base64 of little-endian int32, shape [tokens − 1, MoE layers, top_k]
+(row j: the experts each MoE layer routed input position j to, for every position the engine
+processed: the prompt's and every generated token but the last). It reaches `Sample` through the
+per-token channel as the `routed_experts` field (`token_fields.py`, `sequence`-aligned, so an
+abort-continuation or a later session turn extends the rows it already has), at
+(T − 1)·L·k·4 bytes a sample.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from miles_core.token_fields import TokenField
+
+REQUEST_FLAG = "return_routed_experts"  # GenerateReqInput field
+WIRE_KEY = "routed_experts"  # meta_info key
+FIELD_NAME = "routed_experts"
+
+
+def routed_experts_field(moe_layers: int, top_k: int) -> TokenField:
+    """The `routed_experts` token field of a model with `moe_layers` MoE layers of `top_k`."""
+    return TokenField(
+        name=FIELD_NAME,
+        dtype="int32",
+        shape=(moe_layers, top_k),
+        wire_key=WIRE_KEY,
+        encoding="base64",
+        align="sequence",
+        description="the experts each MoE layer routed each input position to (R3)",
+    )
+
+
+def encode(routes: np.ndarray) -> str:
+    """[positions, MoE layers, top_k] integers → the `meta_info.routed_experts` string."""
+    routes = np.asarray(routes)
+    if routes.ndim != 3:
+        raise ValueError(f"routed experts have shape {routes.shape}, expected 3 dimensions")
+    return routed_experts_field(routes.shape[1], routes.shape[2]).encode(routes)
+
+
+def decode(raw: str, moe_layers: int, top_k: int) -> np.ndarray:
+    """The `meta_info.routed_experts` string → int32 [positions, moe_layers, top_k]; raises
+    ValueError when its bytes are not whole rows of that shape."""
+    return routed_experts_field(moe_layers, top_k).decode(raw)
