@@ -177,6 +177,12 @@ class RolloutConfig(_Strict):
         description="declared per-token fields the engine's responses carry to the trainer "
         "(import paths pkg.mod:FIELD of miles_core.token_fields.TokenField objects)",
     )
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE models: ask the engine for the experts each token was routed to "
+        "(SGLang's return_routed_experts; samples carry them as the routed_experts field); "
+        "on by itself with train.routing_replay or train.check_routing_replay",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -338,6 +344,18 @@ class TrainConfig(OptimConfig):
     )
     entropy_coef: float = Field(0.0, ge=0)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    routing_replay: bool = Field(
+        False,
+        description="MoE models (R3): the trainer's routers take the experts the engine routed "
+        "each token to at rollout, in the old-log-prob and the training forward; the router "
+        "still computes its scores and gets gradients",
+    )
+    check_routing_replay: bool = Field(
+        False,
+        description="MoE models: compare, per token and MoE layer, the experts the trainer's "
+        "router would pick with the engine's (train/routing_mismatch_fraction); without "
+        "routing_replay it measures how often rollout and training route apart",
+    )
 
     @model_validator(mode="after")
     def _micro_batches_divide(self) -> TrainConfig:
@@ -733,6 +751,8 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
+        if t.routing_replay or t.check_routing_replay:
+            r.return_routed_experts = True  # what the trainer replays or checks against
         if self.agent.function is not None:  # the agent section checks its own settings
             self._check_agentic()
             if self.agent.eval_episodes and self.data.path:

@@ -68,6 +68,7 @@ class EngineKind:
     factory: EngineFactory
     routes: frozenset[str]
     check_model: Callable[[dict[str, Any]], str | None] | None = None
+    routed_experts: bool = False  # answers return_routed_experts (MoE routing replay)
 
 
 def _engine_kind(obj: Any, name: str) -> EngineKind:
@@ -78,7 +79,12 @@ def _engine_kind(obj: Any, name: str) -> EngineKind:
     if not callable(obj):
         raise ValueError(f"rollout engine {name!r} is not a factory: {obj!r}")
     routes = frozenset(getattr(obj, "weight_routes", SERVER_ROUTES))
-    return EngineKind(obj, routes, getattr(obj, "check_model", None))
+    return EngineKind(
+        obj,
+        routes,
+        getattr(obj, "check_model", None),
+        bool(getattr(obj, "routed_experts", False)),
+    )
 
 
 ENGINES: Registry[EngineKind] = Registry("rollout engine", "rollout.engine", load=_engine_kind)
@@ -89,8 +95,9 @@ def register_engine(
     factory: EngineFactory,
     routes: frozenset[str],
     check_model: Callable[[dict[str, Any]], str | None] | None = None,
+    routed_experts: bool = False,
 ) -> None:
-    ENGINES.register(name, EngineKind(factory, frozenset(routes), check_model))
+    ENGINES.register(name, EngineKind(factory, frozenset(routes), check_model, routed_experts))
 
 
 def engine_names() -> list[str]:
@@ -102,10 +109,18 @@ def engine_routes(name: str) -> frozenset[str]:
     return ENGINES.get(name).routes
 
 
-def engine_refuses(name: str, hf_config: dict[str, Any]) -> str | None:
-    """Why engine `name` cannot run a model of this HF config (a dict), or None."""
-    check = ENGINES.get(name).check_model
-    return None if check is None else check(hf_config)
+def engine_refuses(
+    name: str, hf_config: dict[str, Any], routed_experts: bool = False
+) -> str | None:
+    """Why engine `name` cannot run a model of this HF config (a dict), or None;
+    `routed_experts`: the run asks it for each token's routed experts."""
+    kind = ENGINES.get(name)
+    if routed_experts and not kind.routed_experts:
+        return (
+            "routed experts were asked for (routing replay), and this engine does not return "
+            "them: use rollout.engine serving or server"
+        )
+    return None if kind.check_model is None else kind.check_model(hf_config)
 
 
 def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
@@ -204,5 +219,5 @@ def _runner_refuses(hf_config: dict[str, Any]) -> str | None:
 
 
 register_engine("embedded", _embedded, IN_PROCESS_ROUTES)
-register_engine("serving", _serving, IN_PROCESS_ROUTES, _runner_refuses)
-register_engine("server", _server, SERVER_ROUTES, _runner_refuses)
+register_engine("serving", _serving, IN_PROCESS_ROUTES, _runner_refuses, routed_experts=True)
+register_engine("server", _server, SERVER_ROUTES, _runner_refuses, routed_experts=True)

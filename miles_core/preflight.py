@@ -172,7 +172,7 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
     """The starting model, read by header only: sizes, safetensors files, the memory the run
     needs against what the machine has (model_check.py)."""
     from miles_core.device import resolve_device
-    from miles_core.model_check import check_memory, check_model_dir
+    from miles_core.model_check import check_memory, check_model_dir, moe_sizes
 
     where = f"model.path {config.model.path!r}" if config.model.path else "model.preset"
     gpu_memory = None
@@ -193,9 +193,18 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
 
     # an engine may refuse a model its forward does not implement (the serving engine: dense
     # Qwen3 only)
-    reason = engine_refuses(config.rollout.engine, model_config)
+    routes = config.rollout.return_routed_experts
+    reason = engine_refuses(config.rollout.engine, model_config, routed_experts=routes)
     if reason is not None:
         raise ValueError(f"rollout.engine {config.rollout.engine} cannot run {where}: {reason}")
+    if routes and not moe_sizes(model_config):
+        asked = [
+            k for k in ("routing_replay", "check_routing_replay") if getattr(config.train, k)
+        ] or ["rollout.return_routed_experts"]
+        raise ValueError(
+            f"{', '.join(f'train.{k}' if '.' not in k else k for k in asked)}: {where} is a "
+            "dense model (no mixture-of-experts layers): there are no routes to record or replay"
+        )
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
 

@@ -12,9 +12,17 @@ abort-continuation or a later session turn extends the rows it already has), at
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from miles_core.token_fields import TokenField
+from miles_core.model_check import moe_sizes
+from miles_core.token_fields import (
+    FIELDS,
+    TokenField,
+    register_token_field,
+    unregister_token_field,
+)
 
 REQUEST_FLAG = "return_routed_experts"  # GenerateReqInput field
 WIRE_KEY = "routed_experts"  # meta_info key
@@ -46,3 +54,23 @@ def decode(raw: str, moe_layers: int, top_k: int) -> np.ndarray:
     """The `meta_info.routed_experts` string → int32 [positions, moe_layers, top_k]; raises
     ValueError when its bytes are not whole rows of that shape."""
     return routed_experts_field(moe_layers, top_k).decode(raw)
+
+
+def shape_of(hf_config: dict[str, Any]) -> tuple[int, int] | None:
+    """(MoE layers, top_k) of a model's HF config (a dict); None for a dense model."""
+    moe = moe_sizes(hf_config)
+    if not moe:
+        return None
+    return moe["moe_layers"], int(hf_config.get("num_experts_per_tok") or 0)
+
+
+def declare(hf_config: dict[str, Any]) -> TokenField:
+    """Declares the `routed_experts` field for this model (its layers and top_k), in place of
+    another model's declaration; raises ValueError for a dense model."""
+    shape = shape_of(hf_config)
+    if shape is None or not shape[1]:
+        raise ValueError("routed experts: the model has no mixture-of-experts layers")
+    f = routed_experts_field(*shape)
+    if FIELD_NAME in FIELDS and FIELDS.get(FIELD_NAME) != f:
+        unregister_token_field(FIELD_NAME)
+    return register_token_field(f)

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from miles_core import routed_experts
 from miles_core.checkpointing import Checkpointing
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, rl_examples
@@ -65,6 +66,8 @@ class RLRuntime:
         self.source = PromptSource(rl_examples(config), seed=d.seed, shuffle=d.shuffle)
         model, self.tokenizer = load_hf_dir(model_dir)
         self.architecture = architecture_of(model.config)
+        if config.rollout.return_routed_experts:  # the per-token field the engine fills
+            routed_experts.declare(model.config.to_dict())
         self._rollout_step = 0  # the step `train` records in the ledger
         with contextlib.ExitStack() as started:  # unwound if any start below fails
             self.workdir = new_workdir()

@@ -249,3 +249,84 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
         finally:
             client.close()
             unregister_token_field("routed_experts")
+
+
+@pytest.mark.slow
+def test_with_routing_replay_the_trainer_routes_every_token_as_the_engine_did(tmp_path):
+    """A bf16 engine against the fp32 trainer (a real perturbation): the checker measures how
+    often the trainer's routers would choose apart, and with replay the experts the trainer's
+    expert layers actually run are the engine's recorded ones, every position and layer."""
+    cfg = load_config(
+        None,
+        [
+            "model.preset=tiny-moe-shared",
+            "rollout.engine=serving",
+            "weight_sync.transport=colocated",
+            "rollout.dtype=bfloat16",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=2",
+            "rollout.max_new_tokens=8",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            "train.routing_replay=true",
+            "train.check_routing_replay=true",
+            f"checkpoint.root={tmp_path / 'ckpt'}",
+        ],
+    )
+    assert cfg.rollout.return_routed_experts  # asked of the engine by the trainer's settings
+    model_dir = runtime.prepare_model_dir(cfg, tmp_path / "init")
+    rt = runtime.RLRuntime(cfg, model_dir, None)
+    seen: dict[str, list[torch.Tensor]] = {"ids": [], "experts": []}
+    model = rt.trainer.model
+    hooks = [
+        model.model.embed_tokens.register_forward_hook(
+            lambda mod, args, out: seen["ids"].append(args[0])
+        ),
+        *(
+            layer.mlp.experts.register_forward_hook(
+                lambda mod, args, out: seen["experts"].append(args[1])
+            )
+            for layer in model.model.layers
+            if hasattr(layer.mlp, "experts")
+        ),
+    ]
+    try:
+        result = rt.rollout(0)
+        metrics = rt.train(result)
+    finally:
+        for h in hooks:
+            h.remove()
+        rt.close()
+    assert 0.0 <= metrics["train/routing_mismatch_fraction"] <= 1.0
+    [ids] = seen["ids"]  # one training forward: [B, T]
+    b, t = ids.shape
+    used = torch.stack([e.view(b, t, -1) for e in seen["experts"]], dim=2)  # [B, T, L, k]
+    checked = 0
+    for row, sample in zip(ids.tolist(), result.samples, strict=True):
+        assert row[: len(sample.tokens)] == sample.tokens
+    for i, sample in enumerate(result.samples):
+        recorded = torch.from_numpy(sample.token_fields["routed_experts"]).long()
+        n = len(sample.tokens) - 1
+        assert recorded.shape == (n, 2, 2)
+        assert torch.equal(used[i, :n], recorded)
+        checked += n
+    assert checked > 0
+
+
+def test_routing_replay_on_a_dense_model_or_an_engine_that_records_nothing_is_refused(tmp_path):
+    base = [
+        f"checkpoint.root={tmp_path / 'ckpt'}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "train.routing_replay=true",
+    ]
+    dense = load_config(None, [*base, "model.preset=tiny", "rollout.engine=serving"])
+    with pytest.raises(ValueError) as e:
+        preflight(dense)
+    assert str(e.value) == (
+        "train.routing_replay: model.preset is a dense model (no mixture-of-experts layers): "
+        "there are no routes to record or replay"
+    )
+    embedded = load_config(None, [*base, "model.preset=tiny-moe", "rollout.engine=embedded"])
+    with pytest.raises(ValueError, match="rollout.engine embedded cannot run model.preset: routed"):
+        preflight(embedded)
+    assert not (tmp_path / "ckpt").exists()

@@ -81,6 +81,7 @@ def group_requests(
             if seeded
             else sp,
             rid=f"{step}-{g}-{k}",
+            return_routed_experts=cfg.return_routed_experts,
         )
         for k in range(n)
     ]

@@ -3,7 +3,7 @@ of it (`LossNeeds`). Everything is response-aligned: [B, R], R = the longest res
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -83,3 +83,6 @@ class TokenOutputs:
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
+    # the forward's own counts for the step's stats (e.g. the routing checker's), summed over
+    # micro-batches and ranks like a loss's plain stats
+    stats: dict[str, float] = field(default_factory=dict)

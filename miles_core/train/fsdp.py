@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoModelForCausalLM
 
+from miles_core import routed_experts
 from miles_core.device import resolve_device
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
@@ -42,6 +43,7 @@ from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.losses.functional import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_optimizer
+from miles_core.train.routing_replay import RouterReplay
 from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
@@ -90,6 +92,13 @@ class FSDPBackend(SPMDCalls):
             ref = copy.deepcopy(model).eval().requires_grad_(False)
             # on CUDA the reference computes in bf16 like the FSDP2 policy it is compared with
             self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
+        self.routing = None  # MoE routing replay / its checker (routing_replay.py)
+        if optim.get("routing_replay") or optim.get("check_routing_replay"):
+            # the policy's routers only (after the reference copy, which routes by itself)
+            routed_experts.declare(model.config.to_dict())  # also on ranks > 0
+            self.routing = RouterReplay(
+                model, bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
+            )
         if on_cuda:
             model.to(self.device)
         if self.world > 1 or on_cuda:
@@ -110,7 +119,12 @@ class FSDPBackend(SPMDCalls):
         self.micro_batch_size = int(optim["micro_batch_size"])
         # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
         # where the group's rows would share one dropout draw over their prompt
-        self.share_prompts = bool(optim.get("share_prompts", True)) and not self.stochastic_forward
+        # not with routing replay either: routes are recorded per position of the padded rows
+        self.share_prompts = (
+            bool(optim.get("share_prompts", True))
+            and not self.stochastic_forward
+            and self.routing is None
+        )
 
     # ------------------------------------------------------------------ the step loop's calls
     @property
@@ -130,7 +144,11 @@ class FSDPBackend(SPMDCalls):
         return MicroBatch.build(batch, self.pad_id, self.device, self.share_prompts)
 
     def forward(self, mb: MicroBatch, needs: LossNeeds) -> TokenOutputs:
-        lp, resp_logits = self._log_probs(self.model, mb)
+        if self.routing is None:
+            lp, resp_logits = self._log_probs(self.model, mb)
+        else:
+            with self.routing.micro_batch(mb):
+                lp, resp_logits = self._log_probs(self.model, mb)
         entropy = None
         if needs.entropy != "none":
             logits = resp_logits if needs.entropy == "grad" else resp_logits.detach()
@@ -144,7 +162,8 @@ class FSDPBackend(SPMDCalls):
                 )
             with torch.no_grad():
                 ref, _ = self._log_probs(self.ref_model, mb)
-        return TokenOutputs(lp, entropy, ref)
+        stats = self.routing.take_counts() if self.routing is not None else {}
+        return TokenOutputs(lp, entropy, ref, stats)
 
     def _log_probs(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         padded = mb.padded

@@ -122,7 +122,7 @@ def train_step(
 
     def loss_of(mb: MicroBatch, out: TokenOutputs) -> torch.Tensor:
         mb_loss, stats = fn(out, mb, cfg, denom)
-        for k, v in stats.items():
+        for k, v in (stats | out.stats).items():
             sums[k] = sums.get(k, 0.0) + v
         return mb_loss * backend.dp_world
 
@@ -137,14 +137,20 @@ def train_step(
 
 def reduce_stats(sums: dict[str, float], global_tokens: float) -> dict[str, float]:
     """Sums each stat over every rank that computed a loss (the others hold none: a pipeline's
-    earlier stages); `_x` token sums become `x` per global token."""
+    earlier stages); `_x` token sums become `x` per global token; `x__num` / `x__den` sums
+    become their ratio `x` (a rate over something other than loss tokens)."""
     total: dict[str, float] = {}
     for part in _gather(sums):
         for k, v in part.items():
             total[k] = total.get(k, 0.0) + v
     out = {}
     for k in sorted(total):
-        if k.startswith("_"):
+        if k.endswith("__den"):
+            continue
+        if k.endswith("__num"):
+            den = total.get(k[: -len("__num")] + "__den", 0.0)
+            out[k[: -len("__num")]] = total[k] / den if den else 0.0
+        elif k.startswith("_"):
             out[k[1:]] = total[k] / max(global_tokens, 1.0)
         else:
             out[k] = total[k]  # already normalised by the global denominator
