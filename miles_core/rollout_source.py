@@ -163,6 +163,7 @@ class AgentSessions:
                 str(agent.max_tokens),
                 *(() if budget is None else ("--token-budget", str(budget))),
                 *(f"--token-field={f}" for f in config.rollout.token_fields),
+                *_routed_experts_args(config),
             ),
             port_range=config.network.ports,
             api_key=fleet.api_key,  # the run's key: its engine requires it too
@@ -303,3 +304,15 @@ def make_rollouts(
     if config.rollout.mode == "sync":
         return SyncRollouts(config, fleet, tokenizer, task, prompts)
     return AsyncRollouts(config, fleet, tokenizer, task, prompts, engine_version)
+
+
+def _routed_experts_args(config) -> tuple[str, ...]:
+    """The session server's `--routed-experts LAYERS,TOP_K` when the run records routes (the
+    field this process declared from the model, `routed_experts.declare`)."""
+    if not config.rollout.return_routed_experts:
+        return ()
+    from miles_core.routed_experts import FIELD_NAME
+    from miles_core.token_fields import get_token_field
+
+    layers, top_k = get_token_field(FIELD_NAME).shape
+    return ("--routed-experts", f"{layers},{top_k}")

@@ -246,9 +246,75 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             )
             want = _sequence_routes(model, prompt + resp.output_ids)
             assert np.array_equal(resp.token_fields["routed_experts"], want)
+            sample = _three_session_turns(proc.url)
+            assert np.array_equal(
+                sample.token_fields["routed_experts"], _sequence_routes(model, sample.tokens)
+            )
+            assert _replayed_in_training(tmp_path / "moe", sample)
         finally:
             client.close()
             unregister_token_field("routed_experts")
+
+
+def _three_session_turns(engine_url: str):
+    """A 3-turn chat through the session server (in process, asking for routed experts): the
+    trajectory's sample, its rows merged per turn."""
+    from fastapi.testclient import TestClient
+
+    from miles_core.sessions.server import create_app
+    from miles_core.tito import get_family
+    from miles_core.types import sample_from_json
+
+    with TestClient(create_app(engine_url, get_family("tiny"), routed_experts=True)) as c:
+        sid = c.post("/sessions", json={"rollout_id": "moe-1"}).json()["session_id"]
+        messages = [{"role": "user", "content": "count"}]
+        for k in range(3):
+            r = c.post(
+                f"/sessions/{sid}/v1/chat/completions",
+                json={"messages": messages, "max_tokens": 5, "seed": k},
+            )
+            assert r.status_code == 200, r.text
+            reply = r.json()["choices"][0]["message"]["content"] or ""
+            messages += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": f"again {k}"},
+            ]
+        data = c.post(f"/sessions/{sid}/samples", json={"reward": 1.0}).json()
+    [sample] = [sample_from_json(x) for x in data["samples"]]
+    assert sample.metadata["turns"] == 3
+    return sample
+
+
+def _replayed_in_training(model_dir, sample) -> bool:
+    """The experts the FSDP2 trainer's expert layers run for `sample` under replay equal its
+    recorded routes (every recorded position and MoE layer)."""
+    from miles_core.train.batch import TrainBatch
+    from miles_core.train.forward import MicroBatch
+    from miles_core.train.routing_replay import RouterReplay
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():  # other weights than the engine's: the router would choose apart
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight))
+    replay = RouterReplay(model, replay=True, check=True)
+    used: list[torch.Tensor] = []
+    hooks = [
+        layer.mlp.experts.register_forward_hook(lambda m, a, o: used.append(a[1]))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "experts")
+    ]
+    batch = TrainBatch.from_samples([sample], [0.0], 1.0)
+    mb = MicroBatch.build(batch, 0, torch.device("cpu"))
+    with torch.no_grad(), replay.micro_batch(mb):
+        model(input_ids=mb.padded.input_ids)
+    for h in hooks:
+        h.remove()
+    n = len(sample.tokens) - 1
+    got = torch.stack([u.view(1, -1, u.shape[-1])[0, :n] for u in used], dim=1)
+    counts = replay.take_counts()
+    assert counts["routing_mismatch_fraction__num"] > 0  # the perturbed routers disagreed
+    return torch.equal(got, torch.from_numpy(sample.token_fields["routed_experts"]).long())
 
 
 @pytest.mark.slow

@@ -50,11 +50,12 @@ from miles_core.proc.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, pars
 from miles_core.proc.managed import KEEP_ALIVE_S
 from miles_core.rollout.http_engine import ROUTING_KEY_HEADER, error_message, generate_payload
 from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from miles_core.routed_experts import routed_experts_field
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
 from miles_core.sessions.trajectory import Trajectory
 from miles_core.tito import TitoFamily, describe_choices, get_family
-from miles_core.token_fields import load_token_fields
+from miles_core.token_fields import load_token_fields, register_token_field
 from miles_core.types import sample_to_json
 
 MAX_SESSIONS = 4096  # live sessions (a run keeps agent.concurrency of them open)
@@ -127,6 +128,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     token_budget: int | None = None,
+    routed_experts: bool = False,
 ) -> FastAPI:
     """`token_budget`: a turn's prompt plus its new tokens at most this many ids (the new
     tokens are capped to what is left; a turn with nothing left answers 400
@@ -336,7 +338,10 @@ def create_app(
             sampling_seed=body.seed,
         )
         req = GenerateRequest(
-            input_ids=turn.ids, sampling_params=sampling, rid=f"{s.id}-{len(t.nodes)}"
+            input_ids=turn.ids,
+            sampling_params=sampling,
+            rid=f"{s.id}-{len(t.nodes)}",
+            return_routed_experts=routed_experts,  # each turn's rows join per turn
         )
         try:
             # the session id as routing key: behind a router, its turns reach one engine
@@ -461,7 +466,22 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="a declared per-token field to record (import path pkg.mod:FIELD; repeatable)",
     )
+    ap.add_argument(
+        "--routed-experts",
+        default=None,
+        metavar="LAYERS,TOP_K",
+        help="MoE routing replay: ask the engine for every turn's routed experts, a model of "
+        "LAYERS MoE layers routing to TOP_K experts",
+    )
     args = ap.parse_args(argv)
+    routed = None
+    if args.routed_experts is not None:
+        try:
+            routed = tuple(int(x) for x in args.routed_experts.split(","))
+            if len(routed) != 2 or min(routed) < 1:
+                raise ValueError
+        except ValueError:
+            ap.error("--routed-experts takes LAYERS,TOP_K (two positive integers)")
     if args.token_budget is not None and args.token_budget < 1:
         ap.error("--token-budget must be > 0")
     for flag in ("max_sessions", "max_session_ids", "session_ttl_s"):
@@ -473,6 +493,8 @@ def main(argv: list[str] | None = None) -> None:
     sock = bind_from_args(args, "session server")  # the port is reported before anything loads
     try:
         load_token_fields(args.token_field)
+        if routed is not None:
+            register_token_field(routed_experts_field(*routed))
         family = get_family(args.family)
         if not args.no_family_check:  # a wrong family would answer 200 with garbage
             check_engine_family(args.engine_url, family, args.family, api_key=args.api_key)
@@ -488,6 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         max_session_ids=args.max_session_ids,
         api_key=args.api_key,
         token_budget=args.token_budget,
+        routed_experts=routed is not None,
     )
     config = uvicorn.Config(
         app,
