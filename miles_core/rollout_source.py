@@ -307,12 +307,14 @@ def make_rollouts(
 
 
 def _routed_experts_args(config) -> tuple[str, ...]:
-    """The session server's `--routed-experts LAYERS,TOP_K` when the run records routes (the
+    """The session server's `--routed-experts LAYERS,TOP_K,EXPERTS` when the run records routes (the
     field this process declared from the model, `routed_experts.declare`)."""
     if not config.rollout.return_routed_experts:
         return ()
     from miles_core.routed_experts import FIELD_NAME
     from miles_core.token_fields import get_token_field
 
-    layers, top_k = get_token_field(FIELD_NAME).shape
-    return ("--routed-experts", f"{layers},{top_k}")
+    f = get_token_field(FIELD_NAME)
+    layers, top_k = f.shape
+    experts = int(f.bounds[1]) if f.bounds else 0
+    return ("--routed-experts", f"{layers},{top_k}" + (f",{experts}" if experts else ""))

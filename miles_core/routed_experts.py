@@ -29,8 +29,9 @@ WIRE_KEY = "routed_experts"  # meta_info key
 FIELD_NAME = "routed_experts"
 
 
-def routed_experts_field(moe_layers: int, top_k: int) -> TokenField:
-    """The `routed_experts` token field of a model with `moe_layers` MoE layers of `top_k`."""
+def routed_experts_field(moe_layers: int, top_k: int, experts: int | None = None) -> TokenField:
+    """The `routed_experts` token field of a model with `moe_layers` MoE layers routing to
+    `top_k` of `experts` experts (indices checked against it when given)."""
     return TokenField(
         name=FIELD_NAME,
         dtype="int32",
@@ -38,6 +39,7 @@ def routed_experts_field(moe_layers: int, top_k: int) -> TokenField:
         wire_key=WIRE_KEY,
         encoding="base64",
         align="sequence",
+        bounds=None if experts is None else (0, experts),
         description="the experts each MoE layer routed each input position to (R3)",
     )
 
@@ -56,12 +58,13 @@ def decode(raw: str, moe_layers: int, top_k: int) -> np.ndarray:
     return routed_experts_field(moe_layers, top_k).decode(raw)
 
 
-def shape_of(hf_config: dict[str, Any]) -> tuple[int, int] | None:
-    """(MoE layers, top_k) of a model's HF config (a dict); None for a dense model."""
+def shape_of(hf_config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(MoE layers, top_k, routed experts) of a model's HF config (a dict); None for a dense
+    model."""
     moe = moe_sizes(hf_config)
     if not moe:
         return None
-    return moe["moe_layers"], int(hf_config.get("num_experts_per_tok") or 0)
+    return moe["moe_layers"], int(hf_config.get("num_experts_per_tok") or 0), moe["experts"]
 
 
 def declare(hf_config: dict[str, Any]) -> TokenField:

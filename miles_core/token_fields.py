@@ -50,6 +50,9 @@ class TokenField:
     align: Align = "response"
     fill: float = 0
     pad: float = 0
+    # values must lie in [low, high) when given (routed experts: [0, experts)): a record from
+    # another model is refused rather than trained on
+    bounds: tuple[float, float] | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -220,7 +223,8 @@ def decode_meta(meta: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def check_lengths(fields: dict[str, np.ndarray], n_tokens: int, response_length: int) -> None:
-    """Raises ValueError naming the first field whose rows do not match the tokens."""
+    """Raises ValueError naming the first field whose rows do not match the tokens (or whose
+    values leave its bounds)."""
     for name, arr in fields.items():
         f = get_token_field(name)
         want = f.rows(n_tokens, response_length)
@@ -230,6 +234,13 @@ def check_lengths(fields: dict[str, np.ndarray], n_tokens: int, response_length:
                 f"token field {name} ({f.align}-aligned) has shape {got}, expected "
                 f"{(want, *f.shape)} for {n_tokens} tokens of which {response_length} generated"
             )
+        if f.bounds is not None and arr.size:
+            low, high = f.bounds
+            if arr.min() < low or arr.max() >= high:
+                raise ValueError(
+                    f"token field {name} holds values in [{arr.min()}, {arr.max()}], outside "
+                    f"[{low:g}, {high:g})"
+                )
 
 
 def fields_to_json(fields: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -20,8 +20,18 @@ from miles_core.models import PRESETS, build_model, count_parameters, save_hf_di
 from miles_core.models.builder import preset_config
 from miles_core.models.tokenizer import build_tokenizer
 from miles_core.preflight import preflight
+from miles_core.token_fields import FIELDS, unregister_token_field
 
 MOE = sorted(name for name, p in PRESETS.items() if p.is_moe)
+
+
+@pytest.fixture(autouse=True)
+def _forget_routed_experts():
+    """A run declares the model's `routed_experts` field in this process: undeclared after each
+    test, so no other test meets it."""
+    yield
+    if "routed_experts" in FIELDS:
+        unregister_token_field("routed_experts")
 
 
 def test_moe_presets_route_every_token_on_their_moe_layers_and_reload_offline(tmp_path):
@@ -215,7 +225,7 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
     in-process test above; the server answers an EngineRequestError with 400)."""
     from miles_core.rollout.http_engine import EngineProcess, HttpEngine
     from miles_core.rollout.protocol import GenerateRequest, SamplingParams
-    from miles_core.token_fields import register_token_field, unregister_token_field
+    from miles_core.token_fields import register_token_field
 
     model, tok = build_model("tiny-moe-shared", seed=1)
     save_hf_dir(model, tok, tmp_path / "moe")
@@ -396,3 +406,42 @@ def test_routing_replay_on_a_dense_model_or_an_engine_that_records_nothing_is_re
     with pytest.raises(ValueError, match="rollout.engine embedded cannot run model.preset: routed"):
         preflight(embedded)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_step():
+    """A real engine's record of tiny-moe-shared (2 MoE layers, top-2 of 8) parsed by a run of
+    another shape: the response parses, the sample is FAILED with the reason, nothing trains."""
+    from miles_core.data import get_task
+    from miles_core.data.tasks import Example
+    from miles_core.engine.serving import ServingEngine
+    from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+    from miles_core.rollout.rollout_fn import build_group
+    from miles_core.types import Status
+
+    model, tok = build_model("tiny-moe-shared", seed=1)
+    engine = ServingEngine(model, tok, seed=0, max_running=2, scheduler="caller")
+    prompt = [5, 6, 7, 8, 9]
+    sp = SamplingParams(max_new_tokens=4, sampling_seed=1)
+    [resp] = engine.generate(
+        [GenerateRequest(input_ids=prompt, sampling_params=sp, return_routed_experts=True)]
+    )
+    raw = resp.model_dump_json()
+    small = preset_config("small-moe", len(tok), tok.pad_token_id, tok.eos_token_id)
+    other_experts = model.config.to_dict() | {"n_routed_experts": 4}  # same shape, 4 experts
+    task = get_task("say_a")
+    try:
+        for config, why in [
+            (small.to_dict(), "routed_experts"),  # 4 MoE layers: rows of another size
+            (other_experts, "outside [0, 4)"),  # indices this model does not have
+        ]:
+            routed_experts.declare(config)
+            parsed = GenerateResponse.model_validate_json(raw)
+            assert parsed.field_error and why in parsed.field_error, parsed.field_error
+            assert parsed.token_fields == {} and parsed.output_ids == resp.output_ids
+            [sample] = build_group(task, 0, 0, 1, 0, Example("x", None), prompt, [parsed]).samples
+            assert sample.status == Status.FAILED and not any(sample.loss_mask)
+            assert "per-token record was refused" in sample.metadata["error"]
+        routed_experts.declare(model.config.to_dict())  # the right model: it fits
+        assert GenerateResponse.model_validate_json(raw).field_error is None
+    finally:
+        unregister_token_field("routed_experts")

@@ -116,6 +116,7 @@ class EngineGroups:
         out_ids: list[int] = []
         logprobs: list[tuple] = []
         fields: dict = {}  # declared per-token fields, joined across calls
+        field_error: str | None = None
         versions: list[int] = []
         current, resp = req, first
         for _ in range(MAX_CONTINUATIONS):
@@ -131,6 +132,7 @@ class EngineGroups:
             out_ids += resp.output_ids
             logprobs += resp.meta_info.output_token_logprobs or []
             fields = join_fields(fields, resp.token_fields)
+            field_error = field_error or resp.field_error
             reason = resp.meta_info.finish_reason
             left = req.sampling_params.max_new_tokens - len(out_ids)
             interrupted = reason.type == "abort" and reason.message is None and not state.stopping()
@@ -153,4 +155,6 @@ class EngineGroups:
         response = GenerateResponse(
             text=text, output_ids=out_ids, meta_info=meta, token_fields=fields
         )
+        if field_error:  # a part's record was refused: so is the whole sample's
+            response.token_fields, response.field_error = {}, field_error
         return response, versions

@@ -98,16 +98,22 @@ class GenerateResponse(BaseModel):
     # declared per-token fields (miles_core/token_fields.py), decoded from meta_info by wire key;
     # never serialised (an engine sends them in meta_info)
     token_fields: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
+    # why the per-token fields were refused (a record that does not fit the tokens or the
+    # model, e.g. routed experts from another model): the sample fails, not the request
+    field_error: str | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
     def _decode_token_fields(self) -> GenerateResponse:
-        decoded = decode_meta(self.meta_info.model_extra or {})
-        self.token_fields = decoded | self.token_fields  # given arrays win (joined calls)
-        check_lengths(
-            self.token_fields,
-            self.meta_info.prompt_tokens + len(self.output_ids),
-            len(self.output_ids),
-        )
+        try:
+            fields = decode_meta(self.meta_info.model_extra or {})
+            fields = fields | self.token_fields  # given arrays win (joined calls)
+            check_lengths(
+                fields, self.meta_info.prompt_tokens + len(self.output_ids), len(self.output_ids)
+            )
+        except ValueError as e:
+            self.token_fields, self.field_error = {}, str(e)
+        else:
+            self.token_fields = fields
         return self
 
     @property

@@ -108,6 +108,8 @@ def build_group(
         out = resp.output_ids
         status = FINISH_REASON_TO_STATUS[resp.meta_info.finish_reason.type]
         score, error = safe_score(task, resp.text, ex.label, reward_timeout_s)
+        if resp.field_error:  # its per-token record does not fit: nothing of it is trained
+            error = f"the engine's per-token record was refused: {resp.field_error}"
         sample = Sample(
             group_index=g,
             index=g * n + k,

@@ -362,6 +362,9 @@ def create_app(
         except ValidationError as e:
             counters["errors_5xx"] += 1
             return _error(502, f"the engine's reply is not a generate response: {e}"[:500])
+        if out.field_error:  # e.g. routed experts of another model: the episode fails on it
+            counters["errors_5xx"] += 1
+            return _error(502, f"the engine's per-token record was refused: {out.field_error}")
         reason = out.meta_info.finish_reason.type
         if reason == "abort":
             counters["aborted_turns"] += 1
@@ -469,19 +472,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--routed-experts",
         default=None,
-        metavar="LAYERS,TOP_K",
+        metavar="LAYERS,TOP_K[,EXPERTS]",
         help="MoE routing replay: ask the engine for every turn's routed experts, a model of "
-        "LAYERS MoE layers routing to TOP_K experts",
+        "LAYERS MoE layers routing to TOP_K of EXPERTS experts",
     )
     args = ap.parse_args(argv)
     routed = None
     if args.routed_experts is not None:
         try:
             routed = tuple(int(x) for x in args.routed_experts.split(","))
-            if len(routed) != 2 or min(routed) < 1:
+            if len(routed) not in (2, 3) or min(routed) < 1:
                 raise ValueError
         except ValueError:
-            ap.error("--routed-experts takes LAYERS,TOP_K (two positive integers)")
+            ap.error("--routed-experts takes LAYERS,TOP_K[,EXPERTS] (positive integers)")
     if args.token_budget is not None and args.token_budget < 1:
         ap.error("--token-budget must be > 0")
     for flag in ("max_sessions", "max_session_ids", "session_ttl_s"):
