@@ -475,6 +475,35 @@ def agentic_async(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def routing_replay(r: dict[str, Any]) -> list[str]:
+    base = r["step_s"]["plain"]
+    out = _table(
+        ["trainer", "train step s", "vs plain"],
+        [[k, _num(v, ".3f"), _ratio(v, base, ".3f")] for k, v in r["step_s"].items()],
+    )
+    out += [""]
+    out += _table(
+        ["weights", "routing mismatch", "|Δ log-prob| without replay", "|Δ log-prob| with replay"],
+        [
+            [
+                label,
+                _num(m["mismatch"], ".4f"),
+                _num(m["lp_diff_plain"], ".5f"),
+                _num(m["lp_diff_replay"], ".5f"),
+            ]
+            for label, m in (("the engine's", r["same_weights"]), ("one step on", r["one_step_on"]))
+        ],
+    )
+    out += [
+        "",
+        f"Replay overhead {r['replay_overhead']:+.1%} of the train step (target ≤ "
+        f"{r['targets']['replay_overhead']:.0%}); the record weighs "
+        f"{r['record_bytes_per_token']:g} bytes per token ({r['bytes_per_position']} per "
+        f"position: (T − 1)·L·k·4); {r['rows']} rows, {r['tokens']} tokens.",
+    ]
+    return out
+
+
 def _generic(r: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
 
@@ -498,6 +527,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "agentic_async_gpu": agentic_async,
     "step_time": step_time,
     "trainer_backends": trainer_backends,
+    "routing_replay": routing_replay,
     "session_load": session_load,
     "vs_trl": vs_trl,
 }

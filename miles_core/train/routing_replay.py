@@ -77,6 +77,7 @@ class RouterReplay:
         self._recorded: torch.Tensor | None = None  # [N] bool: rows the engine recorded
         self.mismatched = 0  # (position, MoE layer) pairs routed apart, since the last take
         self.checked = 0
+        self.totals = [0, 0]  # the same, never reset: (routed apart, checked)
         for layer, router in enumerate(self.routers):
             router.forward = types.MethodType(self._wrap(layer, router.forward), router)
 
@@ -91,8 +92,11 @@ class RouterReplay:
             ok = self._recorded.to(natural.device)
             if self.check:
                 differ = (natural.sort(-1).values != recorded.sort(-1).values).any(-1)
-                self.mismatched += int((differ & ok).sum())
-                self.checked += int(ok.sum())
+                apart, checked = int((differ & ok).sum()), int(ok.sum())
+                self.mismatched += apart
+                self.checked += checked
+                self.totals[0] += apart
+                self.totals[1] += checked
             if not self.replay:
                 return logits, weights, natural
             idx = torch.where(ok[:, None], recorded, natural)
