@@ -445,3 +445,43 @@ def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_s
         assert GenerateResponse.model_validate_json(raw).field_error is None
     finally:
         unregister_token_field("routed_experts")
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
+def test_replaying_the_routers_own_choice_reproduces_their_forward_and_gradients(preset):
+    """Each family's weight rule (softmax; sigmoid with the correction bias choosing, never
+    weighing) gives the chosen experts the weights the router itself gives them: replaying the
+    natural routes leaves logits and router gradients as they are."""
+    from miles_core.train.batch import TrainBatch
+    from miles_core.train.forward import MicroBatch
+    from miles_core.train.routing_replay import RouterReplay, routers_of
+
+    model, _ = build_model(preset, seed=2)
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    _, natural = _hf_routes(model, ids)  # [B, T, L, k]
+    routed_experts.declare(model.config.to_dict())
+    batch = TrainBatch(
+        tokens=ids.tolist(),
+        response_lengths=[3, 3],
+        loss_masks=[[1] * 3] * 2,
+        token_fields={"routed_experts": [r[:-1].numpy().astype(np.int32) for r in natural]},
+    )
+    mb = MicroBatch.build(batch, 0, torch.device("cpu"))
+
+    def forward_and_grads(replay: RouterReplay | None):
+        model.zero_grad()
+        if replay is None:
+            logits = model(input_ids=ids).logits
+        else:
+            with replay.micro_batch(mb):
+                logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), [r.weight.grad.clone() for r in routers_of(model)]
+
+    plain, plain_grads = forward_and_grads(None)
+    replay = RouterReplay(model, replay=True, check=True)
+    again, again_grads = forward_and_grads(replay)
+    assert (again - plain).abs().max() < 1e-6
+    for a, b in zip(plain_grads, again_grads, strict=True):
+        assert a.abs().max() > 0 and torch.allclose(a, b, atol=1e-7)
+    assert replay.take_counts()["routing_mismatch_fraction__num"] == 0

@@ -14,7 +14,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from miles_core.models.families import family_config
+from miles_core.models.families import family_config, init_extra
 from miles_core.models.presets import PRESETS
 from miles_core.models.tokenizer import build_tokenizer
 
@@ -67,6 +67,8 @@ def build_model(
     config = preset_config(preset, len(tok), tok.pad_token_id, tok.eos_token_id, context)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        init_extra(model, seed)
     model.eval()
     return model, tok
 

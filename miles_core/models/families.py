@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from transformers import Glm4MoeConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from miles_core.models.presets import ModelPreset
@@ -79,6 +80,16 @@ def _glm4_moe(p: ModelPreset, common: dict[str, Any]) -> PretrainedConfig:
         routed_scaling_factor=1.0,
         num_nextn_predict_layers=0,  # no multi-token-prediction layers
     )
+
+
+def init_extra(model: torch.nn.Module, seed: int) -> None:
+    """What a random init leaves at zero and a trained model does not: GLM4-MoE's routing
+    correction bias (it steers which experts are chosen, never their weights), drawn small and
+    seeded, so the bias path is exercised from the first step."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.copy_(torch.randn(buf.shape, generator=gen) * 0.01)
 
 
 FAMILIES: dict[str, Callable[[ModelPreset, dict[str, Any]], PretrainedConfig]] = {
