@@ -483,7 +483,7 @@ def routing_replay(r: dict[str, Any]) -> list[str]:
     )
     out += [""]
     out += _table(
-        ["weights", "routing mismatch", "|Δ log-prob| without replay", "|Δ log-prob| with replay"],
+        ["weights", "routing mismatch", "log-prob gap without replay", "log-prob gap with replay"],
         [
             [
                 label,

@@ -4,15 +4,15 @@ engine's record weighs, and what replay changes in the trainer's log-probs, on t
 One rollout batch from the serving engine in bf16 (`small-moe`, random init, `--rows` samples
 of the `reverse` prompts, up to `--new` new tokens each, routes recorded), then the same batch
 through three FSDP2 trainers of the same weights side by side: plain, replay, replay + checker.
-Per trainer: 1 warm-up, then `--steps` timed optimizer steps (policy loss; the median is
-reported). On the same batch, before any step: the trainer's routers against the engine's
+Per trainer: 1 warm-up, then `--steps` timed optimizer steps, taken round-robin across the
+trainers (policy loss; the median is reported). On the same batch, before any step: the trainer's routers against the engine's
 record (`routing_mismatch_fraction`: (position, MoE layer) pairs whose expert set differs) and
 |trainer − engine| log-probs of the response tokens, with and without replay; then once more
 after one optimizer step (the record now comes from the previous weights, as after a weight push
 under one-step-off or fully async). Record size: int32 bytes per token, measured against
 (T − 1)·L·k·4. Prints a table, then one JSON object as the last line.
 
-    python benchmarks/routing_replay.py [--rows 32] [--new 48] [--steps 5]
+    python benchmarks/routing_replay.py [--rows 32] [--new 48] [--steps 9]
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def trainer(model_dir: str, replay: bool, check: bool):
     cfg = RunConfig().train.model_copy(
         update={
             "micro_batch_size": 8,
-            "lr": 1e-3,
+            "lr": 1e-5,  # an RL step's size: "one step on" is one weight push's worth
             "routing_replay": replay,
             "check_routing_replay": check,
             "share_prompts": False,  # the same padded rows in every variant
@@ -113,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--new", type=int, default=48)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=9)
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = build_model(PRESET, seed=0)
@@ -135,16 +135,16 @@ def main() -> None:
         }
         prober = trainer(model_dir, False, True)  # routes by itself, counts, replays on demand
         before = probe(prober, batch)
-        step_s: dict[str, float] = {}
-        for name, t in variants.items():  # warm-up, then timed steps
+        for t in variants.values():  # warm-up
             t.train_step(batch)
-            times = []
-            for _ in range(args.steps):
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.steps):  # round-robin: a slow moment of the machine hits every one
+            for name, t in variants.items():
                 t1 = time.perf_counter()
                 t.train_step(batch)
-                times.append(time.perf_counter() - t1)
-            step_s[name] = statistics.median(times)
-            print(f"{name}: median train step {step_s[name]:.3f} s", flush=True)
+                times[name].append(time.perf_counter() - t1)
+        step_s = {name: statistics.median(v) for name, v in times.items()}
+        print("median train step: " + ", ".join(f"{k} {v:.3f} s" for k, v in step_s.items()))
         prober.train_step(batch)  # one step on: the record lags the weights by one version
         after = probe(prober, batch)
         for t in [*variants.values(), prober]:
