@@ -485,3 +485,62 @@ def test_replaying_the_routers_own_choice_reproduces_their_forward_and_gradients
     for a, b in zip(plain_grads, again_grads, strict=True):
         assert a.abs().max() > 0 and torch.allclose(a, b, atol=1e-7)
     assert replay.take_counts()["routing_mismatch_fraction__num"] == 0
+
+
+@pytest.mark.slow
+def test_every_transport_pushes_moe_weights_bitwise_and_the_engine_routes_with_them(tmp_path):
+    """Expert tensors are 3-D ([experts, 2·width, hidden]); every transport delivers them bitwise
+    to an MoE engine server (p2p from two ranks that split every tensor along dim 1), and the
+    engine's routes after a push are those of the pushed weights."""
+    from test_transports import _TwoRankShards
+
+    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+    from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+    from miles_core.token_fields import register_token_field
+    from miles_core.weights import make_transport, weights_checksum
+    from miles_core.weights.disk import DiskTransport
+    from miles_core.weights.source import TensorBuckets
+
+    model, tok = build_model("tiny-moe-shared", seed=1)
+    model_dir = save_hf_dir(model, tok, tmp_path / "moe")
+    register_token_field(routed_experts.routed_experts_field(2, 2, 8))
+    gen = torch.Generator().manual_seed(0)
+
+    def new_weights() -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen)
+            for n, p in model.named_parameters()
+        }
+
+    with EngineProcess(model_dir, args=["--threads", "1"], weight_roots=[tmp_path]) as proc:
+        engine = HttpEngine(proc.url)
+        try:
+            for version, name in enumerate(["shared_memory", "disk", "broadcast", "p2p"], 1):
+                if name == "disk":
+                    transport = DiskTransport(root=str(tmp_path / "w"), keep=1)
+                else:
+                    transport = make_transport(name)
+                transport.connect([engine])
+                weights = new_weights()
+                source = _TwoRankShards(weights) if name == "p2p" else TensorBuckets(weights, per=3)
+                try:
+                    transport.push(source, version=version)
+                finally:
+                    getattr(transport, "close", lambda: None)()
+                assert engine.weights_checksum() == weights_checksum(weights.items()), name
+                assert engine.weight_version == version
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(weights[n])  # the HF model now holds the last push
+            sp = SamplingParams(max_new_tokens=4, sampling_seed=3)
+            [resp] = engine.generate(
+                [
+                    GenerateRequest(
+                        input_ids=[5, 6, 7, 8], sampling_params=sp, return_routed_experts=True
+                    )
+                ]
+            )
+            want = _sequence_routes(model, [5, 6, 7, 8] + resp.output_ids)
+            assert np.array_equal(resp.token_fields["routed_experts"], want)
+        finally:
+            engine.close()
