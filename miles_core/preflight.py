@@ -191,8 +191,8 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
         check(config.train.model_dump(), model_config, where)
     from miles_core.engines import engine_refuses
 
-    # an engine may refuse a model its forward does not implement (the serving engine: dense
-    # Qwen3 only)
+    # an engine may refuse a model its forward does not implement (the serving engine: Qwen3's
+    # attention only), or routes it cannot return
     routes = config.rollout.return_routed_experts
     reason = engine_refuses(config.rollout.engine, model_config, routed_experts=routes)
     if reason is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from miles_core import routed_experts
 from miles_core.engine.server import (
     AbortBody,
     CheckerBody,
@@ -57,6 +58,13 @@ def test_the_generate_payload_uses_sglang_field_names():
     assert payload["rid"] == ["r1", "r2"] and payload["input_ids"] == [[1, 2, 3]] * 2
     for params in payload["sampling_params"]:
         assert set(params) <= set(API["sampling_params"])
+    # MoE routing replay: the request flag is SGLang's GenerateReqInput field, in both forms
+    routed = req.model_copy(update={"return_routed_experts": True})
+    assert routed_experts.REQUEST_FLAG in STRUCTS["GenerateReqInput"]
+    assert generate_payload(routed)[routed_experts.REQUEST_FLAG] is True
+    batch = batch_payload([req, routed])
+    assert set(batch) <= set(STRUCTS["GenerateReqInput"])
+    assert batch[routed_experts.REQUEST_FLAG] == [False, True]
 
 
 @pytest.mark.parametrize(
