@@ -80,17 +80,23 @@ def moe_sizes(cfg: dict) -> dict[str, int]:
     experts = _count(cfg, "num_local_experts", "n_routed_experts", "num_experts")
     if not experts:
         return {}
+    return {
+        "experts": experts,
+        "expert_size": _count(cfg, "moe_intermediate_size"),
+        "shared": _count(cfg, "n_shared_experts"),
+        "moe_layers": len(moe_layer_indices(cfg)),
+    }
+
+
+def moe_layer_indices(cfg: dict) -> list[int]:
+    """The layers of an MoE config that hold experts (all but Qwen3-MoE's mlp_only_layers and
+    the layers decoder_sparse_step skips, and GLM4-MoE's first first_k_dense_replace)."""
     n = _count(cfg, "num_hidden_layers")
     dense = set(cfg.get("mlp_only_layers") or [])
     dense |= set(range(_count(cfg, "first_k_dense_replace")))
     step = _count(cfg, "decoder_sparse_step") or 1
     dense |= {i for i in range(n) if (i + 1) % step}
-    return {
-        "experts": experts,
-        "expert_size": _count(cfg, "moe_intermediate_size"),
-        "shared": _count(cfg, "n_shared_experts"),
-        "moe_layers": n - len(dense & set(range(n))),
-    }
+    return [i for i in range(n) if i not in dense]
 
 
 def estimate_parameters(

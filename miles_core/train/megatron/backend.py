@@ -94,12 +94,14 @@ class MegatronBackend(SPMDCalls):
             DistributedDataParallelConfig,
         )
 
+        from miles_core.train.megatron.architecture import check_buildable
         from miles_core.train.megatron.cpu import apply_cpu_shim
         from miles_core.train.megatron.model import build_gpt
         from miles_core.train.megatron.pipeline import Stage
 
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         hf = self.hf_config.to_dict()
+        check_buildable(hf)
         self.shapes = convert.Shapes.of(hf)
         self.layout = resolve_layout(optim.get("parallel"), self.world)
         check_model_divides(self.layout, hf)
@@ -148,9 +150,9 @@ class MegatronBackend(SPMDCalls):
     def check_model(settings: dict[str, Any], hf: dict[str, Any], where: str) -> None:
         """Before anything starts: the converter knows the architecture, and the layout of
         `settings` (train.parallel, train.world_size) divides the model (preflight)."""
-        from miles_core.train.megatron.architecture import check_architecture
+        from miles_core.train.megatron.architecture import check_buildable
 
-        check_architecture(hf, where)
+        check_buildable(hf, where)
         if resolve_device(settings.get("device") or "auto").type != "cpu":
             raise ValueError(CUDA_NOT_BUILT)
         layout = resolve_layout(settings.get("parallel"), int(settings.get("world_size", 1)))

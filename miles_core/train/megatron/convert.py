@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from miles_core.model_check import moe_layer_indices, moe_sizes
 from miles_core.train.megatron.architecture import check_architecture
 
 
@@ -39,6 +40,12 @@ class Shapes:
     vocab: int
     layers: int
     tied: bool
+    # mixture of experts (none in a dense model): routed experts, the layers that have them,
+    # shared experts (GLM4-MoE: 0 or 1 fused MLP), the router's correction bias
+    experts: int = 0
+    moe_layers: frozenset[int] = frozenset()
+    shared_experts: int = 0
+    expert_bias: bool = False
 
     @classmethod
     def of(cls, hf: Any) -> Shapes:
@@ -46,6 +53,8 @@ class Shapes:
         d = hf if isinstance(hf, dict) else hf.to_dict()
         check_architecture(d)
         heads = int(d["num_attention_heads"])
+        layers = int(d["num_hidden_layers"])
+        moe = moe_sizes(d)
         return cls(
             heads=heads,
             groups=int(d.get("num_key_value_heads") or heads),
@@ -53,8 +62,12 @@ class Shapes:
             hidden=int(d["hidden_size"]),
             ffn=int(d["intermediate_size"]),
             vocab=int(d["vocab_size"]),
-            layers=int(d["num_hidden_layers"]),
+            layers=layers,
             tied=bool(d.get("tie_word_embeddings", False)),
+            experts=moe.get("experts", 0),
+            moe_layers=frozenset(moe_layer_indices(d)) if moe else frozenset(),
+            shared_experts=moe.get("shared", 0),
+            expert_bias=d.get("model_type") == "glm4_moe",
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -77,6 +90,22 @@ _TOP = {
     "model.norm.weight": "decoder.final_layernorm.weight",
     "lm_head.weight": "output_layer.weight",
 }
+# an MoE layer's MLP: the router (and its correction bias), the shared experts (one fused MLP),
+# and each routed expert e, a slice [e] of HF's fused 3-D expert tensors
+_MOE = {
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+    "mlp.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+}
+_SHARED_FC1 = ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+_EXPERTS = {
+    "mlp.experts.gate_up_proj": "linear_fc1.weight",
+    "mlp.experts.down_proj": "linear_fc2.weight",
+}
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
+_MOE_BACK = {v: k for k, v in _MOE.items()}
+_EXPERTS_BACK = {v: k for k, v in _EXPERTS.items()}
 _LAYER_BACK = {v: k for k, v in _LAYER.items()}
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _MC_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -108,19 +137,33 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Te
     """A full HF state dict → full Megatron tensors (global layer names, vocabulary unpadded).
     Tied embeddings: no `output_layer.weight` (a pipeline's last stage takes the embedding)."""
     out: dict[str, torch.Tensor] = {}
+    known = set(_TOP)
     for i in range(s.layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for h, mc in _LAYER.items():
+        dense = {k: v for k, v in _LAYER.items() if i not in s.moe_layers or "mlp." not in k}
+        for h, mc in dense.items():
             out[m + mc] = hf[p + h]
         out[m + QKV] = fuse_qkv(*(hf[p + n] for n in _QKV), s.groups)
-        out[m + FC1] = torch.cat([hf[p + n] for n in _FC1])
+        known |= {p + n for n in (*dense, *_QKV)}
+        if i not in s.moe_layers:
+            out[m + FC1] = torch.cat([hf[p + n] for n in _FC1])
+            known |= {p + n for n in _FC1}
+            continue
+        for h, mc in _MOE.items():
+            if p + h in hf:
+                out[m + mc] = hf[p + h]
+                known.add(p + h)
+        if s.shared_experts:
+            out[m + SHARED_FC1] = torch.cat([hf[p + n] for n in _SHARED_FC1])
+            known |= {p + n for n in _SHARED_FC1}
+        for h, mc in _EXPERTS.items():
+            for e, t in enumerate(hf[p + h]):
+                out[f"{m}mlp.experts.local_experts.{e}.{mc}"] = t
+            known.add(p + h)
     for h, mc in _TOP.items():
         if h == "lm_head.weight" and s.tied:
             continue
         out[mc] = hf[h]
-    known = set(_TOP) | {
-        f"model.layers.{i}.{n}" for i in range(s.layers) for n in (*_LAYER, *_QKV, *_FC1)
-    }
     extra = sorted(set(hf) - known - ({"lm_head.weight"} if s.tied else set()))
     if extra:
         raise ValueError(f"HF weights the Megatron converter does not know: {extra[:5]}")
@@ -130,9 +173,27 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Te
 def megatron_to_hf(mc: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
     """Full Megatron tensors (global names) → the HF state dict (tied: no `lm_head.weight`)."""
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # HF fused expert tensor → its slices
     for name, t in mc.items():
-        out.update(to_hf(name, t, s))
+        e = expert_of(name)
+        for hf_name, part in to_hf(name, t, s):
+            if e is None:
+                out[hf_name] = part
+            else:
+                experts.setdefault(hf_name, {})[e] = part
+    for hf_name, parts in experts.items():
+        missing = sorted(set(range(s.experts)) - set(parts))
+        if missing:
+            raise ValueError(f"{hf_name}: the Megatron weights lack experts {missing[:5]}")
+        out[hf_name] = torch.cat([parts[e] for e in range(s.experts)])
     return out
+
+
+def expert_of(name: str) -> int | None:
+    """The routed expert a Megatron tensor belongs to (global name), or None."""
+    m = _MC_LAYER.fullmatch(name)
+    e = _EXPERT.fullmatch(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
 
 
 def hf_names(name: str, s: Shapes) -> list[str]:
@@ -152,6 +213,13 @@ def hf_names(name: str, s: Shapes) -> list[str]:
         return [p + n for n in _QKV]
     if rest == FC1:
         return [p + n for n in _FC1]
+    if rest == SHARED_FC1:
+        return [p + n for n in _SHARED_FC1]
+    if rest in _MOE_BACK:
+        return [p + _MOE_BACK[rest]]
+    expert = _EXPERT.fullmatch(rest)
+    if expert is not None:  # one slice ([e]) of the fused HF tensor
+        return [p + _EXPERTS_BACK[expert.group(2)]]
     if rest not in _LAYER_BACK:
         raise ValueError(f"unknown Megatron weight {name!r}")
     return [p + _LAYER_BACK[rest]]
@@ -168,8 +236,10 @@ def to_hf(
     rest = rest.group(2) if rest else name
     if rest == QKV:
         parts = split_qkv(t, s, groups or s.groups)
-    elif rest == FC1:
+    elif rest in (FC1, SHARED_FC1):
         parts = t.chunk(2)
+    elif _EXPERT.fullmatch(rest):
+        parts = (t.unsqueeze(0),)  # rows [e, e + 1) of the fused HF tensor
     elif rest in VOCAB and groups is None:
         parts = (t[: s.vocab],)  # a full tensor drops the padding
     else:
@@ -249,6 +319,9 @@ def hf_pieces(name: str, s: Shapes, tp: int, rank: int) -> list[tuple[str, int, 
             (p + _QKV[2], 0, rank * kv_rows, kv_rows),
         ]
     names = hf_names(name, s)
+    e = expert_of(name)
+    if e is not None:
+        return [(names[0], 0, e, 1)]  # its expert's row of the fused HF tensor
     if dim is None:
         return [(names[0], 0, 0, -1)]  # whole: -1 stands for the full length
     if rest == FC1:
