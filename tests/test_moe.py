@@ -247,6 +247,13 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             2,
             2,
         )
+        for bad in (  # a flag per prompt that does not fit, the wrong type: 4xx, never 5xx
+            {**batch, "return_routed_experts": [True]},
+            {**body, "return_routed_experts": "yes please"},
+            {**body, "return_routed_experts": [True, False, None]},
+        ):
+            r = httpx.post(f"{proc.url}/generate", json=bad, timeout=60)
+            assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
         register_token_field(routed_experts.routed_experts_field(2, 2))
         client = HttpEngine(proc.url)
         try:
