@@ -228,12 +228,18 @@ class RolloutConfig(_Strict):
 class ParallelConfig(_Strict):
     """How a Megatron trainer splits the model over its ranks (train.backend: megatron; FSDP2
     is data parallel only). tp × pp × cp × dp = train.world_size; dp defaults to what the
-    others leave."""
+    others leave. ep splits a mixture-of-experts model's experts over data-parallel ranks."""
 
     tp: int = Field(1, ge=1, description="tensor parallel: heads, MLP columns, vocabulary")
     pp: int = Field(1, ge=1, description="pipeline parallel: consecutive layers per stage")
     cp: int = Field(1, ge=1, description="context parallel (needs TransformerEngine: 1 here)")
     dp: int | None = Field(None, ge=1, description="data parallel; default: what is left")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert parallel (MoE models): each of ep data-parallel ranks holds 1/ep of "
+        "every layer's routed experts and runs them for the tokens of all ep",
+    )
 
     @property
     def model_parallel(self) -> int:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from miles_core.config import load_config
 from miles_core.models.builder import preset_config
@@ -141,15 +142,20 @@ def test_an_architecture_the_converter_does_not_know_is_refused_before_start(tmp
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
-def test_moe_weights_convert_to_megatrons_experts_and_back_bitwise(preset):
+def test_moe_weights_convert_to_megatrons_experts_and_back_bitwise(preset, tmp_path):
     """Each routed expert e is row [e] of HF's fused 3-D expert tensors (gate_up_proj [E, 2I, H]
     is Megatron's local_experts.e.linear_fc1 as is); the router, its correction bias and the
     shared experts map one to one; the dense first layer of GLM4-MoE stays dense."""
-    from miles_core.models import build_model
+    from miles_core.models import build_model, save_hf_dir
 
-    model, _ = build_model(preset, seed=0)
+    model, tok = build_model(preset, seed=0)
     hf = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     shapes = convert.Shapes.of(model.config.to_dict())
+    # transformers saves one tensor per expert and projection: fused back, they are the modules'
+    saved = load_file(save_hf_dir(model, tok, tmp_path / "hf") / "model.safetensors")
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in saved)
+    fused = convert.fuse_saved_experts(saved)
+    assert set(fused) == set(hf) and all(torch.equal(fused[k], v) for k, v in hf.items())
     mc = convert.hf_to_megatron(hf, shapes)
     for i in shapes.moe_layers:
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -170,17 +176,35 @@ def test_moe_weights_convert_to_megatrons_experts_and_back_bitwise(preset):
         convert.megatron_to_hf(missing, shapes)
 
 
-def test_the_megatron_backend_refuses_an_moe_model_before_start(tmp_path):
+@pytest.mark.parametrize(
+    "preset, sets, message",
+    [
+        ("tiny-moe", ("train.world_size=2", "train.parallel.tp=2"), r"tp=2 with mixture-of-"),
+        (
+            "tiny-moe",
+            (
+                "train.world_size=3",
+                "train.parallel.ep=3",
+                "train.global_batch_size=12",
+                "rollout.prompts_per_step=3",
+            ),
+            r"8 experts .* by ep \(3\)",
+        ),
+        ("tiny", ("train.world_size=2", "train.parallel.ep=2"), r"the model has no experts"),
+    ],
+    ids=["tp-moe", "ep-experts", "ep-dense"],
+)
+def test_an_expert_layout_that_does_not_fit_the_model_is_refused_before_start(
+    tmp_path, preset, sets, message
+):
     from miles_core.preflight import preflight
 
-    config = load_config(
-        None,
-        [
-            *MEGATRON,
-            "model.preset=tiny-moe",
-            f"checkpoint.root={tmp_path}/c",
-            f"tracking.tracking_uri=sqlite:///{tmp_path}/m.db",
-        ],
-    )
-    with pytest.raises(ValueError, match="does not build mixture-of-experts layers yet"):
+    root = [f"checkpoint.root={tmp_path}/c", f"tracking.tracking_uri=sqlite:///{tmp_path}/m.db"]
+    config = load_config(None, [*MEGATRON, *root, f"model.preset={preset}", *sets])
+    with pytest.raises(ValueError, match=message):
         preflight(config)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match=r"ep=2: .* dp=1 is not a multiple of it"):
+        load_config(
+            None, [*MEGATRON, "train.world_size=2", "train.parallel.pp=2", "train.parallel.ep=2"]
+        )

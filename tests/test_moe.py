@@ -20,7 +20,7 @@ from miles_core.models import PRESETS, build_model, count_parameters, save_hf_di
 from miles_core.models.builder import preset_config
 from miles_core.models.tokenizer import build_tokenizer
 from miles_core.preflight import preflight
-from miles_core.token_fields import FIELDS, unregister_token_field
+from miles_core.token_fields import FIELDS, get_token_field, unregister_token_field
 
 MOE = sorted(name for name, p in PRESETS.items() if p.is_moe)
 
@@ -267,7 +267,20 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             assert np.array_equal(
                 sample.token_fields["routed_experts"], _sequence_routes(model, sample.tokens)
             )
-            assert _replayed_in_training(tmp_path / "moe", sample)
+            # continued after a pause-abort: the prompt and what was generated, asked again
+            ids = prompt + resp.output_ids
+            [more] = client.generate(
+                [GenerateRequest(input_ids=ids, sampling_params=sp, return_routed_experts=True)]
+            )
+            field = get_token_field("routed_experts")
+            rows = field.join(
+                resp.token_fields["routed_experts"], more.token_fields["routed_experts"]
+            )
+            ids += more.output_ids
+            assert np.array_equal(rows, _sequence_routes(model, ids))
+            batch = _replay_batch(sample, ids, len(prompt), rows)
+            assert _replayed_in_training(tmp_path / "moe", batch)
+            assert _replayed_in_megatron(tmp_path / "moe", batch)
         finally:
             client.close()
             unregister_token_field("routed_experts")
@@ -302,10 +315,34 @@ def _three_session_turns(engine_url: str):
     return sample
 
 
-def _replayed_in_training(model_dir, sample) -> bool:
-    """The experts the FSDP2 trainer's expert layers run for `sample` under replay equal its
-    recorded routes (every recorded position and MoE layer)."""
+def _replay_batch(sample, ids: list[int], prompt_len: int, rows: np.ndarray):
+    """A training batch of two rows: the session's sample, and a sequence continued after a
+    pause-abort (`ids`, the routes of its two engine calls joined: `rows`)."""
     from miles_core.train.batch import TrainBatch
+
+    session = TrainBatch.from_samples([sample], [0.0], 1.0)
+    n = len(ids) - prompt_len
+    return TrainBatch(
+        tokens=[*session.tokens, ids],
+        response_lengths=[*session.response_lengths, n],
+        loss_masks=[*session.loss_masks, [1] * n],
+        advantages=[0.0, 0.0],
+        token_fields={"routed_experts": [*session.token_fields["routed_experts"], rows]},
+    )
+
+
+def _recorded_masks(batch) -> list[torch.Tensor]:
+    """Per row: the recorded experts as a mask [positions, MoE layers, experts]."""
+    return [
+        torch.nn.functional.one_hot(torch.from_numpy(r).long(), 8).sum(-2).bool()
+        for r in batch.token_fields["routed_experts"]
+    ]
+
+
+def _replayed_in_training(model_dir, batch) -> bool:
+    """The experts the FSDP2 trainer's expert layers run for every row of `batch` under replay
+    equal its recorded routes (every recorded position and MoE layer), with routers perturbed
+    so that they would choose apart."""
     from miles_core.train.forward import MicroBatch
     from miles_core.train.routing_replay import RouterReplay
 
@@ -321,17 +358,50 @@ def _replayed_in_training(model_dir, sample) -> bool:
         for layer in model.model.layers
         if hasattr(layer.mlp, "experts")
     ]
-    batch = TrainBatch.from_samples([sample], [0.0], 1.0)
     mb = MicroBatch.build(batch, 0, torch.device("cpu"))
     with torch.no_grad(), replay.micro_batch(mb):
         model(input_ids=mb.padded.input_ids)
     for h in hooks:
         h.remove()
-    n = len(sample.tokens) - 1
-    got = torch.stack([u.view(1, -1, u.shape[-1])[0, :n] for u in used], dim=1)
-    counts = replay.take_counts()
-    assert counts["routing_mismatch_fraction__num"] > 0  # the perturbed routers disagreed
-    return torch.equal(got, torch.from_numpy(sample.token_fields["routed_experts"]).long())
+    b, t = mb.padded.input_ids.shape
+    chosen = torch.stack([u.view(b, t, -1) for u in used], dim=2)  # [B, T, L, k]
+    got = torch.nn.functional.one_hot(chosen, 8).sum(-2).bool()
+    assert replay.take_counts()["routing_mismatch_fraction__num"] > 0  # they disagreed
+    return all(torch.equal(got[i, : len(m)], m) for i, m in enumerate(_recorded_masks(batch)))
+
+
+def _replayed_in_megatron(model_dir, batch) -> bool:
+    """The same through the Megatron backend (one rank, in this process): its routers' routing
+    maps under replay (Megatron's RouterReplay hook), in its sequence-first token order."""
+    from miles_core.config import RunConfig
+    from miles_core.train.megatron.routing_replay import replay_hooks
+    from miles_core.train.registry import make_backend
+
+    cfg = RunConfig().train.model_copy(
+        update={"micro_batch_size": 2, "routing_replay": True, "check_routing_replay": True}
+    )
+    settings = cfg.model_dump()
+    trainer = make_backend("megatron", model_dir=str(model_dir), optim=settings, loss=settings)
+    try:
+        routers = replay_hooks(trainer.model)
+        used: list[torch.Tensor] = []
+        with torch.no_grad():
+            for r in routers:
+                r.weight.add_(torch.randn_like(r.weight))
+        hooks = [r.register_forward_hook(lambda m, a, o: used.append(o[1])) for r in routers]
+        trainer.compute_log_probs(batch)
+        for h in hooks:
+            h.remove()
+        apart, checked = trainer.routing.totals
+    finally:
+        from megatron.core import parallel_state
+
+        trainer.close()
+        parallel_state.destroy_model_parallel()  # no process groups left for later tests
+    assert apart > 0 and checked == sum(len(m) for m in _recorded_masks(batch)) * len(routers)
+    t = max(len(x) for x in batch.tokens)
+    got = torch.stack([u.view(t, len(batch), -1).transpose(0, 1) for u in used], dim=2)
+    return all(torch.equal(got[i, : len(m)], m) for i, m in enumerate(_recorded_masks(batch)))
 
 
 @pytest.mark.slow

@@ -4,7 +4,10 @@
   split evenly);
 - the Megatron backend under every layout the 2 cores allow (tp1, tp2, pp2, dp2, tp2×pp2 on 4
   ranks) matches one FSDP2 rank over 3 steps; its checkpoint resumes bitwise under the same
-  layout and resharded under another; every transport is bitwise after a push from tp2×pp2.
+  layout and resharded under another; every transport is bitwise after a push from tp2×pp2;
+  an MoE model (GLM4-MoE shape: a dense first layer, shared expert, sigmoid routing) trains the
+  same with its experts split over 2 ranks (ep=2) as on one, and as FSDP2 trains it, and every
+  transport is bitwise after a push from the ep=2 trainer.
   These share FSDP2's launches (one per world size, `tests/scripts/trainer_parity.py`);
 - `miles train` on two ranks, fully async, pushes its shards to an engine server (p2p, bf16),
   and an agentic run trains on two ranks as on one."""
@@ -66,12 +69,28 @@ MEGATRON_LAYOUTS = {  # name: (ranks, train.parallel)
 }
 
 
-def _megatron_configs(world: int, out: Path, first: int, ckpt: str) -> list[tuple[str, dict]]:
+def _megatron_configs(
+    world: int, out: Path, first: int, ckpt: str, moe: Path
+) -> list[tuple[str, dict]]:
     """(name, config) of the Megatron runs of a launch of `world` ranks whose results start at
     index `first`: the FSDP2 reference (one rank), every layout of this size, and on two ranks a
     checkpoint after 2 steps (tp2) resumed for the third as tp2 and as pp2; on four, the pushes
-    through every transport after the parity steps."""
+    through every transport after the parity steps. The MoE model `moe`: FSDP2 and Megatron on
+    one rank, Megatron with ep=2 on two (then its pushes through every transport)."""
     common = {"steps": STEPS, "lr": LR, **MEGATRON_LOSS}
+    moe_runs = {
+        1: [
+            ("moe_fsdp", common | {"model": str(moe)}),
+            ("moe_ep1", common | {"model": str(moe), "backend": "megatron"}),
+        ],
+        2: [
+            (
+                "moe_ep2",
+                common
+                | {"model": str(moe), "backend": "megatron", "parallel": {"ep": 2}, "push": True},
+            )
+        ],
+    }
     runs = [
         (name, common | {"backend": "megatron", "parallel": parallel})
         for name, (ranks, parallel) in MEGATRON_LAYOUTS.items()
@@ -89,19 +108,22 @@ def _megatron_configs(world: int, out: Path, first: int, ckpt: str) -> list[tupl
         ]
     if world == 4:
         runs[0][1]["push"] = True
-    return runs
+    return runs + moe_runs.get(world, [])
 
 
 @pytest.fixture(scope="module")
 def parity_runs(tiny_dir, tmp_path_factory):
     """Every FSDP2 loss config on 1 rank and on 2 ranks, and the Megatron runs, in one launch
     per world size: (FSDP2 one rank, FSDP2 two ranks, {Megatron run name: result})."""
+    from miles_core.models import build_model, save_hf_dir
+
     tmp = tmp_path_factory.mktemp("parity")
     ckpt = str(tmp / "ckpt")
+    moe = save_hf_dir(*build_model("tiny-moe-shared", seed=1), tmp / "moe")
     fsdp, megatron = [], {}
     for world, out in ((1, tmp / "one"), (2, tmp / "two"), (4, tmp / "four")):
         plain = CONFIGS if world < 4 else []
-        extra = _megatron_configs(world, out, len(plain), ckpt)
+        extra = _megatron_configs(world, out, len(plain), ckpt, moe)
         results = _run(world, tiny_dir, out, [*plain, *(c for _, c in extra)])
         fsdp.append(results[: len(plain)])
         megatron.update(zip((n for n, _ in extra), results[len(plain) :], strict=True))
@@ -176,6 +198,46 @@ def test_a_checkpoint_resumes_bitwise_and_reshards_to_another_layout(parity_runs
     for name, t in uninterrupted.items():
         assert torch.equal(same[name], t), name
         assert (other[name] - t).abs().max() < 1e-5, name
+
+
+@pytest.mark.slow
+def test_an_moe_model_trains_the_same_with_its_experts_on_two_ranks(parity_runs):
+    """tiny-moe-shared (a dense first layer, then sigmoid top-2 of 8 experts chosen with a
+    correction bias, and a shared expert), 3 steps: Megatron with ep=2 (each rank 4 experts of
+    every MoE layer, and half the batch) against Megatron on one rank, and Megatron against
+    FSDP2 on one rank (the HF modules): per-token log-probs, loss and the other metrics within
+    1e-5 at every step (ep=2 vs 1: the grad norm too; against FSDP2 the grad norm within 1e-4
+    of itself: Megatron routes by the top-k of the scores, HF renormalises the softmax over all
+    of them, a few 1e-7 apart), and the weights within the dense comparisons' tolerance."""
+    runs = parity_runs[2]
+
+    def compare(name: str, ref: str, grad_norm_rel: float | None = None) -> None:
+        (w_ref, r_ref), (w, r) = runs[ref], runs[name]
+        assert set(w) == set(w_ref) and any(".mlp.experts." in n for n in w), name
+        total = sum(t.numel() for t in w_ref.values())
+        off = 0
+        for n in w_ref:
+            diff = (w[n] - w_ref[n]).abs()
+            assert diff.max() <= 2 * STEPS * LR, (name, n)
+            off += int((diff > 1e-5).sum())
+        assert off <= 1e-3 * total, f"{name}: {off} of {total} weights differ by more than 1e-5"
+        for m_ref, m in zip(r_ref["metrics"], r["metrics"], strict=True):
+            for key in ("loss", "pg_loss", "ppo_kl", "kl_loss", "entropy"):
+                assert m[key] == pytest.approx(m_ref[key], abs=1e-5), (name, key)
+            tol = {"rel": grad_norm_rel} if grad_norm_rel else {"abs": 1e-5}
+            assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], **tol), name
+        flat_ref = [x for row in r_ref["old_log_probs"] for x in row]
+        flat = [x for row in r["old_log_probs"] for x in row]
+        assert max(abs(a - b) for a, b in zip(flat, flat_ref, strict=True)) < 1e-5, name
+        assert r_ref["metrics"][1]["ppo_kl"] != 0.0
+
+    compare("moe_ep2", "moe_ep1")
+    compare("moe_ep1", "moe_fsdp", grad_norm_rel=1e-4)
+    # the ep=2 trainer's pushes: each rank sends its own experts' rows (p2p) or rank 0
+    # gathers them; the engine holds exactly the trainer's weights after each push
+    assert runs["moe_ep2"][1]["pushes"] == {
+        k: True for k in ("colocated", "shared_memory", "disk", "broadcast", "p2p", "p2p_bf16")
+    }
 
 
 @pytest.mark.slow

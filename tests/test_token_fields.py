@@ -200,8 +200,8 @@ def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monke
     seen: list[tuple[TrainBatch, PaddedBatch]] = []
     build = PaddedBatch.build.__func__
 
-    def spy(cls, batch, pad_id):
-        padded = build(cls, batch, pad_id)
+    def spy(cls, batch, pad_id, width=0):
+        padded = build(cls, batch, pad_id, width)
         seen.append((batch, padded))
         return padded
 

@@ -141,8 +141,10 @@ class PaddedBatch:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, batch: TrainBatch, pad_id: int) -> PaddedBatch:
-        width = max(len(t) for t in batch.tokens)
+    def build(cls, batch: TrainBatch, pad_id: int, width: int = 0) -> PaddedBatch:
+        """`width`: pad the rows to at least this many positions (ranks whose collectives need
+        equal shapes: Megatron's expert-parallel token exchange)."""
+        width = max(width, *(len(t) for t in batch.tokens))
         resp = max(max(batch.response_lengths), 1)
         lengths = batch.response_lengths
         for i, (lm, n) in enumerate(zip(batch.loss_masks, lengths, strict=True)):

@@ -3,7 +3,7 @@ of it (`LossNeeds`). Everything is response-aligned: [B, R], R = the longest res
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,9 +34,14 @@ class MicroBatch:
 
     @classmethod
     def build(
-        cls, batch: TrainBatch, pad_id: int, device: torch.device, share_prompts: bool = False
+        cls,
+        batch: TrainBatch,
+        pad_id: int,
+        device: torch.device,
+        share_prompts: bool = False,
+        width: int = 0,
     ) -> MicroBatch:
-        padded = PaddedBatch.build(batch, pad_id)
+        padded = PaddedBatch.build(batch, pad_id, width)
         prefix = SharedPrefix.build(batch, pad_id) if share_prompts else None
         if device.type != "cpu":
             padded = padded.to(device)
@@ -83,6 +88,3 @@ class TokenOutputs:
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
-    # the forward's own counts for the step's stats (e.g. the routing checker's), summed over
-    # micro-batches and ranks like a loss's plain stats
-    stats: dict[str, float] = field(default_factory=dict)

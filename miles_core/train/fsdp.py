@@ -162,8 +162,7 @@ class FSDPBackend(SPMDCalls):
                 )
             with torch.no_grad():
                 ref, _ = self._log_probs(self.ref_model, mb)
-        stats = self.routing.take_counts() if self.routing is not None else {}
-        return TokenOutputs(lp, entropy, ref, stats)
+        return TokenOutputs(lp, entropy, ref)
 
     def _log_probs(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         padded = mb.padded

@@ -15,10 +15,17 @@ from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.batch import TrainBatch
 from miles_core.train.registry import backend_path, get_loss
+from miles_core.train.routing_replay import RouteReplay
 
 
 class SPMDCalls:
     loss_cfg: dict[str, Any]
+    routing: RouteReplay | None = None  # MoE routing replay / its checker, when the run asks
+
+    def take_stats(self) -> dict[str, float]:
+        """This rank's forwards' own counts since the last call (the routing checker's), which
+        the step sums over ranks like its loss statistics."""
+        return self.routing.take_counts() if self.routing is not None else {}
 
     def _announce_init(self, **kwargs: Any) -> None:
         """Followers build this class with the same keyword arguments."""

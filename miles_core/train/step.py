@@ -52,6 +52,11 @@ class StepBackend(Protocol):
 
     def set_training(self, training: bool) -> None: ...
 
+    def take_stats(self) -> dict[str, float]:
+        """This rank's forwards' own counts since the last call (e.g. the routing checker's),
+        summed over ranks into the step's metrics like the loss statistics."""
+        ...
+
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, zero the gradients, advance the LR schedule: {grad_norm, lr (before)}."""
         ...
@@ -100,6 +105,7 @@ def compute_log_probs(backend: StepBackend, batch: TrainBatch) -> list[list[floa
     with torch.no_grad():
         parts = list(micro_batches(local, backend.micro_batch_size))
         backend.forward_backward(parts, LossNeeds(), collect, train=False)
+    backend.take_stats()  # what this pass counted is not a training step's
     return gather_rows(rows, backend.dp_rank)[: len(batch)]  # without `shard`'s inert rows
 
 
@@ -122,7 +128,7 @@ def train_step(
 
     def loss_of(mb: MicroBatch, out: TokenOutputs) -> torch.Tensor:
         mb_loss, stats = fn(out, mb, cfg, denom)
-        for k, v in (stats | out.stats).items():
+        for k, v in stats.items():
             sums[k] = sums.get(k, 0.0) + v
         return mb_loss * backend.dp_world
 
@@ -130,7 +136,8 @@ def train_step(
     backend.forward_backward(parts, needs, loss_of, train=True)
     step = backend.optimizer_step()
     backend.set_training(False)
-    metrics = reduce_stats(sums if backend.reports_stats else {}, global_tokens)
+    own = backend.take_stats()  # every rank's (the loss statistics: the reporting ranks')
+    metrics = reduce_stats((sums if backend.reports_stats else {}) | own, global_tokens)
     metrics.update(step)
     return metrics
 

@@ -2,8 +2,8 @@
 (one launch for all of them; the follower ranks replay every trainer rank 0 builds), and writes
 the final weights and metrics of config i to `<out>-<i>.safetensors` / `.json`.
 
-A config holds train settings and optionally `backend` (default fsdp), `parallel` (Megatron's
-layout), `steps` (default 2), `rows` and `leaves` (the batch's shape), `load` (a checkpoint to
+A config holds train settings and optionally `model` (another HF directory than the launch's,
+e.g. an MoE model), `backend` (default fsdp), `parallel` (Megatron's layout), `steps` (default 2), `rows` and `leaves` (the batch's shape), `load` (a checkpoint to
 resume from, with `old_from`: the JSON of the run whose old log-probs it continues), `save`
 (a directory: the trainer's checkpoint after the steps) and `push` (true: after the weights are
 written, the trainer pushes through every transport in turn, a step between two pushes, and the
@@ -103,6 +103,7 @@ for i, loss_overrides in enumerate(configs):
     rows = loss_overrides.pop("rows", len(out))  # the batch's first `rows` samples
     leaves = loss_overrides.pop("leaves", 1)  # consecutive rows sharing a rollout id
     backend = loss_overrides.pop("backend", "fsdp")
+    model_i = loss_overrides.pop("model", model_dir)
     num_steps = loss_overrides.pop("steps", 2)
     load, save, old_from, push = (
         loss_overrides.pop(k, None) for k in ("load", "save", "old_from", "push")
@@ -126,7 +127,7 @@ for i, loss_overrides in enumerate(configs):
         }
     )
     trainer = make_backend(
-        backend, model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
+        backend, model_dir=model_i, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
     )
     if load:
         trainer.load(load)
@@ -139,7 +140,7 @@ for i, loss_overrides in enumerate(configs):
     if save:
         trainer.save(save)
     weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
-    pushes = push_through_transports(trainer, model_dir, batch) if push else None
+    pushes = push_through_transports(trainer, model_i, batch) if push else None
     trainer.close()
     save_file(weights, f"{out_prefix}-{i}.safetensors")
     with open(f"{out_prefix}-{i}.json", "w") as f:

@@ -1,15 +1,15 @@
 """Which HF architectures the Megatron converter maps and the backend builds: decoder-only Qwen3
 (RMSNorm, gated SiLU MLP, RoPE, q/k RMSNorm per head, grouped-query attention, no biases, tied or
-untied embeddings); the converter also maps its MoE families (Qwen3-MoE, GLM4-MoE with full
-rotary and q/k norms), which the backend does not build yet. Anything else is refused before the
-run starts, with what differs. Pure Python."""
+untied embeddings) and its mixture-of-experts families: Qwen3-MoE (softmax top-k) and GLM4-MoE
+(full rotary, q/k norms, sigmoid top-k with a correction bias, renormalised, shared experts,
+leading dense layers). Anything else is refused before the run starts, with what differs. Pure
+Python."""
 
 from __future__ import annotations
 
 from typing import Any
 
-MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe")  # what the converter maps (convert.py)
-BUILDS = ("qwen3",)  # what the backend builds: MoE layers are not built yet
+MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe")  # what the converter maps and the backend builds
 
 
 def check_architecture(hf: dict[str, Any], where: str = "the model") -> None:
@@ -29,6 +29,8 @@ def check_architecture(hf: dict[str, Any], where: str = "the model") -> None:
             bad.append(f"partial_rotary_factor {rope['partial_rotary_factor']}")
         if int(hf.get("n_group") or 1) != 1:
             bad.append(f"group-limited routing (n_group {hf.get('n_group')})")
+        if not hf.get("norm_topk_prob", True) and int(hf.get("num_experts_per_tok") or 1) > 1:
+            bad.append("sigmoid routing without norm_topk_prob (Megatron renormalises)")
     if hf.get("attention_bias"):
         bad.append("attention_bias: true")
     if hf.get("hidden_act", "silu") != "silu":
@@ -49,14 +51,3 @@ def check_architecture(hf: dict[str, Any], where: str = "the model") -> None:
 def rope_theta(hf: dict[str, Any]) -> float:
     rope = hf.get("rope_parameters") or {}
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def check_buildable(hf: dict[str, Any], where: str = "the model") -> None:
-    """`check_architecture`, and what the backend builds of it (MoE layers: not yet)."""
-    check_architecture(hf, where)
-    if hf.get("model_type") not in BUILDS:
-        raise ValueError(
-            f"train.backend megatron: {where} is a {hf.get('model_type')!r} model, and the "
-            "Megatron backend does not build mixture-of-experts layers yet (the converter maps "
-            "them); use train.backend fsdp"
-        )

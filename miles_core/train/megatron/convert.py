@@ -46,6 +46,8 @@ class Shapes:
     moe_layers: frozenset[int] = frozenset()
     shared_experts: int = 0
     expert_bias: bool = False
+    top_k: int = 0  # experts per token
+    expert_ffn: int = 0  # one expert's MLP width
 
     @classmethod
     def of(cls, hf: Any) -> Shapes:
@@ -68,10 +70,17 @@ class Shapes:
             moe_layers=frozenset(moe_layer_indices(d)) if moe else frozenset(),
             shared_experts=moe.get("shared", 0),
             expert_bias=d.get("model_type") == "glm4_moe",
+            top_k=int(d.get("num_experts_per_tok") or 0) if moe else 0,
+            expert_ffn=moe.get("expert_size", 0),
         )
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab // tp) * tp
+
+    def moe_index(self, layer: int) -> int:
+        """The position of decoder layer `layer` (global, 0-based) among the MoE layers: its
+        row of a routing record."""
+        return sorted(self.moe_layers).index(layer)
 
 
 # one HF tensor ↔ one Megatron tensor, per layer
@@ -133,9 +142,42 @@ def split_qkv(qkv: torch.Tensor, s: Shapes, groups: int) -> tuple[torch.Tensor, 
     return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
 
 
+_SAVED_EXPERT = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight"
+)
+
+
+def fuse_saved_experts(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF MoE checkpoint as saved (transformers writes one tensor per expert and projection:
+    `experts.<e>.gate_proj.weight`, …) → the fused tensors its modules hold
+    (`experts.gate_up_proj` [E, 2·width, hidden], rows [gate; up]; `experts.down_proj`
+    [E, hidden, width]). A state dict already fused is returned as it is."""
+    per: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        m = _SAVED_EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = t
+        else:
+            per.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+    for prefix, proj in per.items():
+        experts = sorted(proj.get("down", {}))
+        if any(sorted(proj.get(k, {})) != experts for k in ("gate", "up")) or experts != list(
+            range(len(experts))
+        ):
+            raise ValueError(f"{prefix}: the checkpoint's experts are incomplete")
+        out[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([proj["gate"][e], proj["up"][e]]) for e in experts]
+        )
+        out[prefix + ".down_proj"] = torch.stack([proj["down"][e] for e in experts])
+    return out
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
-    """A full HF state dict → full Megatron tensors (global layer names, vocabulary unpadded).
-    Tied embeddings: no `output_layer.weight` (a pipeline's last stage takes the embedding)."""
+    """A full HF state dict (as saved, or as the modules hold it) → full Megatron tensors
+    (global layer names, vocabulary unpadded). Tied embeddings: no `output_layer.weight` (a
+    pipeline's last stage takes the embedding)."""
+    hf = fuse_saved_experts(hf)
     out: dict[str, torch.Tensor] = {}
     known = set(_TOP)
     for i in range(s.layers):
@@ -289,15 +331,65 @@ def tp_unshard(name: str, parts: list[torch.Tensor], s: Shapes) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def stage_name(name: str, offset: int) -> str:
-    """Global layer name → the name on the stage whose first layer is `offset`."""
+def stage_name(name: str, offset: int, expert_offset: int = 0) -> str:
+    """Global layer name → the name on the stage whose first layer is `offset` (an expert: on
+    the expert-parallel rank whose first expert is `expert_offset`)."""
     m = _MC_LAYER.fullmatch(name)
-    return f"decoder.layers.{int(m.group(1)) - offset}.{m.group(2)}" if m else name
+    if m is None:
+        return name
+    return f"decoder.layers.{int(m.group(1)) - offset}.{_shift_expert(m.group(2), -expert_offset)}"
 
 
-def global_name(name: str, offset: int) -> str:
+def global_name(name: str, offset: int, expert_offset: int = 0) -> str:
     m = _MC_LAYER.fullmatch(name)
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+    if m is None:
+        return name
+    return f"decoder.layers.{int(m.group(1)) + offset}.{_shift_expert(m.group(2), expert_offset)}"
+
+
+def _shift_expert(rest: str, by: int) -> str:
+    e = _EXPERT.fullmatch(rest)
+    return f"mlp.experts.local_experts.{int(e.group(1)) + by}.{e.group(2)}" if e else rest
+
+
+def moe_layer_names(layer: int, s: Shapes) -> list[str]:
+    """The MLP tensors of MoE layer `layer` (global names) in the order weights leave: the
+    router (and its correction bias), the shared experts, then every expert's fc1, every
+    expert's fc2 (each HF fused tensor's rows in order)."""
+    p = f"decoder.layers.{layer}.mlp."
+    names = [p + "router.weight"] + ([p + "router.expert_bias"] if s.expert_bias else [])
+    if s.shared_experts:
+        names += [p + "shared_experts.linear_fc1.weight", p + "shared_experts.linear_fc2.weight"]
+    for fc in ("linear_fc1.weight", "linear_fc2.weight"):
+        names += [f"{p}experts.local_experts.{e}.{fc}" for e in range(s.experts)]
+    return names
+
+
+def full_shape(name: str, s: Shapes, tp: int) -> list[int]:
+    """The shape of the full Megatron tensor `name` (global; vocabulary padded for `tp`)."""
+    m = _MC_LAYER.fullmatch(name)
+    rest = m.group(2) if m else name
+    expert = _EXPERT.fullmatch(rest)
+    if expert is not None:
+        rest = f"mlp.experts.{expert.group(2)}"
+    shared = s.shared_experts * s.expert_ffn
+    shapes = {
+        QKV: [(s.heads + 2 * s.groups) * s.head_dim, s.hidden],
+        FC1: [2 * s.ffn, s.hidden],
+        "mlp.linear_fc2.weight": [s.hidden, s.ffn],
+        "self_attention.linear_proj.weight": [s.hidden, s.heads * s.head_dim],
+        "self_attention.q_layernorm.weight": [s.head_dim],
+        "self_attention.k_layernorm.weight": [s.head_dim],
+        "mlp.router.weight": [s.experts, s.hidden],
+        "mlp.router.expert_bias": [s.experts],
+        SHARED_FC1: [2 * shared, s.hidden],
+        "mlp.shared_experts.linear_fc2.weight": [s.hidden, shared],
+        "mlp.experts.linear_fc1.weight": [2 * s.expert_ffn, s.hidden],
+        "mlp.experts.linear_fc2.weight": [s.hidden, s.expert_ffn],
+    }
+    if rest in VOCAB:
+        return [s.padded_vocab(tp), s.hidden]
+    return shapes.get(rest, [s.hidden])
 
 
 def hf_pieces(name: str, s: Shapes, tp: int, rank: int) -> list[tuple[str, int, int, int]]:
@@ -322,8 +414,8 @@ def hf_pieces(name: str, s: Shapes, tp: int, rank: int) -> list[tuple[str, int, 
     e = expert_of(name)
     if e is not None:
         return [(names[0], 0, e, 1)]  # its expert's row of the fused HF tensor
-    if dim is None:
-        return [(names[0], 0, 0, -1)]  # whole: -1 stands for the full length
+    if dim is None:  # whole (-1 stands for the full length); a shared fc1: gate and up
+        return [(n, 0, 0, -1) for n in names]
     if rest == FC1:
         rows = s.ffn // tp
         return [(n, 0, rank * rows, rows) for n in names]

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from miles_core.model_check import moe_sizes
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -14,13 +16,15 @@ class Layout:
     pp: int = 1  # pipeline parallel: consecutive layers per stage
     cp: int = 1  # context parallel: the sequence split across ranks
     dp: int = 1  # data parallel: replicas, each on its share of the batch
+    ep: int = 1  # expert parallel: the routed experts split over groups of ep data-parallel ranks
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
     def describe(self) -> str:
-        return f"tp={self.tp} × pp={self.pp} × cp={self.cp} × dp={self.dp}"
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        return f"tp={self.tp} × pp={self.pp} × cp={self.cp} × dp={self.dp}{ep}"
 
 
 def resolve_layout(parallel: dict[str, Any] | None, world: int) -> Layout:
@@ -35,7 +39,7 @@ def resolve_layout(parallel: dict[str, Any] | None, world: int) -> Layout:
             f"train.world_size ({world})"
         )
     dp = int(p["dp"]) if p.get("dp") is not None else world // model
-    layout = Layout(tp, pp, cp, dp)
+    layout = Layout(tp, pp, cp, dp, int(p.get("ep") or 1))
     if layout.world != world:
         raise ValueError(
             f"train.parallel: {layout.describe()} = {layout.world} ranks, but "
@@ -47,6 +51,11 @@ def resolve_layout(parallel: dict[str, Any] | None, world: int) -> Layout:
         raise ValueError(
             f"train.parallel.cp={cp}: context parallelism needs TransformerEngine's attention "
             "(CUDA only, not installed); this version trains with cp=1"
+        )
+    if layout.ep > 1 and layout.dp % layout.ep:
+        raise ValueError(
+            f"train.parallel.ep={layout.ep}: expert parallelism splits the experts over "
+            f"data-parallel ranks, and dp={dp} is not a multiple of it"
         )
     return layout
 
@@ -68,6 +77,19 @@ def check_model_divides(layout: Layout, hf: dict[str, Any]) -> None:
             bad.append(f"{what} ({size}) is not divisible by tp ({layout.tp})")
     if layers % layout.pp:
         bad.append(f"num_hidden_layers ({layers}) is not divisible by pp ({layout.pp})")
+    experts = moe_sizes(hf).get("experts", 0)
+    if layout.ep > 1 and not experts:
+        bad.append(f"ep={layout.ep} asks for expert parallelism, and the model has no experts")
+    elif experts and experts % layout.ep:
+        bad.append(f"its {experts} experts per layer are not divisible by ep ({layout.ep})")
+    if experts and layout.tp > 1:
+        # Megatron's MoE layers under tp > 1 need sequence parallelism (each tensor-parallel
+        # rank routes a slice of the tokens); without it every rank would run, and count the
+        # gradient of, the same tokens through the experts
+        bad.append(
+            f"tp={layout.tp} with mixture-of-experts layers (needs sequence parallelism, not "
+            "built: split the experts with ep instead)"
+        )
     if bad:
         raise ValueError(
             f"train.parallel {layout.describe()} does not fit the model: " + "; ".join(bad)
