@@ -528,6 +528,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "step_time": step_time,
     "trainer_backends": trainer_backends,
     "routing_replay": routing_replay,
+    "routing_replay_megatron": routing_replay,
     "session_load": session_load,
     "vs_trl": vs_trl,
 }

@@ -3,16 +3,18 @@ engine's record weighs, and what replay changes in the trainer's log-probs, on t
 
 One rollout batch from the serving engine in bf16 (`small-moe`, random init, `--rows` samples
 of the `reverse` prompts, up to `--new` new tokens each, routes recorded), then the same batch
-through three FSDP2 trainers of the same weights side by side: plain, replay, replay + checker.
+through three trainers of the same weights side by side (`--backend`: FSDP2 on the HF modules,
+or Megatron with its RouterReplay hook, one rank): plain, replay, replay + checker.
 Per trainer: 1 warm-up, then `--steps` timed optimizer steps, taken round-robin across the
 trainers (policy loss; the median is reported). On the same batch, before any step: the trainer's routers against the engine's
 record (`routing_mismatch_fraction`: (position, MoE layer) pairs whose expert set differs) and
 |trainer − engine| log-probs of the response tokens, with and without replay; then once more
 after one optimizer step (the record now comes from the previous weights, as after a weight push
 under one-step-off or fully async). Record size: int32 bytes per token, measured against
-(T − 1)·L·k·4. Prints a table, then one JSON object as the last line.
+(T − 1)·L·k·4. Prints a table, then one JSON object as the last line; recorded as
+`results/routing_replay.json` (FSDP2) or `routing_replay_megatron.json`.
 
-    python benchmarks/routing_replay.py [--rows 32] [--new 48] [--steps 9]
+    python benchmarks/routing_replay.py [--backend fsdp|megatron] [--rows 32] [--new 48] [--steps 9]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def rollout(model, tok, rows: int, new: int) -> TrainBatch:
     return batch
 
 
-def trainer(model_dir: str, replay: bool, check: bool):
+def trainer(model_dir: str, replay: bool, check: bool, backend: str):
     cfg = RunConfig().train.model_copy(
         update={
             "micro_batch_size": 8,
@@ -77,7 +79,8 @@ def trainer(model_dir: str, replay: bool, check: bool):
             "share_prompts": False,  # the same padded rows in every variant
         }
     )
-    return make_backend("fsdp", model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump())
+    settings = cfg.model_dump()
+    return make_backend(backend, model_dir=model_dir, optim=settings, loss=settings)
 
 
 def logprob_diff(t, batch: TrainBatch) -> float:
@@ -114,6 +117,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--backend", choices=["fsdp", "megatron"], default="fsdp")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = build_model(PRESET, seed=0)
@@ -129,11 +133,12 @@ def main() -> None:
         tokens = sum(len(x) for x in batch.tokens)
         record_bytes = sum(a.nbytes for a in batch.token_fields["routed_experts"])
         variants = {
-            "plain": trainer(model_dir, False, False),
-            "replay": trainer(model_dir, True, False),
-            "replay+check": trainer(model_dir, True, True),
+            "plain": trainer(model_dir, False, False, args.backend),
+            "replay": trainer(model_dir, True, False, args.backend),
+            "replay+check": trainer(model_dir, True, True, args.backend),
         }
-        prober = trainer(model_dir, False, True)  # routes by itself, counts, replays on demand
+        # routes by itself, counts, replays on demand
+        prober = trainer(model_dir, False, True, args.backend)
         before = probe(prober, batch)
         for t in variants.values():  # warm-up
             t.train_step(batch)
@@ -150,7 +155,9 @@ def main() -> None:
         for t in [*variants.values(), prober]:
             t.close()
     overhead = step_s["replay"] / step_s["plain"] - 1
-    print(f"{PRESET}: {len(batch.tokens)} rows, {tokens} tokens, {layers} MoE layers, top-{top_k}")
+    print(
+        f"{PRESET} ({args.backend}): {len(batch.tokens)} rows, {tokens} tokens, {layers} MoE layers, top-{top_k}"
+    )
     print(f"{'variant':14}{'step s':>9}{'vs plain':>10}")
     for name, s in step_s.items():
         print(f"{name:14}{s:>9.3f}{s / step_s['plain']:>10.3f}")
@@ -163,6 +170,7 @@ def main() -> None:
         f"record: {record_bytes / tokens:.1f} bytes per token ((T-1)·L·k·4 = {layers * top_k * 4} per position)"
     )
     result = {
+        "backend": args.backend,
         "replay_overhead": round(overhead, 4),
         "step_s": {k: round(v, 4) for k, v in step_s.items()},
         "record_bytes_per_token": round(record_bytes / tokens, 2),
@@ -176,7 +184,8 @@ def main() -> None:
     print(json.dumps(result))
     from record import record_result  # benchmarks/record.py: results/<name>.json + docs
 
-    record_result("routing_replay", result)
+    name = "routing_replay" if args.backend == "fsdp" else f"routing_replay_{args.backend}"
+    record_result(name, result)
 
 
 if __name__ == "__main__":
