@@ -184,8 +184,10 @@ def main() -> None:
     print(json.dumps(result))
     from record import record_result  # benchmarks/record.py: results/<name>.json + docs
 
-    name = "routing_replay" if args.backend == "fsdp" else f"routing_replay_{args.backend}"
-    record_result(name, result)
+    if args.backend == "megatron":
+        record_result("routing_replay_megatron", result)
+    else:
+        record_result("routing_replay", result)
 
 
 if __name__ == "__main__":

@@ -371,10 +371,11 @@ class TrainConfig(OptimConfig):
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"micro_batch_size × data-parallel ranks ({unit})"
             )
-        if self.parallel.model_parallel > 1 and self.backend == "fsdp":
+        if (self.parallel.model_parallel > 1 or self.parallel.ep > 1) and self.backend == "fsdp":
             raise ValueError(
                 f"train.parallel asks for tp={self.parallel.tp}, pp={self.parallel.pp}, "
-                f"cp={self.parallel.cp}: train.backend fsdp is data parallel only (use megatron)"
+                f"cp={self.parallel.cp}, ep={self.parallel.ep}: train.backend fsdp is data "
+                "parallel only (use megatron)"
             )
         return self
 
@@ -611,6 +612,12 @@ class AgentConfig(_Strict):
     )
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     concurrency: int = Field(32, gt=0, description="episodes in flight")
+    routing: Literal["group", "session"] = Field(
+        "group",
+        description="which episodes share an engine behind the router: `group`, every episode "
+        "of a GRPO group (their common prompt is computed once and cached for the siblings); "
+        "`session`, each episode by itself (spreads the load finer)",
+    )
     reward_function: str | None = Field(
         None,
         description="per-episode reward hook 'pkg.mod:name' (episode: Episode) -> float, applied "

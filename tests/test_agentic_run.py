@@ -196,7 +196,10 @@ def test_two_engines_behind_the_router_lose_one_mid_episode_and_lose_no_episode(
 
     from miles_core.types import Status
 
-    cfg = _config(tmp_path, "rollout.num_engines=2", "agent.eval_episodes=2")
+    # each episode routed by itself (not by group): the step's episodes spread over both
+    cfg = _config(
+        tmp_path, "rollout.num_engines=2", "agent.eval_episodes=2", "agent.routing=session"
+    )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
     try:
         rt.submit_evaluation(0)  # its episodes go through the router too (u64 seeds only)

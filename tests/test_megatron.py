@@ -91,8 +91,9 @@ def test_a_layout_that_does_not_fit_the_world_is_refused(sets, message):
 
 
 def test_fsdp_refuses_model_parallel_layouts():
-    with pytest.raises(ValueError, match="fsdp is data parallel only"):
-        load_config(None, ["train.world_size=2", "train.parallel.tp=2"])
+    for split in ("train.parallel.tp=2", "train.parallel.ep=2"):
+        with pytest.raises(ValueError, match="fsdp is data parallel only"):
+            load_config(None, ["train.world_size=2", split])
 
 
 def test_the_sft_warm_start_shares_the_trainer_layout():

@@ -73,10 +73,11 @@ def test_the_router_listens_on_loopback_only(fleet):
 
 
 def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path):
-    """The session server in front of the router sends each session's id as routing key: every
-    turn after a session's first reaches the engine that served the first, so the engine finds
-    the whole earlier conversation in its prefix cache (with 2 engines and no affinity, each of
-    these 12 turns would miss with probability 1/2)."""
+    """The session server in front of the router sends each session's routing key (its id, or
+    the key it was opened with: a GRPO group's) with every turn: every turn after a session's
+    first reaches the engine that served the first, so the engine finds the whole earlier
+    conversation in its prefix cache (with 2 engines and no affinity, each of these 12 turns
+    would miss with probability 1/2)."""
     from openai import OpenAI
 
     from miles_core.sessions import SessionServerProcess
@@ -103,6 +104,25 @@ def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path)
             client.close()
         totals = httpx.get(f"{sessions.url}/metrics").json()  # the same, as the run sees it
         assert totals["cached_prompt_ids"] >= totals["session_prefix_ids"] > 0
+        # sessions that share a routing key (a GRPO group's episodes) share an engine: the
+        # second's first turn finds the first's prompt in that engine's cache (by session id,
+        # it would reach the other engine with probability 1/2 per group)
+        for g in range(3):
+            usage = []
+            for _ in range(2):
+                body = {"routing_key": f"s0-g{g}"}
+                sid = httpx.post(f"{sessions.url}/sessions", json=body).json()["session_id"]
+                client = OpenAI(base_url=f"{sessions.url}/sessions/{sid}/v1", api_key="none")
+                messages = [{"role": "user", "content": f"reverse group {g}"}]
+                r = client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=4, seed=0
+                )
+                usage.append(r.usage)
+                client.close()
+            assert usage[1].prompt_tokens_details.cached_tokens >= usage[1].prompt_tokens - 1, g
+        for bad in ("", "k" * 129, 7):
+            r = httpx.post(f"{sessions.url}/sessions", json={"routing_key": bad})
+            assert 400 <= r.status_code < 500, bad
     finally:
         sessions.stop()
 

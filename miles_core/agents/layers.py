@@ -57,6 +57,7 @@ class GenerateInput:
     rollout_id: str
     session_url: str  # the session server
     api_key: str | None = None  # the session server's key (Authorization: Bearer), if it has one
+    routing_key: str | None = None  # episodes sharing one share an engine (default: by session)
 
 
 @dataclass

@@ -44,9 +44,15 @@ class AgenticRollout:
         self._seen: dict[str, float] = {}  # session-server totals at the last step
 
     async def _episode(
-        self, example, rollout_id: str, seed: int, limit: contextlib.AbstractAsyncContextManager
+        self,
+        example,
+        rollout_id: str,
+        seed: int,
+        limit: contextlib.AbstractAsyncContextManager,
+        routing_key: str | None = None,
     ) -> GenerateOutput:
-        """One agent episode through the generate function; its failure is the episode's."""
+        """One agent episode through the generate function; its failure is the episode's.
+        Episodes with the same `routing_key` share an engine behind the router."""
         r, agent = self.config.rollout, self.config.agent
         messages = (
             [{"role": "user", "content": example.prompt}]
@@ -66,6 +72,7 @@ class AgenticRollout:
             rollout_id=rollout_id,
             session_url=self.setup.session_url,
             api_key=self.setup.api_key,
+            routing_key=routing_key,
         )
         async with limit:
             t0 = time.perf_counter()  # from its in-flight slot, not its wait for one
@@ -101,9 +108,12 @@ class AgenticRollout:
         flight), the reward hooks, the episodes' leaves as one SampleGroup (a failed episode:
         reward 0, zero loss mask, FAILED; each episode's outcome on its first leaf)."""
         n = self.config.rollout.n_samples_per_prompt
+        key = f"s{step}-g{g}" if self.config.agent.routing == "group" else None
         outputs = await asyncio.gather(
             *(
-                self._episode(example, f"s{step}-g{g}-{k}", self.episode_seed(step, g, k), limit)
+                self._episode(
+                    example, f"s{step}-g{g}-{k}", self.episode_seed(step, g, k), limit, key
+                )
                 for k in range(n)
             )
         )

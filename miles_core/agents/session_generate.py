@@ -33,9 +33,10 @@ async def session_generate(
     async with httpx.AsyncClient(
         base_url=inp.session_url, timeout=60.0, limits=limits, headers=headers
     ) as http:
-        r = await http.post(
-            "/sessions", json={"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
-        )
+        body = {"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
+        if inp.routing_key is not None:
+            body["routing_key"] = inp.routing_key
+        r = await http.post("/sessions", json=body)
         r.raise_for_status()
         sid = r.json()["session_id"]
         result, error = AgentResult(), None

@@ -1,6 +1,6 @@
 """The session server: OpenAI-compatible chat completions per session, token-faithful.
 
-    POST   /sessions                              {rollout_id?, metadata?} → {session_id, base_url}
+    POST   /sessions                              {rollout_id?, metadata?, routing_key?} → {session_id, base_url}
     GET    /sessions/{id}                         turns, leaves, branches, TITO divergences
     DELETE /sessions/{id}
     POST   /sessions/{id}/v1/chat/completions     OpenAI chat completion (tools, reasoning)
@@ -43,7 +43,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles_core.proc.auth import bearer, protect
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
@@ -66,6 +66,9 @@ class CreateBody(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False)
     rollout_id: str | None = None
     metadata: dict[str, Any] = {}
+    # behind a router, the sessions that share a key share an engine (e.g. a GRPO group's
+    # episodes, whose common prompt its prefix cache then holds once); default: the session id
+    routing_key: str | None = Field(None, min_length=1, max_length=128)
 
 
 class SamplesBody(BaseModel):
@@ -79,6 +82,7 @@ class Session:
     trajectory: Trajectory
     metadata: dict[str, Any]
     last_used: float = 0.0
+    routing_key: str = ""  # the router's key for its turns ("": the session id)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -234,7 +238,11 @@ def create_app(
             )
         sid = uuid.uuid4().hex[:16]
         sessions[sid] = Session(
-            sid, Trajectory(family, body.rollout_id or sid), body.metadata, clock()
+            sid,
+            Trajectory(family, body.rollout_id or sid),
+            body.metadata,
+            clock(),
+            routing_key=body.routing_key or sid,
         )
         counters["sessions_created"] += 1
         return {"session_id": sid, "base_url": f"/sessions/{sid}/v1"}
@@ -344,8 +352,8 @@ def create_app(
             return_routed_experts=routed_experts,  # each turn's rows join per turn
         )
         try:
-            # the session id as routing key: behind a router, its turns reach one engine
-            headers = {ROUTING_KEY_HEADER: s.id}
+            # behind a router, every turn of the session reaches one engine (its prefix there)
+            headers = {ROUTING_KEY_HEADER: s.routing_key}
             async with client().post("/generate", json=generate_payload(req), headers=headers) as r:
                 status, data = r.status, await r.text()
         except (aiohttp.ClientError, TimeoutError) as e:
