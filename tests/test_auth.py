@@ -220,6 +220,7 @@ def test_sglang_router_with_the_key_requires_it_and_sends_it_to_keyed_engines(fl
     from miles_core.rollout.router import RouterProcess
 
     pytest.importorskip("sglang_router")
+    assert f"--api-key=-{KEY}" in RouterProcess(["http://x"], api_key=f"-{KEY}").command()
     with RouterProcess([fleet.process.url], log_path=tmp_path / "r.log", api_key=KEY) as router:
         assert router.healthy_urls() == [fleet.process.url]  # our /workers calls send the key
         assert httpx.get(f"{router.url}/workers").status_code == 401

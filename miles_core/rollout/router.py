@@ -84,7 +84,9 @@ class RouterProcess(ManagedProcess):
             self.host,
             "--prometheus-port",
             str(self.metrics_port),
-            *(["--api-key", self.api_key] if self.api_key else []),
+            # one argument, `=`-joined: a key may start with "-" (a URL-safe random key does
+            # once in 64), which the router's argparse would take for an option
+            *([f"--api-key={self.api_key}"] if self.api_key else []),
         ]
 
     def workers(self) -> list[dict]:
