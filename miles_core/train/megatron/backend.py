@@ -1,5 +1,7 @@
 """`train.backend: megatron`: the run's HF model trained as a megatron-core `GPTModel` with tensor,
-pipeline and data parallelism (`train.parallel`, `layout.py`).
+pipeline and data parallelism, and an MoE model's experts split over expert-parallel ranks
+(`train.parallel`, `layout.py`); routing replay through Megatron's router hook
+(`routing_replay.py`).
 
 The step loop, the losses and the data-parallel split are the shared ones
 (`miles_core.train.step`); this file holds what is Megatron's own: the model built per pipeline
