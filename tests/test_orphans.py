@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_engine_and_session_servers_exit_within_seconds_of_a_killed_parent(tiny_dir, tmp_path):
+def test_engine_router_and_session_servers_exit_within_seconds_of_a_killed_parent(
+    tiny_dir, tmp_path
+):
     parent = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(tiny_dir)],
         stdout=subprocess.PIPE,

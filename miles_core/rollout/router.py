@@ -9,13 +9,13 @@ once it serves the current weight version. Stopped by PID like the engines.
 
 Key: with `api_key` (the engines' key: sglang-router's `--api-key`) the router requires
 `Authorization: Bearer` from its clients, its `/workers` routes included, and sends it to its
-workers (tests/test_auth.py); our calls to it send it. It takes the key only on its command line,
-which `ps` shows: give it a key only on a host whose other users you trust.
+workers (tests/test_auth.py); our calls to it send it. The router is started through
+`router_main.py`, which hands it the key from the environment: the key never appears on a
+command line (`ps`), and the router exits with the process that started it.
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -26,15 +26,7 @@ from miles_core.proc.managed import ManagedProcess
 from miles_core.proc.ports import PortRange, free_port
 from miles_core.rollout.http_engine import ROUTING_KEY_HEADER
 
-__all__ = ["ROUTING_KEY_HEADER", "RouterProcess", "router_binary"]
-
-
-def router_binary() -> str:
-    beside = Path(sys.executable).parent / "sglang-router"
-    found = str(beside) if beside.exists() else shutil.which("sglang-router")
-    if not found:
-        raise FileNotFoundError("sglang-router is not installed (pip install sglang-router)")
-    return found
+__all__ = ["ROUTING_KEY_HEADER", "RouterProcess"]
 
 
 class RouterProcess(ManagedProcess):
@@ -62,7 +54,9 @@ class RouterProcess(ManagedProcess):
 
     def command(self) -> list[str]:
         return [
-            router_binary(),
+            sys.executable,
+            "-m",
+            "miles_core.rollout.router_main",  # the key from the environment (child_env)
             "launch",
             "--host",
             self.host,
@@ -84,9 +78,6 @@ class RouterProcess(ManagedProcess):
             self.host,
             "--prometheus-port",
             str(self.metrics_port),
-            # one argument, `=`-joined: a key may start with "-" (a URL-safe random key does
-            # once in 64), which the router's argparse would take for an option
-            *([f"--api-key={self.api_key}"] if self.api_key else []),
         ]
 
     def workers(self) -> list[dict]:
