@@ -59,6 +59,18 @@ def test_a_workspace_parent_the_sandbox_cannot_pass_is_refused(tmp_path):
         Sandbox(LIMITS, parent=closed)
 
 
+def test_as_root_each_sandbox_runs_as_its_own_uid_with_no_groups_or_capabilities(sandbox):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("only root gives each sandbox its own uid")
+    r = sandbox.run("id -u; id -g; id -G; grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status")
+    uid = str(sandbox.uid)
+    lines = r.output.split("\n")
+    assert lines[:3] == [uid, uid, uid], r.output  # dropped by setpriv in the exec chain
+    assert all(line.endswith("0000000000000000") for line in lines[3:6]), r.output
+
+
 def test_a_fork_bomb_is_capped_and_cleaned_up(sandbox):
     r = sandbox.run("bomb() { bomb | bomb & }; bomb; sleep 1; echo done")
     assert "Cannot fork" in r.output or r.killed_by is not None
