@@ -20,6 +20,7 @@ import httpx
 
 from miles_core.agents.layers import AgentFn, AgentResult, GenerateInput, GenerateOutput
 from miles_core.proc.auth import bearer
+from miles_core.proc.ssl_context import shared_ssl_context
 from miles_core.types import Status, sample_from_json
 
 
@@ -31,7 +32,11 @@ async def session_generate(
     headers = bearer(inp.api_key)
     request_kwargs = dict(inp.request_kwargs) | ({"extra_headers": headers} if headers else {})
     async with httpx.AsyncClient(
-        base_url=inp.session_url, timeout=60.0, limits=limits, headers=headers
+        base_url=inp.session_url,
+        timeout=60.0,
+        limits=limits,
+        headers=headers,
+        verify=shared_ssl_context(),  # not one built per episode (proc/ssl_context.py)
     ) as http:
         body = {"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
         if inp.routing_key is not None:

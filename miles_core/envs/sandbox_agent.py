@@ -65,7 +65,9 @@ def _context_full(error) -> bool:
 async def run_agent(
     base_url: str, prompt: list[dict], request_kwargs: dict[str, Any], metadata: dict[str, Any]
 ) -> dict:
-    from openai import AsyncOpenAI, BadRequestError
+    from openai import AsyncOpenAI, BadRequestError, DefaultAsyncHttpxClient
+
+    from miles_core.proc.ssl_context import shared_ssl_context
 
     if "environment" not in metadata:
         raise ValueError("metadata has no 'environment' (the environment class's import path)")
@@ -74,7 +76,13 @@ async def run_agent(
     if metadata.get("turn_slack") is not None:
         max_turns = min(max_turns, len(task.solution) + int(metadata["turn_slack"]))
     limits = SandboxLimits(**metadata.get("limits", {}))
-    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    client = AsyncOpenAI(
+        base_url=base_url,
+        api_key="none",
+        max_retries=0,
+        # OpenAI's client defaults, with the process's TLS context (not one built per episode)
+        http_client=DefaultAsyncHttpxClient(verify=shared_ssl_context()),
+    )
     messages = list(prompt)
     turns = commands = bad_calls = truncated = context_full = 0
     clock = {"model_s": 0.0, "sandbox_s": 0.0}
