@@ -120,7 +120,7 @@ def test_an_agent_session_keeps_its_engine_and_its_prefix_cache(fleet, tmp_path)
                 usage.append(r.usage)
                 client.close()
             assert usage[1].prompt_tokens_details.cached_tokens >= usage[1].prompt_tokens - 1, g
-        for bad in ("", "k" * 129, 7):
+        for bad in ("", "k" * 129, 7, "a\r\nX-Injected: 1", "ü"):
             r = httpx.post(f"{sessions.url}/sessions", json={"routing_key": bad})
             assert 400 <= r.status_code < 500, bad
     finally:

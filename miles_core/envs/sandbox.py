@@ -11,8 +11,8 @@
   then the PID namespace and the wall clock bound them). The uid is dropped by util-linux
   `setpriv` in the exec chain, not by `Popen(user=…)`: a Popen that changes credentials cannot
   use vfork and copies the whole (trainer-sized) process holding the GIL, ≈68 ms a command at
-  1.6 GB against ≈2 ms, during which every episode's event loop waits. The workspace itself has no disk quota
-  beyond the per-file size limit.
+  1.6 GB against ≈2 ms, during which every episode's event loop waits. The workspace itself
+  has no disk quota beyond the per-file size limit.
 
 Whatever a command does, `run` returns a `RunResult` (exit code, the first `output_kb` of its
 output, what killed it); it never raises for the command's behaviour.

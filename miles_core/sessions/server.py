@@ -68,7 +68,10 @@ class CreateBody(BaseModel):
     metadata: dict[str, Any] = {}
     # behind a router, the sessions that share a key share an engine (e.g. a GRPO group's
     # episodes, whose common prompt its prefix cache then holds once); default: the session id
-    routing_key: str | None = Field(None, min_length=1, max_length=128)
+    # (it travels as an HTTP header: letters, digits and `._:-` only)
+    routing_key: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$"
+    )
 
 
 class SamplesBody(BaseModel):
