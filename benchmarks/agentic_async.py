@@ -39,6 +39,7 @@ import torch
 
 from miles_core.config import load_config
 from miles_core.runtime import RLRuntime, prepare_model_dir
+from miles_core.steplog import trailing_mean
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agentic_async_cpu.yaml"
 
@@ -82,10 +83,6 @@ def cpu_busy(before, after) -> float:
     )
     total = sum(after) - sum(before)
     return 1.0 - idle / total if total > 0 else 0.0
-
-
-def moving_average(values: list[float], width: int = 9) -> list[float]:
-    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
 
 def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
@@ -164,7 +161,9 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
         "model_s": mean("model_s"),
         "sandbox_s": mean("sandbox_s"),
         "failed_episodes": sum(s["failed"] for s in per_step),
-        "success_ma9_last": moving_average([s["success"] for s in per_step])[-1],
+        "success_ma9_last": trailing_mean(
+            list(enumerate(s["success"] for s in per_step)), len(per_step) - 1
+        ),
         "success": [round(s["success"], 3) for s in per_step],
         "limit": cfg.agent.concurrency,
     }

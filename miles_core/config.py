@@ -640,6 +640,14 @@ class AgentConfig(_Strict):
     eval_every: int = Field(
         0, ge=0, description="also evaluate after every N steps (0 = first and last only)"
     )
+    eval_samples: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="episodes per evaluation task, each at its own fixed seed (the first the one "
+        "a 1-sample evaluation runs); eval/* average over all of them: k samples, a standard error "
+        "about 1/sqrt(k) as wide",
+    )
 
     @model_validator(mode="after")
     def _settings_fit(self) -> AgentConfig:
@@ -648,6 +656,8 @@ class AgentConfig(_Strict):
                 raise ValueError(f"agent.command and agent.function: {RUN_COMMAND} go together")
             if self.eval_every and not self.eval_episodes:
                 raise ValueError("agent.eval_every needs agent.eval_episodes > 0")
+            if self.eval_samples > 1 and not self.eval_episodes:
+                raise ValueError("agent.eval_samples needs agent.eval_episodes > 0")
             return self
         unused = [
             name
@@ -658,6 +668,7 @@ class AgentConfig(_Strict):
                 ("agent.reward_function", self.reward_function),
                 ("agent.group_reward_function", self.group_reward_function),
                 ("agent.eval_episodes", self.eval_episodes),
+                ("agent.eval_samples", self.eval_samples > 1),
             )
             if value
         ]

@@ -9,7 +9,16 @@ import statistics
 import time
 
 from miles_core.progress import Reporter
-from miles_core.tracking import Tracker
+from miles_core.tracking import SUCCESS_KEY, SUCCESS_MA_KEY, Tracker
+
+MA_WIDTH = 9  # SUCCESS_MA_KEY's window
+
+
+def trailing_mean(points: list[tuple[int, float]], step: int, width: int = MA_WIDTH) -> float:
+    """The mean of the (step, value) points at `step` and the `width` - 1 steps before it."""
+    window = [v for s, v in points if step - width < s <= step]
+    return statistics.fmean(window)
+
 
 PHASES = (
     "perf/rollout_time_s",
@@ -36,6 +45,10 @@ class StepLog:
         inner = sum(metrics.get(k, 0.0) for k in PHASES)
         metrics["perf/step_time_s"] = step_time
         metrics["perf/orchestration_time_s"] = max(0.0, step_time - inner)
+        if SUCCESS_KEY in metrics:  # over the steps logged before (a resumed run's too; a step
+            # run again after a resume counts once, as now)
+            past = [(s, v) for s, v in self.tracker.history(SUCCESS_KEY) if s != step]
+            metrics[SUCCESS_MA_KEY] = trailing_mean([*past, (step, metrics[SUCCESS_KEY])], step)
         self.history.append(metrics)
         t_flush = time.perf_counter()
         self.tracker.log_metrics(metrics, step)

@@ -37,6 +37,9 @@ NEWEST_POLICY_ALIAS = "newest"
 
 DEFAULT_CURVE_KEYS = ("rollout/reward_mean",)
 EVAL_CURVE_KEY = "eval/reward_mean"  # plotted too when the run evaluates
+# an agentic run's training success and its 9-step average (steplog.py: how the seeds' case
+# study reports it), both reloaded on resume
+SUCCESS_KEY, SUCCESS_MA_KEY = "rollout/success_rate", "rollout/success_rate_ma9"
 
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. :/]")
 _ALREADY_EXISTS = ErrorCode.Name(RESOURCE_ALREADY_EXISTS)
@@ -236,7 +239,8 @@ class Tracker:
         """On re-attach, the curve keys' past points come back, so the reward curve of a resumed
         run covers the whole run."""
         for key in latest:
-            if key in (*DEFAULT_CURVE_KEYS, EVAL_CURVE_KEY) or key.endswith("exact_match"):
+            curves = (*DEFAULT_CURVE_KEYS, EVAL_CURVE_KEY, SUCCESS_KEY, SUCCESS_MA_KEY)
+            if key in curves or key.endswith("exact_match"):
                 points = self.client.get_metric_history(self.run_id, key)
                 self._history[key] = {
                     m.step: m.value for m in sorted(points, key=lambda m: m.timestamp)
@@ -264,8 +268,8 @@ class Tracker:
         """Plot metric histories against step, log the PNG as a run artifact, return its path
         (a local copy that lasts until `finish`).
 
-        ``keys`` defaults to ``rollout/reward_mean``, ``eval/reward_mean`` (when logged) and every
-        ``*exact_match`` history key.
+        ``keys`` defaults to ``rollout/reward_mean``, ``eval/reward_mean`` and
+        ``rollout/success_rate_ma9`` (when logged) and every ``*exact_match`` history key.
         ``also_to`` is a directory (the PNG is copied in as ``filename``) or a ``.png`` path.
         """
         import matplotlib
@@ -277,6 +281,8 @@ class Tracker:
             keys = [*DEFAULT_CURVE_KEYS]
             if EVAL_CURVE_KEY in self._history:
                 keys.append(EVAL_CURVE_KEY)
+            if SUCCESS_MA_KEY in self._history:
+                keys.append(SUCCESS_MA_KEY)
             keys += sorted(k for k in self._history if k.endswith("exact_match") and k not in keys)
 
         fig = Figure(figsize=(8, 5))

@@ -49,7 +49,9 @@ def _config(tmp_path, *extra):
 
 @pytest.mark.slow
 def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path):
-    cfg = _config(tmp_path, "agent.reward_function=test_agentic_run:tenfold")
+    cfg = _config(
+        tmp_path, "agent.reward_function=test_agentic_run:tenfold", "agent.eval_samples=2"
+    )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
     procs = [rt.engine_process, rt.session_process]
     try:
@@ -58,6 +60,7 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
         [(version, before)] = rt.finished_evaluations()
         assert version == 0 and before["eval/lag_steps"] == 0.0 and before["eval/errors"] == 0.0
         assert before["eval/policy_version"] == 0.0 and before["eval/failed_episodes"] == 0.0
+        assert before["eval/agent/turns_episodes"] == 14.0  # 2 samples of each of 7 tasks
         groups = {k.removeprefix("eval/success_rate/") for k in before if "rate/" in k}
         levels = {g for g in groups if g.startswith("level_")}  # per difficulty level
         assert groups - levels <= set(KINDS) and levels and "create-fix" in groups  # held out
@@ -87,9 +90,9 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
         rt.close()
     for p in procs:
         assert p.proc.poll() is not None  # both servers stopped
-    # the hook scored every episode: 6 evaluation episodes twice, 4 training episodes per step
+    # the hook scored every episode: 2 × 7 evaluation episodes twice, 4 training ones per step
     assert sorted(HOOK_CALLS) == sorted(
-        [f"eval-{i}" for i in range(7)] * 2
+        [f"eval-{i}" for i in range(14)] * 2
         + [f"s{t}-g{g}-{k}" for t in (0, 1) for g in (0, 1) for k in (0, 1)]
     )
 

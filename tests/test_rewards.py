@@ -225,6 +225,8 @@ def test_agent_settings_that_cannot_work_together_are_refused(tmp_path):
     for settings, message in (
         (["agent.eval_episodes=4", "data.path=rows.jsonl"], "with data.path set there is none"),
         (["agent.eval_every=5"], "agent.eval_every needs agent.eval_episodes"),
+        (["agent.eval_samples=4"], "agent.eval_samples needs agent.eval_episodes"),
+        (["agent.eval_episodes=4", "agent.eval_samples=17"], "less than or equal to 16"),
         (["agent.command=[python,x.py]"], "agent.command and agent.function: miles_core"),
         (
             ["agent.function=miles_core.agents.blackbox:run_command"],

@@ -294,3 +294,34 @@ def test_resolve_tracking_uri(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert resolve_tracking_uri(None) == "http://mlflow.example:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert resolve_tracking_uri(None) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def test_training_success_is_logged_as_a_9_step_average_across_a_resume(make_tracker) -> None:
+    """`rollout/success_rate_ma9` at step s: the mean of steps s-8..s, the steps a killed run
+    logged before its resume included (reloaded from MLflow), a step it runs again counted once
+    with its new value."""
+    from miles_core.progress import LogReporter
+    from miles_core.steplog import StepLog
+
+    killed = [0.0, 0.5, 0.25, 1.0, 0.0, 0.75, 0.5, 0.25, 1.0, 0.0, 0.5]  # steps 0-10
+    rerun = {9: 0.75, 10: 0.25, 11: 0.75, 12: 0.5}  # resumed from step 8's checkpoint
+
+    def steps(tracker, values: dict[int, float]) -> None:
+        log = StepLog(tracker, LogReporter(), 13)
+        for s, v in values.items():
+            log.step(s, 0.0, {"rollout/reward_mean": 0.0, "rollout/success_rate": v})
+        tracker.flush()
+
+    first = make_tracker()
+    steps(first, dict(enumerate(killed)))
+    first.finish(status="KILLED")
+    resumed = make_tracker(run_id=first.run_id)
+    steps(resumed, rerun)
+    resumed.finish()
+    final = killed[:9] + list(rerun.values())
+    want = {s: sum(final[max(0, s - 8) : s + 1]) / len(final[max(0, s - 8) : s + 1]) for s in rerun}
+    history = resumed.client.get_metric_history(first.run_id, "rollout/success_rate_ma9")
+    got = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # newest wins
+    assert sorted(got) == list(range(13))
+    assert {s: got[s] for s in rerun} == pytest.approx(want, abs=1e-12)
+    assert got[12] != pytest.approx(sum(rerun.values()) / 4)  # not the resumed steps alone

@@ -154,8 +154,11 @@ class AgenticRollout:
         return result
 
     async def evaluate(self, examples: list) -> dict[str, float]:
-        """One episode per example at fixed seeds (the same every time: only the policy changes
-        between two evaluations); `eval/success_rate` and friends, nothing trained."""
+        """`agent.eval_samples` episodes per example at fixed seeds (the same every time: only
+        the policy changes between two evaluations; sample j of example i at seed i + j·len, so
+        sample 0 is a 1-sample evaluation's); `eval/success_rate` and friends over all of them,
+        nothing trained."""
+        examples = [ex for _ in range(self.config.agent.eval_samples) for ex in examples]
         limit = asyncio.Semaphore(self.config.agent.concurrency)
         t0 = time.perf_counter()
         outputs = await asyncio.gather(
