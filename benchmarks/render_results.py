@@ -518,6 +518,58 @@ def trainer_backends(r: dict[str, Any]) -> list[str]:
     return _table(["preset", "ranks", "trainer", "train step s", "vs FSDP2"], rows)
 
 
+def time_to_result(r: dict[str, Any]) -> list[str]:
+    labels = {
+        "miles": "`miles train` (Prefect server kept)",
+        "trl": "TRL `GRPOTrainer`",
+        "miles_servers": "`miles train`, 2 engine servers + router",
+        "miles_server_stopped": "`miles train`, no server running",
+        "miles_new_home": "`miles train`, new PREFECT_HOME",
+    }
+    phases = ("to_main", "checks", "orchestration", "setup", "steps", "finish", "exit")
+    rows = []
+    for preset, d in r["presets"].items():
+        trl = d["sides"]["trl"]["wall_s_median"]
+        size = f"{preset} ({d['params'] / 1e6:.2f}M)" if d.get("params") else preset
+        for side, s in {**d["sides"], **d.get("cold", {})}.items():
+            ratio = _ratio(s["wall_s_median"], trl)
+            rows.append(
+                [
+                    size,
+                    labels.get(side, side),
+                    _num(s["wall_s_median"], ".1f"),
+                    ratio if side == "trl" else f"**{ratio}**",
+                    _num(s["to_first_step_s"], ".1f"),
+                    _num(s["s_per_step"], ".3f"),
+                    *(_num(s["phases_s"][p], ".2f") for p in phases),
+                    f"{len(s['wall_s'])} × {d['steps']}",
+                ]
+            )
+    out = _table(
+        [
+            "preset",
+            "side",
+            "wall s",
+            "× TRL",
+            "first step at s",
+            "s/step",
+            *(p.replace("_", " ") for p in phases),
+            "runs × steps",
+        ],
+        rows,
+    )
+    t = r.get("targets", {})
+    out += [
+        "",
+        "Seconds from the spawn of the process to its exit (median of the runs), and its phases "
+        "from the marks it writes (benchmarks/time_to_result.py; —: a phase that side does not "
+        "have, its time counted in the next). Targets: wall ≤ "
+        f"{t.get('wall_vs_trl')}× TRL's, the first step within {t.get('to_first_step_s')} s, "
+        f"the exit within {t.get('exit_after_summary_s')} s of the result line.",
+    ]
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_vs_hf": engine_vs_hf,
     "prefix_cache": prefix_cache,
@@ -531,6 +583,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "routing_replay_megatron": routing_replay,
     "session_load": session_load,
     "vs_trl": vs_trl,
+    "time_to_result": time_to_result,
 }
 
 

@@ -1,7 +1,7 @@
 """Per-phase step time of the sync RL loop, and the share Prefect + MLflow add.
 
 For each preset (tiny, small) the same config runs side by side in this process:
-  1. the `rl-train` Prefect flow (the ephemeral Prefect server `miles train` starts,
+  1. the `rl-train` Prefect flow (on the local Prefect server `miles train` uses,
      flows/prefect_server.py; MLflow on SQLite): per-phase seconds from its own perf/* metrics;
      orchestration = step wall time − (rollout + train + weight sync), i.e. Prefect task
      machinery + MLflow writes + flow bookkeeping in the flow's thread; the run's last step,
@@ -10,8 +10,8 @@ For each preset (tiny, small) the same config runs side by side in this process:
      after the flow, averaged.
 Two shares are reported: `orchestration_share` = orchestration / step time inside the flow, and
 `overhead_vs_plain` = flow step time / plain step time − 1, which also counts what the Prefect API
-server (a child process in ephemeral mode) takes from the same two cores; that server's CPU
-seconds per step are printed as well. Prints a table, then one JSON object as the last line.
+server (a process of its own on the same machine) takes from the same two cores; that server's
+CPU seconds per step are printed as well. Prints a table, then one JSON object as the last line.
 
     python benchmarks/step_time.py [--steps 12] [--presets tiny,small]
 """
@@ -33,6 +33,7 @@ from miles_core.runtime import RLRuntime, new_workdir, prepare_model_dir
 from miles_core.steplog import PHASES as STEP_PHASES
 
 PHASES = STEP_PHASES[:3]  # rollout, train, weight sync
+SERVER: list[psutil.Process] = []  # the Prefect API server whose CPU is counted
 CHECKPOINT = STEP_PHASES[3]  # the run's last step saves: left out of the flow's rows
 WARMUP = 2
 
@@ -81,16 +82,10 @@ def run_plain(config: RunConfig) -> list[dict[str, float]]:
     return rows[WARMUP:]
 
 
-def descendants_cpu_seconds() -> float:
-    """user + system CPU seconds of this process's live descendants (psutil)."""
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            times = child.cpu_times()
-        except psutil.NoSuchProcess:  # gone meanwhile
-            continue
-        total += times.user + times.system
-    return total
+def server_cpu_seconds() -> float:
+    """user + system CPU seconds of the Prefect API server (psutil)."""
+    times = SERVER[0].cpu_times()
+    return times.user + times.system
 
 
 def run_flow(config: RunConfig) -> tuple[list[dict[str, float]], float]:
@@ -99,9 +94,9 @@ def run_flow(config: RunConfig) -> tuple[list[dict[str, float]], float]:
 
     from flows.rl_train import rl_train
 
-    cpu0 = descendants_cpu_seconds()
+    cpu0 = server_cpu_seconds()
     rl_train(config)
-    server_cpu = descendants_cpu_seconds() - cpu0
+    server_cpu = server_cpu_seconds() - cpu0
     client = MlflowClient(config.tracking.tracking_uri)
     exp = client.get_experiment_by_name(config.tracking.experiment)
     run = client.search_runs([exp.experiment_id], f"tags.mlflow.runName = '{config.name}'")[0]
@@ -124,7 +119,7 @@ def measure(preset: str, steps: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         from flows.rl_train import rl_train
 
-        rl_train(bench_config(preset, 1, Path(tmp), "warmup"))  # starts the ephemeral server
+        rl_train(bench_config(preset, 1, Path(tmp), "warmup"))
         config = bench_config(preset, steps, Path(tmp), f"bench-{preset}")
         plain = run_plain(config)
         flow, server_cpu = run_flow(config)
@@ -148,9 +143,14 @@ def measure(preset: str, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    from flows.prefect_server import install
+    from flows.prefect_server import use_local_api
 
-    install()  # the ephemeral Prefect server `miles train` runs (flows/cli.py)
+    api = use_local_api()  # the Prefect API `miles train` uses (flows/cli.py)
+    if api is not None:
+        api.wait_ready()
+        SERVER.append(psutil.Process(api.record.pid))
+    else:  # PREFECT_API_URL: a server elsewhere, its CPU not counted
+        SERVER.append(psutil.Process())
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--presets", default="tiny,small")

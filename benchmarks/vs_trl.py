@@ -108,13 +108,11 @@ def _subprocess(cmd: list[str], env: dict[str, str], log: Path, timeout: float) 
     return proc.stdout
 
 
-def run_ours(
-    model_dir: Path, engine: str, steps: int, work: Path, name: str, env: dict[str, str]
-) -> list[dict[str, float]]:
-    """One `miles train`; its per-step metrics from MLflow."""
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{work}/mlflow.db"
+def ours_command(
+    model_dir: Path, engine: str, steps: int, work: Path, name: str, *extra: str
+) -> list[str]:
+    """`miles train` on the workload (`extra`: more `key=value` overrides); tracks to
+    `work/mlflow.db`."""
     w = WORKLOAD
     overrides = [
         f"name={name}",
@@ -143,16 +141,46 @@ def run_ours(
         f"checkpoint.root={work}/ckpt",
         "checkpoint.interval=0",
         "checkpoint.overwrite=true",
-        f"tracking.tracking_uri={uri}",
+        f"tracking.tracking_uri=sqlite:///{work}/mlflow.db",
         "tracking.experiment=vs-trl",
         "tracking.register_policy=false",
+        *extra,
     ]
     cmd = [str(REPO / ".venv/bin/miles"), "train", "--no-progress"]
     for o in overrides:
         cmd += ["--set", o]
+    return cmd
+
+
+def trl_command(trl_python: Path, model_dir: Path, steps: int, out: Path) -> list[str]:
+    """benchmarks/peers/trl_grpo.py on the workload, its per-step records to `out`."""
+    w = WORKLOAD
+    return [
+        str(trl_python),
+        str(HERE / "peers" / "trl_grpo.py"),
+        f"--model={model_dir}",
+        f"--steps={steps}",
+        f"--out={out}",
+        f"--task={w['task']}",
+        f"--seed={w['seed']}",
+        f"--prompts-per-step={w['prompts_per_step']}",
+        f"--samples={w['samples_per_prompt']}",
+        f"--max-new-tokens={w['max_new_tokens']}",
+        f"--lr={w['lr']}",
+        f"--temperature={w['temperature']}",
+    ]
+
+
+def run_ours(
+    model_dir: Path, engine: str, steps: int, work: Path, name: str, env: dict[str, str]
+) -> list[dict[str, float]]:
+    """One `miles train`; its per-step metrics from MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    cmd = ours_command(model_dir, engine, steps, work, name)
     out = _subprocess(cmd, env, work / f"{name}.log", timeout=900)
     run_id = json.loads(out.strip().splitlines()[-1])["mlflow_run_id"]
-    client = MlflowClient(uri)
+    client = MlflowClient(f"sqlite:///{work}/mlflow.db")
     keys = ("perf/step_time_s", "rollout/reward_mean", LENGTH, GENERATE, *OURS_PHASES.values())
     hist = {k: {m.step: m.value for m in client.get_metric_history(run_id, k)} for k in keys}
     return [
@@ -172,22 +200,7 @@ def run_trl(
 ) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """One TRL `GRPOTrainer` run (benchmarks/peers/trl_grpo.py in the TRL environment)."""
     out = work / f"{name}.json"
-    w = WORKLOAD
-    cmd = [
-        str(trl_python),
-        str(HERE / "peers" / "trl_grpo.py"),
-        f"--model={model_dir}",
-        f"--steps={steps}",
-        f"--out={out}",
-        f"--task={w['task']}",
-        f"--seed={w['seed']}",
-        f"--prompts-per-step={w['prompts_per_step']}",
-        f"--samples={w['samples_per_prompt']}",
-        f"--max-new-tokens={w['max_new_tokens']}",
-        f"--lr={w['lr']}",
-        f"--temperature={w['temperature']}",
-    ]
-    _subprocess(cmd, env, work / f"{name}.log", timeout=900)
+    _subprocess(trl_command(trl_python, model_dir, steps, out), env, work / f"{name}.log", 900)
     record = json.loads(out.read_text())
     rows = []
     for s in record["steps"]:

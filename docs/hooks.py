@@ -1,7 +1,7 @@
 """mkdocs hooks: pages generated from the code, so they cannot drift from it.
 
 - `architecture.md` is the top-level ARCHITECTURE.md (the 30-minute code tour stays beside the
-  code; the site shows it too).
+  code; the site shows it too), its links into docs/ made relative to the site's pages.
 - `<!-- config-reference -->` in a page becomes one table per section of `RunConfig`: every
   field with its type, default, bounds and description, read from the pydantic models.
 - `<!-- bad-input-catalogue -->` becomes the table of `CATALOGUE` in tests/test_bad_input.py
@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,10 +23,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def on_files(files, config):
-    files.append(
-        File.generated(config, "architecture.md", content=(REPO / "ARCHITECTURE.md").read_text())
-    )
+    files.append(File.generated(config, "architecture.md", content=site_architecture()))
     return files
+
+
+def site_architecture() -> str:
+    """ARCHITECTURE.md as a page of the site: a link to `docs/x.md` (right beside the code, where
+    the file lives) becomes `x.md` (the site's pages are docs/'s files)."""
+    return re.sub(r"\]\(docs/", "](", (REPO / "ARCHITECTURE.md").read_text())
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -18,16 +18,20 @@ flow, ranks 1..N-1 replay the trainer's calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 from pydantic import ValidationError
 
 from miles_core.config import RunConfig, load_config
+from miles_core.timeline import mark
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -152,6 +156,7 @@ def _relaunch_under_torchrun(world_size: int, port_range=None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mark("main")
     args = _parser().parse_args(argv)
     if args.command == "engine":
         from miles_core.engine import server
@@ -169,20 +174,22 @@ def main(argv: list[str] | None = None) -> int:
         eval_service.main(args.rest)
         return 0
     if args.command == "evaluate":
-        from flows.evaluate import evaluate
+        with prefect_api() as api_ready:
+            from flows.evaluate import evaluate
 
-        try:
-            result = evaluate(
-                args.model,
-                args.version,
-                args.alias,
-                args.tracking_uri,
-                args.prompts,
-                skip_evaluated=not args.force,
-            )
-        except LookupError as e:
-            return _fail(str(e))
-        print(json.dumps(result))
+            api_ready()
+            try:
+                result = evaluate(
+                    args.model,
+                    args.version,
+                    args.alias,
+                    args.tracking_uri,
+                    args.prompts,
+                    skip_evaluated=not args.force,
+                )
+            except LookupError as e:
+                return _fail(str(e))
+        print(json.dumps(result), flush=True)
         return 0
     if args.command == "tito":
         from flows.tito_verify import run_verify
@@ -197,16 +204,26 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         return _fail(str(e))
 
-    from miles_core.train import distributed
-
     world = config.train.world_size
-    if world > 1 and distributed.launched_world_size() == 1:
+    if world > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _relaunch_under_torchrun(world, config.network.ports)
     if int(os.environ.get("RANK", "0")) > 0:
+        from miles_core.train import distributed
+
         distributed.init_distributed(config.train.device)  # gloo on CPU, nccl on CUDA
         distributed.follow()
         return 0
+    # the Prefect API first: a server started now boots while the run imports torch and checks
+    # its inputs; the run's result is printed once its log lines have reached it
+    with prefect_api() as api_ready:
+        code, result = _checked_run(args, config, world, api_ready)
+    if result is not None:
+        print(json.dumps(result), flush=True)
+        mark("summary")
+    return code
 
+
+def _checked_run(args, config: RunConfig, world: int, api_ready) -> tuple[int, dict | None]:
     from miles_core.preflight import preflight, run_names
     from miles_core.run_lock import RunClaim
 
@@ -221,11 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         claim = RunClaim(
             config.checkpoint.root, run_names(config), config.checkpoint.storage_options
         )
+        mark("preflight")
     except (ValueError, OSError) as e:
         _shutdown(world, config.train.device)
-        return _fail(str(e))
+        return _fail(str(e)), None
     with claim:
-        return _run(args, config, world)
+        return 0, _run(args, config, world, api_ready)
 
 
 def _unlock(name: str, root: str, storage_options: str) -> int:
@@ -253,7 +271,8 @@ def _shutdown(world: int, device: str = "cpu") -> None:
     distributed.shutdown()
 
 
-def _run(args, config: RunConfig, world: int) -> int:
+def _run(args, config: RunConfig, world: int, api_ready: Callable[[], None]) -> dict:
+    from miles_core.preflight import checked_inputs
     from miles_core.progress import RichReporter, set_reporter
 
     logging.basicConfig(
@@ -263,28 +282,59 @@ def _run(args, config: RunConfig, world: int) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not args.no_progress and sys.stderr.isatty():
         set_reporter(RichReporter())
-    from flows.prefect_server import install
-
-    server = install()  # the ephemeral Prefect API (if one is used) stops with this process
     try:
         if args.command == "train":
             from flows.rl_train import rl_train
 
             resume = args.resume or args.resume_step is not None
-            result = rl_train(config, resume=resume, resume_step=args.resume_step)
-        else:
-            from flows.sft import sft
+            api_ready()
+            with checked_inputs(config, resume, args.resume_step):  # by `preflight` above
+                return rl_train(config, resume=resume, resume_step=args.resume_step)
+        from flows.sft import sft
 
-            result = {"policy": sft(config)}
+        api_ready()
+        return {"policy": sft(config)}
+    finally:
+        _shutdown(world, config.train.device)
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[Callable[[], None]]:
+    """The Prefect API of a command that runs flows (flows/prefect_server.py): the configured
+    one, else this user's kept local server, started now if none runs; yields the call that
+    waits until it answers (the command checks its inputs and imports its flow meanwhile). On
+    the way out, every log line and event of the run is sent while the API still answers."""
+    from flows.prefect_server import drain_to_api, use_local_api
+
+    api = use_local_api()
+    used = False
+
+    def ready() -> None:
+        nonlocal used
+        used = True
+        if api is not None:
+            api.wait_ready()
+            print(f"Prefect UI: {api.ui_url}", file=sys.stderr, flush=True)
+        mark("api_ready")
+
+    try:
+        yield ready
     finally:
         try:
-            _shutdown(world, config.train.device)
+            drain_to_api()
         finally:
-            if server is not None:
-                server.stop()
-    print(json.dumps(result))
-    return 0
+            if api is not None:  # refused before its first flow: a server it started stops
+                api.release(unused=not used)
+
+
+def run() -> NoReturn:
+    """The `miles` command: `main`, then the exit of a finished command without the
+    interpreter's teardown of torch and the other extensions (proc/fast_exit.py: atexit handlers
+    and the streams' flush still run; the run's log lines and events were sent before)."""
+    from miles_core.proc.fast_exit import exit_after
+
+    exit_after(lambda: sys.exit(main()))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -19,6 +19,7 @@ import shutil
 
 from prefect import flow
 
+from flows.prefect_server import send_to_api
 from flows.rl_loops import run_loops
 from flows.sft import sft
 from miles_core.config import RunConfig
@@ -27,6 +28,7 @@ from miles_core.progress import reporter
 from miles_core.run_lock import RunClaim
 from miles_core.runtime import new_workdir
 from miles_core.steplog import StepLog
+from miles_core.timeline import mark
 from tasks import check_inputs, prepare_model, prepare_runtime, resumed_config, start_tracking
 
 
@@ -38,6 +40,7 @@ def rl_train(
     step N instead (implies resume). Either way the loop starts at the saved step + 1 and
     `train.num_steps` stays the run's total."""
     resume = resume or resume_step is not None
+    send_to_api("miles")  # the step lines, in the flow run's logs in the Prefect UI
     check_inputs(config, resume, resume_step)
     # the run's names are its own until it ends, also if it fails (a no-op under `miles train`,
     # which claimed them before Prefect started): run_lock.py
@@ -60,7 +63,9 @@ def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str
         rt = prepare_runtime(config, prepare_model(config, workdir), tracker, resume, resume_step)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
+        mark("steps_start")
         run_loops(rt, log)  # the steps, in long-running tasks (flows/rl_loops.py)
+        mark("steps_end")
     except BaseException:
         tracker.finish("FAILED")
         raise

@@ -270,7 +270,8 @@ def main() -> int:
             (
                 "prefect_flow_run.png",
                 f"{prefect_ui}/runs/flow-run/{run_a['id']}",
-                [run_a["name"], "Completed", "rl-train", "Task Runs"],
+                # its logs: the run's step lines (the last one too) beside Prefect's own
+                [run_a["name"], "Completed", "rl-train", "Task Runs", "rl step 12/12"],
             ),
             (  # the async run's shape: four long-running task runs Running side by side
                 "prefect_async_flow_run.png",

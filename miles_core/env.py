@@ -1,4 +1,4 @@
-"""Process environment defaults: offline model hub, no telemetry, patient ephemeral Prefect."""
+"""Process environment defaults: offline model hub, no telemetry, quiet transformers."""
 
 import os
 
@@ -10,6 +10,10 @@ DEFAULTS = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "TOKENIZERS_PARALLELISM": "false",
+    # transformers quiet (errors only) and without progress bars, set without importing it: a
+    # command that needs no model (`miles --help`, a refused config) does not load it
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 
 

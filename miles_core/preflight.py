@@ -3,7 +3,9 @@ with a message that says what to fix, not minutes (or a whole run) later inside 
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import fsspec
 
@@ -251,6 +253,27 @@ def clear_previous_checkpoints(config: RunConfig) -> None:
             store.close()
 
 
+_CHECKED: list[str] = []  # the inputs a caller checked just before (`checked_inputs`)
+
+
+def _key(config: RunConfig, resume: bool, resume_step: int | None) -> str:
+    return json.dumps([config.model_dump(mode="json"), resume, resume_step], sort_keys=True)
+
+
+@contextlib.contextmanager
+def checked_inputs(
+    config: RunConfig, resume: bool = False, resume_step: int | None = None
+) -> Iterator[None]:
+    """Within it, `preflight` of these very inputs passes at once: `miles train` checked them
+    before it started the flow, whose first task checks them for runs started elsewhere (the
+    Prefect UI, a deployment)."""
+    _CHECKED.append(_key(config, resume or resume_step is not None, resume_step))
+    try:
+        yield
+    finally:
+        _CHECKED.pop()
+
+
 def preflight(config: RunConfig, resume: bool = False, resume_step: int | None = None) -> None:
     """Raises ValueError / FileNotFoundError / OSError for: agent plug-ins that do not import,
     a tracking URI MLflow has no store for, a starting model whose config.json or safetensors
@@ -267,6 +290,12 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     checkpoint at or past train.num_steps, one whose model config differs from the configured
     model, or an async rollout buffer the config cannot continue (resume_checks.py)."""
     resume = resume or resume_step is not None
+    if _CHECKED and _CHECKED[-1] == _key(config, resume, resume_step):
+        return
+    _check_all(config, resume, resume_step)
+
+
+def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None:
     _check_plugins(config)
     if config.sft is not None and config.sft.reuse and not resume:  # RL starts from it
         _check_reused(config.sft.reuse, config.checkpoint.storage_options)

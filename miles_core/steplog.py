@@ -50,6 +50,8 @@ class StepLog:
             past = [(s, v) for s, v in self.tracker.history(SUCCESS_KEY) if s != step]
             metrics[SUCCESS_MA_KEY] = trailing_mean([*past, (step, metrics[SUCCESS_KEY])], step)
         self.history.append(metrics)
+        if len(self.history) == 1:
+            self.tracker.prepare_curve()  # the run's-end plot's import overlaps the steps
         t_flush = time.perf_counter()
         self.tracker.log_metrics(metrics, step)
         self.tracker.flush_if_due()

@@ -36,6 +36,17 @@ MAX_PARAM_VALUE_LENGTH = 6000
 NEWEST_POLICY_ALIAS = "newest"
 
 DEFAULT_CURVE_KEYS = ("rollout/reward_mean",)
+
+
+def _import_plotting() -> None:
+    """matplotlib with the Agg backend (no display) and its figure and PNG writer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.backends.backend_agg  # noqa: F401  (savefig's PNG writer)
+    import matplotlib.figure  # noqa: F401
+
+
 EVAL_CURVE_KEY = "eval/reward_mean"  # plotted too when the run evaluates
 # an agentic run's training success and its 9-step average (steplog.py: how the seeds' case
 # study reports it), both reloaded on resume
@@ -154,6 +165,7 @@ class Tracker:
         # key -> step -> value; a step logged again (e.g. re-run after a resume) replaces the old point
         self._history: dict[str, dict[int, float]] = defaultdict(dict)
         self._artifact_dir: Path | None = None
+        self._plotting: threading.Thread | None = None
 
         run_tags = {str(k): str(v) for k, v in (tags or {}).items()}
         run_tags["mlflow.runName"] = run_name
@@ -259,6 +271,13 @@ class Tracker:
     def log_dict_artifact(self, data: dict, filename: str) -> None:
         self.client.log_dict(self.run_id, data, filename)
 
+    def prepare_curve(self) -> None:
+        """Imports the plotting library in a daemon thread, once: called when the steps run, so
+        the import overlaps them and the reward curve at the run's end does not wait for it."""
+        if self._plotting is None:
+            self._plotting = threading.Thread(target=_import_plotting, name="plotting", daemon=True)
+            self._plotting.start()
+
     def log_reward_curve(
         self,
         keys: list[str] | None = None,
@@ -272,9 +291,7 @@ class Tracker:
         ``rollout/success_rate_ma9`` (when logged) and every ``*exact_match`` history key.
         ``also_to`` is a directory (the PNG is copied in as ``filename``) or a ``.png`` path.
         """
-        import matplotlib
-
-        matplotlib.use("Agg")
+        _import_plotting()
         from matplotlib.figure import Figure  # no pyplot: no global figure state
 
         if keys is None:

@@ -8,6 +8,7 @@ import ast
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,22 @@ def test_readme_is_a_short_guide_whose_links_resolve():
 def test_every_docs_page_is_in_the_nav(page):
     nav = (REPO / "mkdocs.yml").read_text()
     assert f": {page}" in nav, f"docs/{page} is not in mkdocs.yml's nav"
+
+
+@pytest.mark.slow
+def test_a_broken_link_or_anchor_fails_the_docs_check(tmp_path, capsys):
+    """`make docs-check`'s build (infra/docs_check.py) on a copy of the docs with one link to a
+    missing page and one to a missing anchor: both reported, and the check fails (mkdocs'
+    `--strict --quiet` passed such a build)."""
+    from infra import docs_check
+
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    shutil.copy(REPO / "mkdocs.yml", tmp_path)
+    shutil.copy(REPO / "ARCHITECTURE.md", tmp_path)
+    (tmp_path / "tests").mkdir()
+    shutil.copy(REPO / "tests" / "test_bad_input.py", tmp_path / "tests")
+    with (tmp_path / "docs" / "index.md").open("a") as page:
+        page.write("\nSee [gone](no-such-page.md) and [tasks](tasks.md#no-such-section).\n")
+    assert docs_check.main([str(tmp_path / "mkdocs.yml")]) != 0
+    report = capsys.readouterr().err
+    assert "no-such-page.md" in report and "#no-such-section" in report

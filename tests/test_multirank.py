@@ -206,32 +206,41 @@ def test_an_moe_model_trains_the_same_with_its_experts_on_two_ranks(parity_runs)
     correction bias, and a shared expert), 3 steps: Megatron with ep=2 (each rank 4 experts of
     every MoE layer, and half the batch) against Megatron on one rank, and Megatron against
     FSDP2 on one rank (the HF modules): per-token log-probs, loss and the other metrics within
-    1e-5 at every step (ep=2 vs 1: the grad norm too; against FSDP2 the grad norm within 1e-4
-    of itself: Megatron routes by the top-k of the scores, HF renormalises the softmax over all
-    of them, a few 1e-7 apart), and the weights within the dense comparisons' tolerance."""
+    1e-5 at every step; the grad norm (ep=2 vs 1) within fp32 rounding of a sum over the
+    batch's tokens taken in another order (relative eps32 × tokens), against FSDP2 within 1e-4
+    of itself (Megatron routes by the top-k of the scores, HF renormalises the softmax over all
+    of them, a few 1e-7 apart); the weights: none further apart than Adam can move them, each
+    tensor's median within 1e-5."""
     runs = parity_runs[2]
 
-    def compare(name: str, ref: str, grad_norm_rel: float | None = None) -> None:
+    def compare(name: str, ref: str, grad_norm_rel: float) -> None:
         (w_ref, r_ref), (w, r) = runs[ref], runs[name]
         assert set(w) == set(w_ref) and any(".mlp.experts." in n for n in w), name
-        total = sum(t.numel() for t in w_ref.values())
-        off = 0
         for n in w_ref:
+            # Adam's first step moves each weight by lr·sign(g): a gradient within rounding of
+            # zero (an expert's weights that few tokens reach) may turn either way, up to 2·lr
+            # a step; how many there are is the model's and the batch's, not a fixed share. So:
+            # none beyond that bound, and the typical element (the median) within 1e-5 — a
+            # wrong mapping (an expert's rows swapped, a transposed projection) moves the median
             diff = (w[n] - w_ref[n]).abs()
             assert diff.max() <= 2 * STEPS * LR, (name, n)
-            off += int((diff > 1e-5).sum())
-        assert off <= 1e-3 * total, f"{name}: {off} of {total} weights differ by more than 1e-5"
+            assert diff.median() <= 1e-5, (name, n, float(diff.median()))
         for m_ref, m in zip(r_ref["metrics"], r["metrics"], strict=True):
             for key in ("loss", "pg_loss", "ppo_kl", "kl_loss", "entropy"):
                 assert m[key] == pytest.approx(m_ref[key], abs=1e-5), (name, key)
-            tol = {"rel": grad_norm_rel} if grad_norm_rel else {"abs": 1e-5}
-            assert m["grad_norm"] == pytest.approx(m_ref["grad_norm"], **tol), name
         flat_ref = [x for row in r_ref["old_log_probs"] for x in row]
         flat = [x for row in r["old_log_probs"] for x in row]
+        # each gradient element is a sum over the batch's tokens, summed in another order on
+        # two ranks: fp32 rounding bounds the relative change by eps32 × the reduction length
+        reordered = torch.finfo(torch.float32).eps * len(flat_ref)
+        for m_ref, m in zip(r_ref["metrics"], r["metrics"], strict=True):
+            assert m["grad_norm"] == pytest.approx(
+                m_ref["grad_norm"], rel=max(grad_norm_rel, reordered)
+            ), name
         assert max(abs(a - b) for a, b in zip(flat, flat_ref, strict=True)) < 1e-5, name
         assert r_ref["metrics"][1]["ppo_kl"] != 0.0
 
-    compare("moe_ep2", "moe_ep1")
+    compare("moe_ep2", "moe_ep1", grad_norm_rel=0.0)
     compare("moe_ep1", "moe_fsdp", grad_norm_rel=1e-4)
     # the ep=2 trainer's pushes: each rank sends its own experts' rows (p2p) or rank 0
     # gathers them; the engine holds exactly the trainer's weights after each push

@@ -55,6 +55,9 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from miles_core.data.tasks import get_task  # our prompts and reward, the same code as ours
+    from miles_core.timeline import mark  # phase marks for benchmarks/time_to_result.py
+
+    mark("main")  # imports done
 
     task = get_task(args.task)
     examples = task.generate(args.num_prompts, args.data_seed)
@@ -162,7 +165,9 @@ def main() -> None:
             callbacks=[StepTimes()],
         )
         t_train = time.perf_counter()
+        mark("steps_start")
         trainer.train()
+        mark("steps_end")
         t_end = time.perf_counter()
 
     record = {
@@ -176,6 +181,7 @@ def main() -> None:
         "pid": os.getpid(),
     }
     Path(args.out).write_text(json.dumps(record))
+    mark("summary")
 
 
 if __name__ == "__main__":

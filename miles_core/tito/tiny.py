@@ -3,7 +3,6 @@ keeping every assistant's reasoning in history, so every render is append-only."
 
 from __future__ import annotations
 
-from miles_core.models.tokenizer import build_tokenizer
 from miles_core.tito.chatml import ChatMLFamily
 from miles_core.tito.registry import register_family
 
@@ -15,4 +14,6 @@ class TinyFamily(ChatMLFamily):
     ascii_only = True
 
     def __init__(self):
+        from miles_core.models.tokenizer import build_tokenizer  # transformers: when built
+
         super().__init__(build_tokenizer(), keep_history_reasoning=True)
