@@ -132,6 +132,7 @@ LONGEST_MODULES = (
     "test_agentic_run",
     "test_local_stack",
     "test_engine_recovery",
+    "test_prefect_api",
     "test_eval",
     "test_fuzz",
     "test_router",
