@@ -17,8 +17,7 @@ export PREFECT_LOGGING_LEVEL ?= WARNING
 # byte-code: the install compiles nothing (infra/install.py); every module is compiled on its first
 # import, once, into .venv/pycache (not next to the sources), also where the environment sets
 # PYTHONDONTWRITEBYTECODE: without cached byte-code every process compiles all it imports again
-# (torch, transformers, mlflow and prefect: ≈17 CPU-s instead of ≈8). The install's last step
-# (infra/warm_bytecode.py) compiles what runs and servers import, before they start at once
+# (torch, transformers, mlflow and prefect: ≈17 CPU-s instead of ≈8)
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -40,7 +39,6 @@ system:
 $(STAMP): pyproject.toml infra/install.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m infra.install '.[test,openenv,server]'
-	$(BIN)/python -m infra.warm_bytecode
 	touch $(STAMP)
 
 demo: venv system
@@ -57,11 +55,11 @@ docs-check: venv
 	$(BIN)/python benchmarks/render_results.py --check
 	$(BIN)/python -m infra.docs_check
 
-# three pytest workers (pytest-xdist), one module per worker at a time: the suite waits on servers
-# and subprocesses part of the time (two workers kept two cores 74 % busy), so a third fills it.
+# two pytest workers (pytest-xdist), one module per worker at a time: the suite waits on servers
+# and subprocesses about half the time, so two workers on two cores take ~55% of one's time.
 # --no-loadscope-reorder: modules in conftest.py's order (the longest first), not xdist's default
 # of most tests first. PYTEST_WORKERS=0 runs in one process (debugging, -x, pdb).
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: venv system docs-check
