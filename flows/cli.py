@@ -10,6 +10,7 @@
     miles evaluate --model say-a [--version 3 | --alias best-eval] [--force]
     miles eval serve --port 30200      (the reference service of eval.mode: external)
     miles run unlock say-a --checkpoint-root checkpoints   (the lock of a run that is gone)
+    miles prefect status | stop   (the local Prefect server runs share when no API is set)
 
 With `train.world_size: N > 1` the command re-launches itself under torchrun; rank 0 runs the
 flow, ranks 1..N-1 replay the trainer's calls.
@@ -89,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     service = sub.add_parser("eval", help="evaluation service commands")
     service.add_argument("action", choices=["serve"], help="serve: the external-mode service")
     service.add_argument("rest", nargs=argparse.REMAINDER, help="--port P --host H")
+    pf = sub.add_parser("prefect", help="the local Prefect server runs share (no PREFECT_API_URL)")
+    pf.add_argument("action", choices=["status", "stop"], help="status: its address; stop: now")
     run = sub.add_parser("run", help="run-name lock commands")
     run.add_argument("action", choices=["unlock"], help="unlock: clear the lock of a dead run")
     run.add_argument("name", help="the run name (config `name`)")
@@ -197,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify(args.family, args.conversations, args.turns, args.seed, args.model)
     if args.command == "run":
         return _unlock(args.name, args.checkpoint_root, args.storage_options)
+    if args.command == "prefect":
+        from flows.prefect_server import local_status, stop_local
+
+        print(local_status() if args.action == "status" else stop_local())
+        return 0
     try:
         config = load_config(args.config, args.overrides)
     except ValidationError as e:

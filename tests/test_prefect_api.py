@@ -55,40 +55,17 @@ def _stop_kept(home: Path) -> None:
         stop_group(ProcessRecord.load(saved))
 
 
-@pytest.mark.slow  # a real Prefect server (≈10 s to start)
-def test_runs_share_one_kept_server_which_stops_once_no_run_uses_it(tmp_path):
-    env = _env(tmp_path / "prefect", idle_s=2)
-    clients = tmp_path / "prefect" / KEPT_DIR / "clients"
-    first = second = None
-    try:
-        first, server, started = _client(env)
-        assert started
-        second, again, started_again = _client(env)
-        assert (again, started_again) == (server, False)  # reused, not started twice
-        assert {p.name for p in clients.iterdir()} == {str(first.pid), str(second.pid)}
-
-        first.send_signal(signal.SIGKILL)  # no release: the server notices the PID is gone
-        first.wait(10)
-        wait_for(lambda: {p.name for p in clients.iterdir()} == {str(second.pid)}, 30, "pruning")
-        assert psutil.pid_exists(server)  # the second run still uses it
-
-        second.communicate("\n", timeout=30)  # released: idle from now on
-        assert second.returncode == 0
-        psutil.Process(server).wait(30)  # stops by itself after the idle time
-        assert not (tmp_path / "prefect" / KEPT_DIR / f"{NAME}.json").exists()
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        _stop_kept(tmp_path / "prefect")
-
-
-@pytest.mark.slow  # a real Prefect server and a 2-step run
-def test_a_cli_run_leaves_every_log_line_in_the_kept_server(tmp_path):
-    """`miles train` against the kept server: when the command has returned, the flow run is
-    Completed and its logs hold the run's step lines and Prefect's last line of the flow run."""
+@pytest.mark.slow  # a real Prefect server (≈10 s to start) and a 2-step run
+def test_runs_share_one_kept_server_which_keeps_their_logs_and_stops_once_idle(tmp_path):
+    """A process starts the kept server; `miles train` reuses it and, once the command has
+    returned, its flow run is Completed with the step lines and Prefect's last line in its logs;
+    a third process reuses it too; the first is killed -9 (its registration is pruned, the
+    server stays for the third), the third releases it: the server stops by itself once idle
+    and removes its record."""
     home = tmp_path / "prefect"
-    env = _env(home, idle_s=120) | {"PREFECT_LOGGING_LEVEL": "INFO"}
+    env = _env(home, idle_s=2)
+    clients = home / KEPT_DIR / "clients"
+    first = second = None
     args = [
         "--set", "name=logged", "--set", "model.preset=tiny", "--set", "data.task=say_a",
         "--set", "rollout.prompts_per_step=2", "--set", "rollout.n_samples_per_prompt=2",
@@ -98,9 +75,14 @@ def test_a_cli_run_leaves_every_log_line_in_the_kept_server(tmp_path):
         "--set", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
     ]  # fmt: skip
     try:
+        first, server, started = _client(env)
+        assert started
+        record = ProcessRecord.load(home / KEPT_DIR / f"{NAME}.json")
+        assert record.pid == server
+
         done = subprocess.run(
             [sys.executable, "-m", "flows.cli", "train", "--no-progress", *args],
-            env=env,
+            env=env | {"PREFECT_LOGGING_LEVEL": "INFO"},
             cwd=tmp_path,
             capture_output=True,
             text=True,
@@ -108,10 +90,9 @@ def test_a_cli_run_leaves_every_log_line_in_the_kept_server(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.splitlines()[-1])["steps"] == 2.0
-        record = ProcessRecord.load(home / KEPT_DIR / f"{NAME}.json")
-        assert f"Prefect UI: {record.url.removesuffix('/api')}" in done.stderr
+        assert f"Prefect UI: {record.url.removesuffix('/api')}" in done.stderr  # the same one
         runs = httpx.post(f"{record.url}/flow_runs/filter", json={}).json()
-        assert [(r["name"] != "", r["state_type"]) for r in runs] == [(True, "COMPLETED")]
+        assert [r["state_type"] for r in runs] == ["COMPLETED"]
         logs = httpx.post(
             f"{record.url}/logs/filter",
             json={"logs": {"flow_run_id": {"any_": [runs[0]["id"]]}}, "sort": "TIMESTAMP_ASC"},
@@ -119,5 +100,30 @@ def test_a_cli_run_leaves_every_log_line_in_the_kept_server(tmp_path):
         messages = [(entry["name"], entry["message"]) for entry in logs]
         assert [m for n, m in messages if n == "miles"][-1].startswith("rl step 2/2 ")
         assert "Finished in state Completed()" in messages[-1][1]
+
+        status = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "prefect", "status"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert f"{record.url.removesuffix('/api')} (pid {server}, 1 runs" in status.stdout
+
+        second, again, started_again = _client(env)
+        assert (again, started_again) == (server, False)  # reused, not started twice
+        assert {p.name for p in clients.iterdir()} == {str(first.pid), str(second.pid)}
+        first.send_signal(signal.SIGKILL)  # no release: the server notices the PID is gone
+        first.wait(10)
+        wait_for(lambda: {p.name for p in clients.iterdir()} == {str(second.pid)}, 30, "pruning")
+        assert psutil.pid_exists(server)  # the second still uses it
+
+        second.communicate("\n", timeout=30)  # released: idle from now on
+        assert second.returncode == 0
+        psutil.Process(server).wait(30)  # stops by itself after the idle time
+        assert not (home / KEPT_DIR / f"{NAME}.json").exists()
     finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
         _stop_kept(home)
