@@ -17,8 +17,7 @@ export PREFECT_LOGGING_LEVEL ?= WARNING
 # byte-code: the install compiles nothing (infra/install.py); every module is compiled on its first
 # import, once, into .venv/pycache (not next to the sources), also where the environment sets
 # PYTHONDONTWRITEBYTECODE: without cached byte-code every process compiles all it imports again
-# (torch, transformers, mlflow and prefect: ≈17 CPU-s instead of ≈8). The install's last step
-# (infra/warm_bytecode.py) compiles what runs and servers import, before they start at once
+# (torch, transformers, mlflow and prefect: ≈17 CPU-s instead of ≈8)
 export PYTHONPYCACHEPREFIX := $(CURDIR)/$(VENV)/pycache
 unexport PYTHONDONTWRITEBYTECODE
 
@@ -40,7 +39,6 @@ system:
 $(STAMP): pyproject.toml infra/install.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m infra.install '.[test,openenv,server]'
-	$(BIN)/python -m infra.warm_bytecode
 	touch $(STAMP)
 
 demo: venv system
