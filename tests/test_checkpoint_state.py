@@ -254,6 +254,8 @@ def test_cli_refuses_a_missing_resume_step_with_exit_2(tmp_path, capsys, monkeyp
     from flows.cli import main
 
     monkeypatch.chdir(tmp_path)
+    # refused before any flow: an API URL of its own, so no local Prefect server is started
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     _empty_checkpoint(CheckpointStore(str(tmp_path), "r"), 1, TrainedLedger())
     args = ["train", "--set", "name=r", "--set", "model.preset=tiny"]
     rc = main([*args, "--set", f"checkpoint.root={tmp_path}", "--resume-step", "4"])
