@@ -62,6 +62,7 @@ from vs_trl import (  # noqa: E402  (benchmarks/vs_trl.py: the same workload and
     trl_command,
 )
 
+from flows.prefect_server import stop_local  # noqa: E402
 from miles_core.timeline import ENV as TIMELINE_ENV  # noqa: E402
 
 PHASES = ("to_main", "checks", "orchestration", "setup", "steps", "finish", "exit")
@@ -110,16 +111,6 @@ def phases_of(marks: dict[str, float]) -> dict[str, float | None]:
     return out
 
 
-def stop_kept_server(prefect_home: Path) -> None:
-    from flows.prefect_server import KEPT_DIR, NAME
-    from infra.processes import ProcessRecord, stop_group
-
-    saved = prefect_home / KEPT_DIR / f"{NAME}.json"
-    if saved.exists():
-        stop_group(ProcessRecord.load(saved))
-        saved.unlink(missing_ok=True)
-
-
 def summary(runs: list[dict[str, float]], steps: int) -> dict[str, Any]:
     med = lambda xs: round(statistics.median(xs), 3)  # noqa: E731
     phases = [phases_of(m) for m in runs]
@@ -149,7 +140,7 @@ def measure(preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
         )
 
     cold = {"miles_new_home": ours(f"{preset}-new-home")}
-    stop_kept_server(home)
+    stop_local(home)
     cold["miles_server_stopped"] = ours(f"{preset}-server-stopped")
     runs: dict[str, list[dict[str, float]]] = {"miles": [], "trl": [], "miles_servers": []}
     for rnd in range(args.rounds):
@@ -167,7 +158,7 @@ def measure(preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]
                 file=sys.stderr,
                 flush=True,
             )
-    stop_kept_server(home)
+    stop_local(home)
     sides = {side: summary(r, steps) for side, r in runs.items()}
     trl = sides["trl"]["wall_s_median"]
     return {

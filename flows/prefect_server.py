@@ -240,35 +240,38 @@ def send_to_api(logger_name: str = "miles") -> None:
         logger.addHandler(RunLogHandler())
 
 
-def _saved_record():
+def _saved_record(folder: Path):
     from infra.processes import ProcessRecord, record_alive
 
-    saved = prefect_home() / KEPT_DIR / f"{NAME}.json"
     with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-        record = ProcessRecord.load(saved)
+        record = ProcessRecord.load(folder / f"{NAME}.json")
         if record_alive(record):
             return record
     return None
 
 
-def local_status() -> str:
-    """`miles prefect status`: the kept server of this PREFECT_HOME, if one runs."""
-    record = _saved_record()
+def local_status(home: Path | None = None) -> str:
+    """`miles prefect status`: the kept server of `home` (default: this PREFECT_HOME), if one
+    runs."""
+    home = home or prefect_home()
+    record = _saved_record(home / KEPT_DIR)
     if record is None:
-        return f"no local Prefect server runs for {prefect_home()}"
-    live = _live_clients(prefect_home() / KEPT_DIR)
+        return f"no local Prefect server runs for {home}"
+    live = _live_clients(home / KEPT_DIR)
     return f"Prefect UI: {record.url.removesuffix('/api')} (pid {record.pid}, {live} runs using it)"
 
 
-def stop_local() -> str:
-    """`miles prefect stop`: stops the kept server now (runs using it lose their API)."""
+def stop_local(home: Path | None = None) -> str:
+    """`miles prefect stop`: stops the kept server of `home` (default: this PREFECT_HOME) now;
+    runs using it lose their API."""
     from infra.processes import stop_group
 
-    record = _saved_record()
+    home = home or prefect_home()
+    record = _saved_record(home / KEPT_DIR)
     if record is None:
-        return f"no local Prefect server runs for {prefect_home()}"
-    with _locked(prefect_home() / KEPT_DIR):
-        _forget(prefect_home() / KEPT_DIR, record.pid)
+        return f"no local Prefect server runs for {home}"
+    with _locked(home / KEPT_DIR):
+        _forget(home / KEPT_DIR, record.pid)
     return f"Prefect server (pid {record.pid}): {stop_group(record)}"
 
 

@@ -16,8 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from flows.prefect_server import IDLE_ENV, KEPT_DIR, NAME
-from infra.processes import ProcessRecord, stop_group, wait_for
+from flows.prefect_server import IDLE_ENV, KEPT_DIR, NAME, stop_local
+from infra.processes import ProcessRecord, wait_for
 
 CLIENT = (
     "import sys\n"
@@ -47,12 +47,6 @@ def _client(env: dict[str, str]) -> tuple[subprocess.Popen, int, bool]:
     )
     pid, started = proc.stdout.readline().split()
     return proc, int(pid), started == "True"
-
-
-def _stop_kept(home: Path) -> None:
-    saved = home / KEPT_DIR / f"{NAME}.json"
-    if saved.exists():
-        stop_group(ProcessRecord.load(saved))
 
 
 @pytest.mark.slow  # a real Prefect server (≈10 s to start) and a 2-step run
@@ -126,4 +120,4 @@ def test_runs_share_one_kept_server_which_keeps_their_logs_and_stops_once_idle(t
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
                 proc.kill()
-        _stop_kept(home)
+        stop_local(home)
