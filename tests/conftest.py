@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 
 import miles_core  # noqa: F401  (applies env defaults: offline hub, no telemetry)
-from miles_core.models import build_model, save_hf_dir
 from tests import prefect_shared
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_HOME", str(REPO / ".prefect"))
+# read once by torch's OpenMP runtime when it loads (nothing above imports torch): threads that
+# finish a parallel region sleep instead of spinning. Two workers and their servers share few
+# cores here, and spinning threads take the CPU from the processes doing the work.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config):
@@ -87,6 +90,8 @@ def moto_s3():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """A seeded tiny Qwen3 model + tokenizer saved as an HF directory."""
+    from miles_core.models import build_model, save_hf_dir
+
     model, tok = build_model("tiny", seed=0)
     return save_hf_dir(model, tok, tmp_path_factory.mktemp("tiny") / "model")
 
@@ -104,6 +109,7 @@ def session_stack(tmp_path_factory):
     server in front of it, both subprocesses stopped by PID: yields (engine, sessions). One pair
     for the whole session (test_sessions, test_agents, test_blackbox, test_openenv): each test
     opens its own sessions and none changes the servers' settings or weights."""
+    from miles_core.models import build_model, save_hf_dir
     from miles_core.rollout.http_engine import EngineProcess
     from miles_core.sessions import SessionServerProcess
 
