@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _checked_run(args, config: RunConfig, world: int, api_ready) -> tuple[int, dict | None]:
+    from miles_core.checkpoint.run_lock import RunClaim
     from miles_core.preflight import preflight, run_names
-    from miles_core.run_lock import RunClaim
 
     try:
         preflight(
@@ -242,7 +242,7 @@ def _checked_run(args, config: RunConfig, world: int, api_ready) -> tuple[int, d
             resume_step=getattr(args, "resume_step", None),
         )
         # the run's names, claimed before Prefect or MLflow start: of two runs of one name
-        # started together, one gets here (run_lock.py); released when the run ends
+        # started together, one gets here (checkpoint/run_lock.py); released when the run ends
         claim = RunClaim(
             config.checkpoint.root, run_names(config), config.checkpoint.storage_options
         )
@@ -257,7 +257,7 @@ def _checked_run(args, config: RunConfig, world: int, api_ready) -> tuple[int, d
 def _unlock(name: str, root: str, storage_options: str) -> int:
     """`miles run unlock NAME`: removes the lock a run that is gone left (refused while its
     owner runs on this host)."""
-    from miles_core.run_lock import unlock
+    from miles_core.checkpoint.run_lock import unlock
 
     try:
         options = json.loads(storage_options)

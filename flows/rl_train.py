@@ -22,10 +22,10 @@ from prefect import flow
 from flows.prefect_server import send_to_api
 from flows.rl_loops import run_loops
 from flows.sft import sft
+from miles_core.checkpoint.run_lock import RunClaim
 from miles_core.config import RunConfig
 from miles_core.preflight import run_names
 from miles_core.progress import reporter
-from miles_core.run_lock import RunClaim
 from miles_core.runtime import new_workdir
 from miles_core.steplog import StepLog
 from miles_core.timeline import mark
@@ -43,7 +43,7 @@ def rl_train(
     send_to_api("miles")  # the step lines, in the flow run's logs in the Prefect UI
     check_inputs(config, resume, resume_step)
     # the run's names are its own until it ends, also if it fails (a no-op under `miles train`,
-    # which claimed them before Prefect started): run_lock.py
+    # which claimed them before Prefect started): checkpoint/run_lock.py
     with RunClaim(config.checkpoint.root, run_names(config), config.checkpoint.storage_options):
         return _train(config, resume, resume_step)
 

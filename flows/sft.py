@@ -13,8 +13,8 @@ import shutil
 from prefect import flow
 
 from flows.prefect_server import send_to_api
+from miles_core.checkpoint.run_lock import RunClaim
 from miles_core.config import RunConfig
-from miles_core.run_lock import RunClaim
 from miles_core.runtime import new_workdir
 from tasks.setup import prepare_model, start_tracking
 from tasks.sft import sft_train
@@ -26,7 +26,7 @@ def sft(config: RunConfig, parent_run_id: str | None = None) -> str:
         raise ValueError("the sft flow needs an `sft:` section in the config")
     send_to_api("miles")  # the SFT progress lines, in the flow run's logs in the Prefect UI
     ck = config.checkpoint
-    with RunClaim(ck.root, [f"{config.name}-sft"], ck.storage_options):  # run_lock.py
+    with RunClaim(ck.root, [f"{config.name}-sft"], ck.storage_options):  # checkpoint/run_lock.py
         tracker = start_tracking(config, f"{config.name}-sft", parent_run_id)
         workdir = new_workdir()  # the starting model; the result is saved to the checkpoint root
         try:

@@ -9,14 +9,14 @@ from collections.abc import Iterator
 
 import fsspec
 
+from miles_core.checkpoint.resume_checks import check_backend_resumable, check_buffer_resumable
+from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.config import RunConfig
 from miles_core.data import get_task, rl_examples, sft_examples
 from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
-from miles_core.resume_checks import check_backend_resumable, check_buffer_resumable
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.storage import CheckpointStore, check_checkpoint_matches
 from miles_core.tracking import check_tracking_uri, resolve_tracking_uri
 
 
@@ -212,9 +212,9 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
 
 
 def _check_unclaimed(config: RunConfig, names: list[str]) -> None:
-    """No other live run holds one of the names (run_lock.py); a dead owner's lock is taken
+    """No other live run holds one of the names (checkpoint/run_lock.py); a dead owner's lock is taken
     over by the claim."""
-    from miles_core.run_lock import check_unclaimed
+    from miles_core.checkpoint.run_lock import check_unclaimed
 
     ck = config.checkpoint
     for name in names:
@@ -284,11 +284,11 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     agentic run), a sandbox environment task whose scripted solution cannot fit agent.max_tokens,
     agent.max_turns or the token budget, an agentic task without agent.function, agent.eval_episodes that only
     training tasks could fill (data/held_out.py), SFT data without answers, a missing
-    starting model, a run name another live run holds (run_lock.py: RunLocked), an
+    starting model, a run name another live run holds (checkpoint/run_lock.py: RunLocked), an
     unwritable checkpoint root, a new run whose name already has checkpoints (unless
     checkpoint.overwrite), and on resume: no checkpoint (or none at `resume_step`), a
     checkpoint at or past train.num_steps, one whose model config differs from the configured
-    model, or an async rollout buffer the config cannot continue (resume_checks.py)."""
+    model, or an async rollout buffer the config cannot continue (checkpoint/resume_checks.py)."""
     resume = resume or resume_step is not None
     if _CHECKED and _CHECKED[-1] == _key(config, resume, resume_step):
         return

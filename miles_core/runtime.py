@@ -4,7 +4,7 @@
     trainer         training.py         the backend (`train.backend`) and the RL train phase
     WeightSync      weight_sync.py      the transport, policy versions, the weights lock
     rollouts        rollout_source.py   sync / async producer / agentic rollouts
-    Checkpointing   checkpointing.py    save, resume (+ catch_up.py: tracking catch-up)
+    Checkpointing   checkpoint/checkpointing.py    save, resume (+ checkpoint/catch_up.py: tracking catch-up)
     RunEvaluation   eval/in_run.py      evaluations while training runs
 
 They are built in that order inside one cleanup scope: a start-up that fails stops what it
@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 from miles_core import routed_experts
-from miles_core.checkpointing import Checkpointing
+from miles_core.checkpoint.checkpointing import Checkpointing
+from miles_core.checkpoint.store import CheckpointStore, fetch_model_dir
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, rl_examples
 from miles_core.eval.in_run import RunEvaluation
@@ -29,7 +30,6 @@ from miles_core.fleet import EngineFleet
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout_source import make_rollouts
-from miles_core.storage import CheckpointStore, fetch_model_dir
 from miles_core.tracking import Tracker
 from miles_core.training import build_trainer, train_on_rollout
 from miles_core.weight_sync import WeightSync
@@ -152,7 +152,7 @@ class RLRuntime:
         return self.checkpoints.is_save_step(step)
 
     def save(self, step: int, metrics: dict[str, float] | None = None) -> str:
-        """Checkpoint of `step` (storage.py lists its files). `metrics`: the step's phase
+        """Checkpoint of `step` (checkpoint/store.py lists its files). `metrics`: the step's phase
         metrics, kept so a resume can log them if this process dies before it flushes them."""
         uri, model_version, saved_sha = self.checkpoints.save(step, metrics)
         if self.evaluation is not None:  # dedicated / external modes score checkpoints
@@ -160,7 +160,7 @@ class RLRuntime:
         return uri
 
     def resume(self, step: int) -> None:
-        """Continues checkpoint `step` (checkpointing.py): the run goes on at step + 1."""
+        """Continues checkpoint `step` (checkpoint/checkpointing.py): the run goes on at step + 1."""
         self.checkpoints.resume(step)
 
     # ------------------------------------------------------------------ evaluation

@@ -3,8 +3,8 @@ from __future__ import annotations
 import logging
 import time
 
+from miles_core.checkpoint.store import CheckpointSaveError
 from miles_core.runtime import RLRuntime
-from miles_core.storage import CheckpointSaveError
 from tasks._task import step_task
 
 log = logging.getLogger("miles")

@@ -105,8 +105,8 @@ def test_jsonl_rows_are_read_through_fsspec(tmp_path):
 
 
 def test_preflight_refuses_a_checkpoint_of_another_model(tmp_path):
+    from miles_core.checkpoint.store import CheckpointStore
     from miles_core.models import build_model
-    from miles_core.storage import CheckpointStore
 
     model, tok = build_model("tiny", 0)
     store = CheckpointStore(str(tmp_path), "r")
@@ -277,8 +277,8 @@ def test_preflight_refuses_rows_without_the_label_the_task_scores(tmp_path):
 
 
 def test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root(tmp_path):
+    from miles_core.checkpoint.store import CheckpointStore
     from miles_core.models import build_model
-    from miles_core.storage import CheckpointStore
 
     model, tok = build_model("tiny", 0)
     CheckpointStore(str(tmp_path), "done").save(
@@ -296,8 +296,8 @@ def test_preflight_refuses_a_resume_past_the_end_and_an_unwritable_root(tmp_path
 def test_a_new_run_with_the_name_of_an_existing_one_is_refused_unless_it_overwrites(tmp_path):
     """Two runs of one name would interleave their checkpoints (and `latest`): refused; with
     checkpoint.overwrite the earlier run's checkpoints (its SFT's too) are removed first."""
+    from miles_core.checkpoint.store import CheckpointStore
     from miles_core.preflight import clear_previous_checkpoints
-    from miles_core.storage import CheckpointStore
 
     def write(d):
         d.mkdir(parents=True, exist_ok=True)

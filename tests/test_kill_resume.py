@@ -30,10 +30,10 @@ from mlflow.tracking import MlflowClient
 
 from infra.processes import descendants as _children
 from infra.processes import pid_alive as _alive
+from miles_core.checkpoint.ledger import read_lineage
+from miles_core.checkpoint.store import CheckpointStore
 from miles_core.config import load_config
-from miles_core.ledger import read_lineage
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.storage import CheckpointStore
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6

@@ -20,8 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from miles_core.proc.identity import ProcessIdentity
-from miles_core.run_lock import (
+from miles_core.checkpoint.run_lock import (
     LockOwner,
     RunClaim,
     RunLocked,
@@ -31,6 +30,7 @@ from miles_core.run_lock import (
     held_here,
     release,
 )
+from miles_core.proc.identity import ProcessIdentity
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BUCKET = "miles-locks"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.config import RunConfig
 from miles_core.models import architecture_of, build_model
-from miles_core.storage import CheckpointStore, check_checkpoint_matches
 from miles_core.train.fsdp import FSDPBackend
 
 BUCKET = "miles-test"
@@ -167,8 +167,8 @@ def full_disk(tmp_path):
 
 
 def test_a_save_onto_a_full_disk_fails_clearly_and_keeps_the_earlier_checkpoint(full_disk):
+    from miles_core.checkpoint.store import CheckpointSaveError, CheckpointStore
     from miles_core.models import build_model
-    from miles_core.storage import CheckpointSaveError, CheckpointStore
 
     store = CheckpointStore(str(full_disk), "run")
     store.save(0, lambda d: (d.mkdir(), (d / "small.txt").write_text("fits")), {"step": 0})
@@ -186,9 +186,9 @@ def test_a_failed_save_before_the_last_step_does_not_stop_training(full_disk, tm
     import tempfile
     from pathlib import Path
 
+    from miles_core.checkpoint.store import CheckpointSaveError
     from miles_core.config import load_config
     from miles_core.runtime import RLRuntime, prepare_model_dir
-    from miles_core.storage import CheckpointSaveError
     from tasks.checkpoint import save_checkpoint
 
     cfg = load_config(

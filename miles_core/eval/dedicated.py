@@ -33,7 +33,7 @@ class DedicatedRunner:
         self._stop = threading.Event()
 
     def __call__(self, job: EvalJob, deadline: float) -> tuple[dict[str, float], str | None]:
-        from miles_core.storage import local_model_dir
+        from miles_core.checkpoint.store import local_model_dir
 
         if not job.checkpoint_uri:
             raise ValueError(f"policy version {job.version} has no checkpoint to evaluate")

@@ -99,7 +99,7 @@ def create_app(
 ) -> FastAPI:
     """`tasks`: the task names jobs may use (default: the built-ins); `checkpoint_roots`: where
     checkpoints may be read from (default: nowhere)."""
-    from miles_core.storage import local_model_dir
+    from miles_core.checkpoint.store import local_model_dir
 
     served = resolve_tasks(tasks)
     roots = (

@@ -67,10 +67,10 @@ def run_sft(config, model_dir, tracker) -> str:
     import time
     from pathlib import Path
 
+    from miles_core.checkpoint.store import CheckpointStore
     from miles_core.data import sft_examples
     from miles_core.models import load_hf_dir
     from miles_core.progress import reporter
-    from miles_core.storage import CheckpointStore
     from miles_core.train.registry import make_backend
 
     sft = config.sft

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from miles_core.run_lock import RunClaim, RunLocked
+from miles_core.checkpoint.run_lock import RunClaim, RunLocked
 
 root, name = sys.argv[1], sys.argv[2]
 options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}

@@ -1,4 +1,4 @@
-"""Checkpoints of an RL run: when a step is saved, what a checkpoint holds (storage.py lists the
+"""Checkpoints of an RL run: when a step is saved, what a checkpoint holds (store.py lists the
 files: the trainer's weights and optimizer, `state.json`, the ledger of trained sample ids, the
 async buffer), and how a run resumes from one — bit-identically to the uninterrupted run when
 nothing that shapes the run changed."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from miles_core import rng_state
-from miles_core.catch_up import record_what_the_dead_process_missed
+from miles_core.checkpoint import rng_state
+from miles_core.checkpoint.catch_up import record_what_the_dead_process_missed
+from miles_core.checkpoint.ledger import LEDGER_FILE, TrainedLedger
+from miles_core.checkpoint.resume_checks import check_buffer_resumable, shape_changes
+from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.engine_api import shared_generator
 from miles_core.fleet import EngineFleet
-from miles_core.ledger import LEDGER_FILE, TrainedLedger
-from miles_core.resume_checks import check_buffer_resumable, shape_changes
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.storage import CheckpointStore, check_checkpoint_matches
 from miles_core.weight_sync import WeightSync
 
 log = logging.getLogger("miles")
