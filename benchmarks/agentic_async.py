@@ -38,8 +38,8 @@ import psutil
 import torch
 
 from miles_core.config import load_config
-from miles_core.runtime import RLRuntime, prepare_model_dir
-from miles_core.steplog import trailing_mean
+from miles_core.run.runtime import RLRuntime, prepare_model_dir
+from miles_core.run.steplog import trailing_mean
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agentic_async_cpu.yaml"
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from miles_core.config import load_config
-from miles_core.runtime import RLRuntime, prepare_model_dir
+from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
 PHASES = ("rollout", "train", "update_weights")
 ENGINE = ("busy", "steps", "rows")  # the engine server's counters, per trained step

@@ -29,8 +29,8 @@ import psutil
 
 import miles_core  # noqa: F401  (env defaults)
 from miles_core.config import RunConfig, load_config
-from miles_core.runtime import RLRuntime, new_workdir, prepare_model_dir
-from miles_core.steplog import PHASES as STEP_PHASES
+from miles_core.run.runtime import RLRuntime, new_workdir, prepare_model_dir
+from miles_core.run.steplog import PHASES as STEP_PHASES
 
 PHASES = STEP_PHASES[:3]  # rollout, train, weight sync
 SERVER: list[psutil.Process] = []  # the Prefect API server whose CPU is counted

@@ -16,7 +16,7 @@ the timed sides run interleaved, `--rounds` times, each a fresh process:
   - `trl`: benchmarks/peers/trl_grpo.py in `.venv-trl` (`make bench-trl` builds it);
   - `miles_servers`: `rollout.engine=server` with 2 engine servers behind sglang-router.
 
-Every process appends its phase marks to a file (miles_core/timeline.py, `MILES_TIMELINE`); the
+Every process appends its phase marks to a file (miles_core/run/timeline.py, `MILES_TIMELINE`); the
 harness adds the process's start (just before it is spawned) and its exit (when it is reaped):
 
   to main        interpreter start and the command's own module (TRL: all its imports)
@@ -63,7 +63,7 @@ from vs_trl import (  # noqa: E402  (benchmarks/vs_trl.py: the same workload and
 )
 
 from flows.prefect_server import stop_local  # noqa: E402
-from miles_core.timeline import ENV as TIMELINE_ENV  # noqa: E402
+from miles_core.run.timeline import ENV as TIMELINE_ENV  # noqa: E402
 
 PHASES = ("to_main", "checks", "orchestration", "setup", "steps", "finish", "exit")
 # each phase ends at a mark; a side that has no such mark (TRL: no checks, no orchestration)

@@ -32,7 +32,7 @@ from typing import NoReturn
 from pydantic import ValidationError
 
 from miles_core.config import RunConfig, load_config
-from miles_core.timeline import mark
+from miles_core.run.timeline import mark
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _checked_run(args, config: RunConfig, world: int, api_ready) -> tuple[int, dict | None]:
     from miles_core.checkpoint.run_lock import RunClaim
-    from miles_core.preflight import preflight, run_names
+    from miles_core.run.preflight import preflight, run_names
 
     try:
         preflight(
@@ -280,8 +280,8 @@ def _shutdown(world: int, device: str = "cpu") -> None:
 
 
 def _run(args, config: RunConfig, world: int, api_ready: Callable[[], None]) -> dict:
-    from miles_core.preflight import checked_inputs
-    from miles_core.progress import RichReporter, set_reporter
+    from miles_core.run.preflight import checked_inputs
+    from miles_core.run.progress import RichReporter, set_reporter
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

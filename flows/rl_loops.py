@@ -1,5 +1,5 @@
 """The run's shape: long-running Prefect tasks around the one `RLRuntime`
-(`miles_core/run_loops.py` has the loops, `tasks/loops.py` the tasks), so the flow run's page
+(`miles_core/run/loops.py` has the loops, `tasks/loops.py` the tasks), so the flow run's page
 shows them Running for the run's duration; each step's progress goes to MLflow and the logs
 (`StepLog`). In `one_step_off` / `fully_async` the rollout producer, training, weight update and
 evaluation run side by side; in sync mode `train_loop` alone runs each step's rollout → train →
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from prefect.futures import wait
 
-from miles_core.run_loops import Phases, RunLoops
-from miles_core.runtime import RLRuntime
-from miles_core.steplog import StepLog
+from miles_core.run.loops import Phases, RunLoops
+from miles_core.run.runtime import RLRuntime
+from miles_core.run.steplog import StepLog
 from tasks import (
     collect_evaluations,
     evaluate_policy,

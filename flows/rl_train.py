@@ -24,11 +24,11 @@ from flows.rl_loops import run_loops
 from flows.sft import sft
 from miles_core.checkpoint.run_lock import RunClaim
 from miles_core.config import RunConfig
-from miles_core.preflight import run_names
-from miles_core.progress import reporter
-from miles_core.runtime import new_workdir
-from miles_core.steplog import StepLog
-from miles_core.timeline import mark
+from miles_core.run.preflight import run_names
+from miles_core.run.progress import reporter
+from miles_core.run.runtime import new_workdir
+from miles_core.run.steplog import StepLog
+from miles_core.run.timeline import mark
 from tasks import check_inputs, prepare_model, prepare_runtime, resumed_config, start_tracking
 
 

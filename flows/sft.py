@@ -15,7 +15,7 @@ from prefect import flow
 from flows.prefect_server import send_to_api
 from miles_core.checkpoint.run_lock import RunClaim
 from miles_core.config import RunConfig
-from miles_core.runtime import new_workdir
+from miles_core.run.runtime import new_workdir
 from tasks.setup import prepare_model, start_tracking
 from tasks.sft import sft_train
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from miles_core.model_check import moe_sizes
+from miles_core.models.check import moe_sizes
 from miles_core.token_fields import (
     FIELDS,
     TokenField,

@@ -4,7 +4,7 @@ import logging
 import time
 
 from miles_core.checkpoint.store import CheckpointSaveError
-from miles_core.runtime import RLRuntime
+from miles_core.run.runtime import RLRuntime
 from tasks._task import step_task
 
 log = logging.getLogger("miles")

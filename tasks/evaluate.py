@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from miles_core.runtime import RLRuntime
+from miles_core.run.runtime import RLRuntime
 from tasks._task import step_task
 
 

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from miles_core.checkpoint.store import local_model_dir
 from miles_core.eval.registry import PolicyVersion, mark_version, record_evaluation, resolve
 from miles_core.eval.scoring import EvalSpec, score_model_dir
-from miles_core.tracking import resolve_tracking_uri
+from miles_core.run.tracking import resolve_tracking_uri
 from tasks._task import step_task
 
 

@@ -1,4 +1,4 @@
-"""The run's long-running tasks: one per loop of `miles_core/run_loops.py`, submitted together
+"""The run's long-running tasks: one per loop of `miles_core/run/loops.py`, submitted together
 by `flows/rl_loops.py`, Running side by side for the run's duration (sync mode: `train_loop`
 alone). Inside them the phases are the phase tasks' functions, called directly (no task run per
 phase per step). Each returns "done", or "stopped" when another loop failed; the failing one
@@ -6,7 +6,7 @@ raises."""
 
 from __future__ import annotations
 
-from miles_core.run_loops import RunLoops
+from miles_core.run.loops import RunLoops
 from tasks._task import step_task
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 from prefect.runtime import flow_run
 
 from miles_core.config import RunConfig
-from miles_core.preflight import clear_previous_checkpoints, preflight
-from miles_core.runtime import RLRuntime, latest_state, prepare_model_dir
-from miles_core.tracking import Tracker
+from miles_core.run.preflight import clear_previous_checkpoints, preflight
+from miles_core.run.runtime import RLRuntime, latest_state, prepare_model_dir
+from miles_core.run.tracking import Tracker
 from tasks._task import step_task
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles_core.config import RunConfig
-from miles_core.tracking import Tracker
+from miles_core.run.tracking import Tracker
 from miles_core.train.sft import run_sft
 from tasks._task import step_task
 

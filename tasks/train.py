@@ -3,7 +3,7 @@ from __future__ import annotations
 import time
 
 from miles_core.rollout.rollout_fn import RolloutResult
-from miles_core.runtime import RLRuntime
+from miles_core.run.runtime import RLRuntime
 from tasks._task import step_task
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from miles_core.config import load_config
 from miles_core.envs.terminal import KINDS
-from miles_core.runtime import RLRuntime, prepare_model_dir
+from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
 HOOK_CALLS: list[str] = []
 

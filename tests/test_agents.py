@@ -132,7 +132,7 @@ def test_detours_take_turns_that_turn_slack_does_not_leave():
     `agent.max_turns` alone limits it."""
     from miles_core.config import load_config
     from miles_core.data import get_task
-    from miles_core.rollout_source import episode_metadata
+    from miles_core.rollout.sources import episode_metadata
     from miles_core.tito import get_family
 
     task = get_task("terminal_detours")

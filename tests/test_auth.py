@@ -246,7 +246,7 @@ def test_sglang_router_with_the_key_requires_it_and_sends_it_to_keyed_engines(fl
 def test_a_run_keyed_from_the_environment_trains_and_pushes_its_weights(tmp_path, monkeypatch):
     """A whole step (rollout, train, shared-memory push) of a run whose key comes from
     MILES_API_KEY; its engine server refuses a client without it."""
-    from miles_core.runtime import RLRuntime, prepare_model_dir
+    from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
     monkeypatch.setenv(API_KEY_ENV, KEY)
     cfg = load_config(

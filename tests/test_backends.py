@@ -18,12 +18,12 @@ from miles_core.device import check_device, dist_backend, resolve_device
 from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import RolloutResult, encode_prompt
+from miles_core.run.training import build_trainer, train_on_rollout
 from miles_core.train import distributed
 from miles_core.train.advantages import grpo_advantages
 from miles_core.train.batch import TrainBatch
 from miles_core.train.losses.policy import OffPolicySettings, PolicyLossConfig
 from miles_core.train.registry import backend_names, make_backend, register_loss
-from miles_core.training import build_trainer, train_on_rollout
 from miles_core.types import Sample, SampleGroup
 from tests.plugins import backend as plugin
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from miles_core.config import load_config
 from miles_core.data import DatasetError, read_jsonl
-from miles_core.preflight import preflight
+from miles_core.run.preflight import preflight
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -297,7 +297,7 @@ def test_a_new_run_with_the_name_of_an_existing_one_is_refused_unless_it_overwri
     """Two runs of one name would interleave their checkpoints (and `latest`): refused; with
     checkpoint.overwrite the earlier run's checkpoints (its SFT's too) are removed first."""
     from miles_core.checkpoint.store import CheckpointStore
-    from miles_core.preflight import clear_previous_checkpoints
+    from miles_core.run.preflight import clear_previous_checkpoints
 
     def write(d):
         d.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from miles_core.data import PromptSource, load_examples
 from miles_core.rollout.http_engine import EngineProcess, EngineUnavailable, HttpEngine
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.supervisor import EngineSupervisor
-from miles_core.runtime import RLRuntime, prepare_model_dir
+from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
 B, N, STEPS = 4, 2, 4
 

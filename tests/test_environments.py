@@ -14,7 +14,7 @@ from miles_core.agents.rollout import AgenticRollout
 from miles_core.config import load_config
 from miles_core.envs.environment import load_environment
 from miles_core.envs.sandbox_agent import run_agent
-from miles_core.rollout_source import episode_metadata
+from miles_core.rollout.sources import episode_metadata
 from tests.plugins.family import HeadersFamily
 from tests.plugins.file_moves import TASKS
 

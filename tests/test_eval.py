@@ -17,8 +17,8 @@ from miles_core.engine.embedded import EmbeddedEngine
 from miles_core.eval.registry import BEST_EVAL_ALIAS
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.proc.identity import children
-from miles_core.runtime import RLRuntime, prepare_model_dir
-from miles_core.tracking import NEWEST_POLICY_ALIAS, Tracker
+from miles_core.run.runtime import RLRuntime, prepare_model_dir
+from miles_core.run.tracking import NEWEST_POLICY_ALIAS, Tracker
 from tests.servers import served
 
 

@@ -107,7 +107,7 @@ def test_the_sft_warm_start_shares_the_trainer_layout():
 
 
 def test_a_layout_that_does_not_divide_the_model_is_refused_before_start(tmp_path):
-    from miles_core.preflight import preflight
+    from miles_core.run.preflight import preflight
 
     root = [f"checkpoint.root={tmp_path}/c", f"tracking.tracking_uri=sqlite:///{tmp_path}/m.db"]
     config = load_config(  # tiny: 2 layers, 4 heads, 2 kv heads
@@ -123,7 +123,7 @@ def test_a_layout_that_does_not_divide_the_model_is_refused_before_start(tmp_pat
 
 
 def test_an_architecture_the_converter_does_not_know_is_refused_before_start(tmp_path):
-    from miles_core.preflight import preflight
+    from miles_core.run.preflight import preflight
 
     hf = preset_config("tiny", 106, 0, 1).to_dict() | {"model_type": "llama"}
     model_dir = tmp_path / "llama"
@@ -198,7 +198,7 @@ def test_moe_weights_convert_to_megatrons_experts_and_back_bitwise(preset, tmp_p
 def test_an_expert_layout_that_does_not_fit_the_model_is_refused_before_start(
     tmp_path, preset, sets, message
 ):
-    from miles_core.preflight import preflight
+    from miles_core.run.preflight import preflight
 
     root = [f"checkpoint.root={tmp_path}/c", f"tracking.tracking_uri=sqlite:///{tmp_path}/m.db"]
     config = load_config(None, [*MEGATRON, *root, f"model.preset={preset}", *sets])

@@ -13,13 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_core import routed_experts, runtime
+from miles_core import routed_experts
 from miles_core.config import load_config
 from miles_core.engines import engine_refuses
 from miles_core.models import PRESETS, build_model, count_parameters, save_hf_dir
 from miles_core.models.builder import preset_config
 from miles_core.models.tokenizer import build_tokenizer
-from miles_core.preflight import preflight
+from miles_core.run import runtime
+from miles_core.run.preflight import preflight
 from miles_core.token_fields import FIELDS, get_token_field, unregister_token_field
 
 MOE = sorted(name for name, p in PRESETS.items() if p.is_moe)

@@ -301,7 +301,7 @@ def _cli_run(
 def _first_step_on_one_rank(tmp_path: Path, extra: tuple, overrides=None) -> dict[str, float]:
     """Step 0 of the same run on one rank, in process (no flow, no tracking)."""
     from miles_core.config import load_config
-    from miles_core.runtime import RLRuntime, prepare_model_dir
+    from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
     config = load_config(None, (overrides or _overrides)(tmp_path / "one", "one", 1, extra))
     runtime = RLRuntime(config, prepare_model_dir(config, tmp_path / "one"), None)

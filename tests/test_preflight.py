@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from flows import cli
 from miles_core.config import load_config
-from miles_core.preflight import preflight
+from miles_core.run.preflight import preflight
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from test_agents import _Server  # imported (and rewritten) at collection
 from miles_core.agents.layers import GenerateOutput
 from miles_core.agents.rewards import Episode, RewardHooks
 from miles_core.config import load_config
-from miles_core.preflight import preflight
+from miles_core.run.preflight import preflight
 from miles_core.types import Sample
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import miles_core.runtime as runtime
+import miles_core.run.runtime as runtime
 from miles_core.config import load_config
 from miles_core.engine_api import IN_PROCESS_ROUTES
 from miles_core.engines import BuiltEngine, EngineSetup

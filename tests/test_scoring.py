@@ -13,7 +13,7 @@ from miles_core.data.tasks import SayA, Score
 from miles_core.rollout.protocol import GenerateResponse
 from miles_core.rollout.rollout_fn import build_group
 from miles_core.rollout.scoring import call_with_timeout, safe_score
-from miles_core.runtime import RLRuntime, prepare_model_dir
+from miles_core.run.runtime import RLRuntime, prepare_model_dir
 from miles_core.types import Status
 
 

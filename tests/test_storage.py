@@ -188,7 +188,7 @@ def test_a_failed_save_before_the_last_step_does_not_stop_training(full_disk, tm
 
     from miles_core.checkpoint.store import CheckpointSaveError
     from miles_core.config import load_config
-    from miles_core.runtime import RLRuntime, prepare_model_dir
+    from miles_core.run.runtime import RLRuntime, prepare_model_dir
     from tasks.checkpoint import save_checkpoint
 
     cfg = load_config(
@@ -287,7 +287,7 @@ def auth_s3(tmp_path):
 
 def test_wrong_s3_credentials_are_refused_before_anything_starts(auth_s3):
     from miles_core.config import load_config
-    from miles_core.preflight import preflight
+    from miles_core.run.preflight import preflight
 
     url, good = auth_s3
 

@@ -194,7 +194,7 @@ def test_token_diff_reports_the_first_divergence_and_an_edit_count():
 
 def test_terminal_demonstrations_are_rendered_with_the_runs_family(tiny_dir, tmp_path):
     from miles_core.data import get_task
-    from miles_core.preflight import preflight
+    from miles_core.run.preflight import preflight
 
     headers = HeadersFamily()
     task = get_task("terminal")

@@ -1,4 +1,4 @@
-"""Tests for miles_core.tracking against a real SQLite-backed MLflow store (no mocks)."""
+"""Tests for miles_core.run.tracking against a real SQLite-backed MLflow store (no mocks)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from miles_core.tracking import (
+from miles_core.run.tracking import (
     NEWEST_POLICY_ALIAS,
     Tracker,
     flatten_params,
@@ -70,7 +70,7 @@ def test_flatten_params() -> None:
 
 def test_credentials_in_the_config_never_reach_mlflow_params() -> None:
     """S3 storage options and API keys are logged as `<redacted>`; look-alike names are not."""
-    from miles_core.tracking import REDACTED
+    from miles_core.run.tracking import REDACTED
 
     config = {
         "checkpoint": {
@@ -300,8 +300,8 @@ def test_training_success_is_logged_as_a_9_step_average_across_a_resume(make_tra
     """`rollout/success_rate_ma9` at step s: the mean of steps s-8..s, the steps a killed run
     logged before its resume included (reloaded from MLflow), a step it runs again counted once
     with its new value."""
-    from miles_core.progress import LogReporter
-    from miles_core.steplog import StepLog
+    from miles_core.run.progress import LogReporter
+    from miles_core.run.steplog import StepLog
 
     killed = [0.0, 0.5, 0.25, 1.0, 0.0, 0.75, 0.5, 0.25, 1.0, 0.0, 0.5]  # steps 0-10
     rerun = {9: 0.75, 10: 0.25, 11: 0.75, 12: 0.5}  # resumed from step 8's checkpoint

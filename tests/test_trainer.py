@@ -5,7 +5,6 @@ import torch
 
 from miles_core.config import RunConfig
 from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.padding import pad_rows
 from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.advantages import grpo_advantages
@@ -13,6 +12,7 @@ from miles_core.train.batch import PaddedBatch, TrainBatch
 from miles_core.train.forward import LossNeeds
 from miles_core.train.fsdp import FSDPBackend
 from miles_core.train.losses import aggregate, k3_kl, ppo_clip_loss
+from miles_core.train.padding import pad_rows
 from miles_core.train.shared_prefix import SharedPrefix
 from miles_core.types import Sample, SampleGroup
 from miles_core.weights import make_transport, mismatched_tensors

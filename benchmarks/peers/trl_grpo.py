@@ -55,7 +55,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from miles_core.data.tasks import get_task  # our prompts and reward, the same code as ours
-    from miles_core.timeline import mark  # phase marks for benchmarks/time_to_result.py
+    from miles_core.run.timeline import mark  # phase marks for benchmarks/time_to_result.py
 
     mark("main")  # imports done
 

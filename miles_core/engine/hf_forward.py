@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from miles_core.padding import pad_rows
+from miles_core.train.padding import pad_rows
 
 
 class HFForward:

@@ -14,7 +14,7 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from miles_core.tracking import NEWEST_POLICY_ALIAS
+from miles_core.run.tracking import NEWEST_POLICY_ALIAS
 
 BEST_EVAL_ALIAS = "best-eval"
 SCORE_KEY = "eval/reward_mean"  # what `best-eval` ranks by (higher is better)

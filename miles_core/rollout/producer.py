@@ -1,7 +1,7 @@
 """The asynchronous rollout producer: a long-lived loop that keeps an engine server busy
 while the trainer trains, and hands the trainer whole batches of groups. The loop runs where its
 `launch` puts it: a thread of its own by default (`start_thread`), or a long-running task of the
-flow (`miles_core/run_loops.py: HostedLoop`, the `rollout_loop` Prefect task).
+flow (`miles_core/run/loops.py: HostedLoop`, the `rollout_loop` Prefect task).
 
 Group i (0-based over the run) belongs to step i // B (B = prompts per step) and uses the same
 prompt order and sampling seeds as a sync run. Admission is paced, not filtered:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from miles_core.padding import pad_rows
 from miles_core.token_fields import get_token_field
+from miles_core.train.padding import pad_rows
 from miles_core.types import Sample
 
 

@@ -70,7 +70,7 @@ def run_sft(config, model_dir, tracker) -> str:
     from miles_core.checkpoint.store import CheckpointStore
     from miles_core.data import sft_examples
     from miles_core.models import load_hf_dir
-    from miles_core.progress import reporter
+    from miles_core.run.progress import reporter
     from miles_core.train.registry import make_backend
 
     sft = config.sft

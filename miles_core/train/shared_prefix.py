@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from miles_core.padding import pad_rows
 from miles_core.token_fields import get_token_field
 from miles_core.train.batch import TrainBatch
+from miles_core.train.padding import pad_rows
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from miles_core.model_check import moe_layer_indices, moe_sizes
+from miles_core.models.check import moe_layer_indices, moe_sizes
 from miles_core.train.megatron.architecture import check_architecture
 
 

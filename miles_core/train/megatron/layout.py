@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.model_check import moe_sizes
+from miles_core.models.check import moe_sizes
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ class AsyncRollouts(SyncRollouts):
         self.groups: GroupSource | None = None  # what a group is; None: a prompt's completions
         self._restored: dict | None = None  # a resumed checkpoint's buffer, for the producer
         # where the producer's loop runs: its own thread, or a flow's long-running task
-        # (set before the first `take`: miles_core/run_loops.py)
+        # (set before the first `take`: miles_core/run/loops.py)
         self.launch: Launch = start_thread
 
     def take(self, step: int) -> RolloutResult:

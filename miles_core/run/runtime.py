@@ -3,7 +3,7 @@
     EngineFleet     fleet.py            the engine (`rollout.engine`), its server, supervision
     trainer         training.py         the backend (`train.backend`) and the RL train phase
     WeightSync      weight_sync.py      the transport, policy versions, the weights lock
-    rollouts        rollout_source.py   sync / async producer / agentic rollouts
+    rollouts        rollout/sources.py   sync / async producer / agentic rollouts
     Checkpointing   checkpoint/checkpointing.py    save, resume (+ checkpoint/catch_up.py: tracking catch-up)
     RunEvaluation   eval/in_run.py      evaluations while training runs
 
@@ -29,9 +29,9 @@ from miles_core.eval.in_run import RunEvaluation
 from miles_core.fleet import EngineFleet
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.rollout.rollout_fn import RolloutResult
-from miles_core.rollout_source import make_rollouts
-from miles_core.tracking import Tracker
-from miles_core.training import build_trainer, train_on_rollout
+from miles_core.rollout.sources import make_rollouts
+from miles_core.run.tracking import Tracker
+from miles_core.run.training import build_trainer, train_on_rollout
 from miles_core.weight_sync import WeightSync
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from miles_core.progress import Reporter
-from miles_core.tracking import SUCCESS_KEY, SUCCESS_MA_KEY, Tracker
+from miles_core.run.progress import Reporter
+from miles_core.run.tracking import SUCCESS_KEY, SUCCESS_MA_KEY, Tracker
 
 MA_WIDTH = 9  # SUCCESS_MA_KEY's window
 

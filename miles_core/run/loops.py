@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.runtime import RLRuntime
-from miles_core.steplog import StepLog
+from miles_core.run.runtime import RLRuntime
+from miles_core.run.steplog import StepLog
 
 log = logging.getLogger("miles.loops")
 LOOPS = ("rollout", "train", "weights", "evaluate")

@@ -17,7 +17,7 @@ from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.tracking import check_tracking_uri, resolve_tracking_uri
+from miles_core.run.tracking import check_tracking_uri, resolve_tracking_uri
 
 
 def _model_config(config: RunConfig) -> dict:
@@ -87,7 +87,7 @@ def _check_episode_budget(config: RunConfig, task, context: int) -> None:
     Otherwise no episode of that kind could succeed: refused, naming the kind and the numbers."""
     from miles_core.envs.demonstration import call_lengths, demonstration
     from miles_core.envs.sandbox import SandboxLimits
-    from miles_core.rollout_source import episode_metadata
+    from miles_core.rollout.sources import episode_metadata
     from miles_core.tito import get_family
 
     a = config.agent
@@ -172,9 +172,9 @@ def _check_roles(rows: list[Example], where: str) -> None:
 
 def _check_model(config: RunConfig, model_config: dict) -> None:
     """The starting model, read by header only: sizes, safetensors files, the memory the run
-    needs against what the machine has (model_check.py)."""
+    needs against what the machine has (models/check.py)."""
     from miles_core.device import resolve_device
-    from miles_core.model_check import check_memory, check_model_dir, moe_sizes
+    from miles_core.models.check import check_memory, check_model_dir, moe_sizes
 
     where = f"model.path {config.model.path!r}" if config.model.path else "model.preset"
     gpu_memory = None
@@ -278,7 +278,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
     """Raises ValueError / FileNotFoundError / OSError for: agent plug-ins that do not import,
     a tracking URI MLflow has no store for, a starting model whose config.json or safetensors
     headers are malformed, truncated or disagree, or that does not fit the machine's memory
-    (model_check.py), unreadable or malformed datasets (row number in the message), chat roles
+    (models/check.py), unreadable or malformed datasets (row number in the message), chat roles
     outside CHAT_ROLES, rows without the label the task scores against, prompts that do not
     fit the context with one call's new tokens (rollout.max_new_tokens; agent.max_tokens in an
     agentic run), a sandbox environment task whose scripted solution cannot fit agent.max_tokens,
