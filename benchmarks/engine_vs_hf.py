@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 
 import miles_core  # noqa: F401
-from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.runner import Qwen3Runner
-from miles_core.engine.serving import ServingEngine
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.cpu.runner import Qwen3Runner
+from miles_core.engines.cpu.serving import ServingEngine
+from miles_core.engines.http import EngineProcess, HttpEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 
 BATCH, PROMPT, NEW = 32, 16, 64
 DTYPES = ("float32", "bfloat16")

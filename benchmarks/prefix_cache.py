@@ -20,10 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import miles_core  # noqa: F401
-from miles_core.engine.serving import ServingEngine
+from miles_core.engines.cpu.serving import ServingEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import build_tokenizer
 from miles_core.models.builder import preset_config
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 
 CONTEXT = 2048
 

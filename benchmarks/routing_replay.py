@@ -30,9 +30,9 @@ import torch
 from miles_core import routed_experts
 from miles_core.config import RunConfig
 from miles_core.data import get_task
-from miles_core.engine.serving import ServingEngine
+from miles_core.engines.cpu.serving import ServingEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.batch import TrainBatch
 from miles_core.train.registry import make_backend

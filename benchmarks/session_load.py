@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from miles_core.engines.http import EngineProcess
 from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.http_engine import EngineProcess
 from miles_core.sessions import SessionServerProcess
 
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.models import build_model, save_hf_dir
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
 from miles_core.weights.disk import DiskTransport
 from miles_core.weights.group import Scratch, broadcast, send_flat

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     mark("main")
     args = _parser().parse_args(argv)
     if args.command == "engine":
-        from miles_core.engine import server
+        from miles_core.engines.cpu import server
 
         server.main(args.rest)
         return 0

@@ -80,8 +80,8 @@ class DataConfig(_Strict):
 def _in_trainer_process(engine: str) -> bool:
     """Whether engine `engine` runs in the trainer's process (it takes weights only as tensors
     handed over there, engine_api.IN_PROCESS_ROUTES), as opposed to an engine server."""
-    from miles_core.engine_api import IN_PROCESS_ROUTES
-    from miles_core.engines import engine_routes
+    from miles_core.engines.protocol import IN_PROCESS_ROUTES
+    from miles_core.engines.registry import engine_routes
 
     return engine_routes(engine) <= IN_PROCESS_ROUTES
 
@@ -89,7 +89,7 @@ def _in_trainer_process(engine: str) -> bool:
 class RolloutConfig(_Strict):
     engine: str = Field(
         "embedded",
-        description="a registered engine (miles_core/engines.py) or 'package.module:factory'. "
+        description="a registered engine (miles_core/engines/registry.py) or 'package.module:factory'. "
         "embedded: batched sampler on the HF modules; serving: continuous batching with prefix "
         "reuse (GRPO siblings share the prompt's KV), per-request seeds; server: the serving "
         "engine as a subprocess on 127.0.0.1 behind SGLang's HTTP API (weights travel by "
@@ -187,7 +187,7 @@ class RolloutConfig(_Strict):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, v: str) -> str:
-        from miles_core.engines import engine_routes
+        from miles_core.engines.registry import engine_routes
 
         engine_routes(v)  # ValueError naming the registered engines; imports an import path
         return v
@@ -757,7 +757,7 @@ class RunConfig(_Strict):
 
     def _check_transport_fits_engine(self) -> None:
         """The transport's weight route must be one the engine takes (both from registries)."""
-        from miles_core.engines import engine_routes
+        from miles_core.engines.registry import engine_routes
         from miles_core.weights import transport_names, transport_route
 
         r, ws = self.rollout, self.weight_sync

@@ -1,6 +1,6 @@
 """Named plug-ins: one `Registry[T]` for every kind miles_core chooses by name in a config.
 
-Trainer backends and losses (train/registry.py), rollout engines (engines.py), weight transports
+Trainer backends and losses (train/registry.py), rollout engines (engines/registry.py), weight transports
 (weights/transport.py), TITO families (tito/registry.py), tasks (data/tasks.py) and per-token
 fields (token_fields.py) are each one instance. An entry is registered under a short name, as the
 object itself or as its import path `package.module:object` (imported on first use, so naming it

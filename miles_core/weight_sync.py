@@ -16,7 +16,7 @@ import threading
 import torch
 
 from miles_core.device import dist_backend
-from miles_core.fleet import EngineFleet
+from miles_core.engines.fleet import EngineFleet
 from miles_core.train.backend import TrainerBackend
 from miles_core.weights import make_transport, weights_checksum
 from miles_core.weights.disk import push_root
@@ -45,7 +45,7 @@ class WeightSync:
             dtype=ws.dtype,
             group_backend=dist_backend(trainer.device),
             group_ports=config.network.ports,  # the weight-group rendezvous (network.port_range)
-            root=push_root(ws, workdir),  # the root its engine servers read (fleet.py)
+            root=push_root(ws, workdir),  # the root its engine servers read (engines/fleet.py)
             storage_options=config.checkpoint.storage_options,
             keep=ws.keep_versions,
             delta=ws.disk_delta,

@@ -109,8 +109,8 @@ def session_stack(tmp_path_factory):
     server in front of it, both subprocesses stopped by PID: yields (engine, sessions). One pair
     for the whole session (test_sessions, test_agents, test_blackbox, test_openenv): each test
     opens its own sessions and none changes the servers' settings or weights."""
+    from miles_core.engines.http import EngineProcess
     from miles_core.models import build_model, save_hf_dir
-    from miles_core.rollout.http_engine import EngineProcess
     from miles_core.sessions import SessionServerProcess
 
     logs = tmp_path_factory.mktemp("stack")

@@ -10,8 +10,8 @@ import torch
 
 from miles_core.config import load_config
 from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.models import load_hf_dir
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.run.runtime import RLRuntime, prepare_model_dir
 from miles_core.types import Status

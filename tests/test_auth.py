@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from openai import AuthenticationError, NotFoundError, OpenAI
 
 from miles_core.config import load_config
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.proc.auth import API_KEY_ENV, bearer, is_loopback, protect, run_key
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 
 KEY = "test-key-0123456789"
 
@@ -25,7 +25,7 @@ KEY = "test-key-0123456789"
 def fleet(tiny_dir, tmp_path_factory):
     """A run's engine fleet (rollout.engine: server) with `network.api_key` set: the engine
     server is a real subprocess that was given the key, and the fleet's client sends it."""
-    from miles_core.fleet import EngineFleet
+    from miles_core.engines.fleet import EngineFleet
 
     work = tmp_path_factory.mktemp("auth")
     config = load_config(
@@ -216,11 +216,11 @@ def test_a_managed_child_gets_exactly_its_parent_s_key(monkeypatch):
 
 @pytest.mark.slow
 def test_sglang_router_with_the_key_requires_it_and_sends_it_to_keyed_engines(fleet, tmp_path):
-    from miles_core.rollout.http_engine import HttpEngine
-    from miles_core.rollout.router import RouterProcess
+    from miles_core.engines.http import HttpEngine
+    from miles_core.engines.router import RouterProcess
 
     pytest.importorskip("sglang_router")
-    # a key starting with "-" is not taken for one of the router's options (router_main.py)
+    # a key starting with "-" is not taken for one of the router's options (engines/router_main.py)
     assert f"-{KEY}" not in " ".join(RouterProcess(["http://x"], api_key=f"-{KEY}").command())
     with RouterProcess([fleet.process.url], log_path=tmp_path / "r.log", api_key=KEY) as router:
         assert router.healthy_urls() == [fleet.process.url]  # our /workers calls send the key

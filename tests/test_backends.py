@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from miles_core.config import OffPolicyConfig, RunConfig, load_config
 from miles_core.device import check_device, dist_backend, resolve_device
-from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import RolloutResult, encode_prompt
 from miles_core.run.training import build_trainer, train_on_rollout
 from miles_core.train import distributed

@@ -17,9 +17,9 @@ from miles_core.checkpoint.resume_checks import shape_changes
 from miles_core.checkpoint.store import CheckpointStore
 from miles_core.config import load_config
 from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.models import build_model, load_hf_dir
 from miles_core.rollout.buffer_state import BUFFER_FILE, group_from_json, group_to_json
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.run.preflight import preflight
 from miles_core.types import Sample, SampleGroup, Status

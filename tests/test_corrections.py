@@ -8,7 +8,7 @@ import torch
 from test_trainer import _rollout, _trainer
 
 from miles_core.config import OffPolicyConfig
-from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.train.corrections import correction_weights
 
 

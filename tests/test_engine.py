@@ -3,10 +3,10 @@ import copy
 import pytest
 import torch
 
-from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.engine.hf_forward import HFForward
-from miles_core.engine.loading import PackedWeightsDiffer
-from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.cpu.hf_forward import HFForward
+from miles_core.engines.cpu.loading import PackedWeightsDiffer
+from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 
 
@@ -170,8 +170,8 @@ def test_temperature_zero_is_greedy_and_bad_sampling_params_are_refused(engine, 
 def test_a_config_the_runner_lacks_falls_back_to_the_model_modules(tiny):
     from transformers import Qwen3ForCausalLM
 
-    from miles_core.engine.runner import Qwen3Runner
-    from miles_core.engine.runner_forward import RunnerForward
+    from miles_core.engines.cpu.runner import Qwen3Runner
+    from miles_core.engines.cpu.runner_forward import RunnerForward
 
     model, tok = tiny
     assert isinstance(EmbeddedEngine(model, tok).forward, RunnerForward)

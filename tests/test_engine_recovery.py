@@ -18,9 +18,9 @@ import pytest
 
 from miles_core.config import load_config
 from miles_core.data import PromptSource, load_examples
-from miles_core.rollout.http_engine import EngineProcess, EngineUnavailable, HttpEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
-from miles_core.rollout.supervisor import EngineSupervisor
+from miles_core.engines.http import EngineProcess, EngineUnavailable, HttpEngine
+from miles_core.engines.supervisor import EngineSupervisor
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
 B, N, STEPS = 4, 2, 4

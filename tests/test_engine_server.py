@@ -9,14 +9,14 @@ import httpx
 import pytest
 import torch
 
-from miles_core.engine.serving import ServingEngine
-from miles_core.rollout.http_engine import (
+from miles_core.engines.cpu.serving import ServingEngine
+from miles_core.engines.http import (
     EngineProcess,
     EngineRequestRejected,
     EngineUnavailable,
     HttpEngine,
 )
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 
 
@@ -289,7 +289,7 @@ def test_a_server_that_cannot_bind_exits_nonzero_with_the_reason(tiny_dir):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "miles_core.engine.server", "--model", str(tiny_dir)]
+            [sys.executable, "-m", "miles_core.engines.cpu.server", "--model", str(tiny_dir)]
             + ["--port", str(port), "--threads", "1"],
             capture_output=True,
             text=True,
@@ -329,8 +329,8 @@ def test_the_weights_check_covers_the_packed_copies_that_generate(tiny):
     matches the engine's tensors fails the check (in-process and over /weights_checker)."""
     from fastapi.testclient import TestClient
 
-    from miles_core.engine.server import create_app
-    from miles_core.engine.serving import PackedWeightsDiffer
+    from miles_core.engines.cpu.server import create_app
+    from miles_core.engines.cpu.serving import PackedWeightsDiffer
     from miles_core.weights import weights_checksum
 
     model, tok = tiny
@@ -357,8 +357,8 @@ def test_the_weights_check_covers_the_packed_copies_that_generate(tiny):
 
 
 def test_the_server_declares_its_weight_routes_and_device(server):
-    from miles_core.engine_api import SERVER_ROUTES
-    from miles_core.rollout.sglang_engine import attach
+    from miles_core.engines.protocol import SERVER_ROUTES
+    from miles_core.engines.sglang import attach
 
     (engine,) = attach([server.url])
     assert engine.weight_routes == SERVER_ROUTES

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from mlflow.tracking import MlflowClient
 
 from miles_core.config import load_config
-from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.eval.registry import BEST_EVAL_ALIAS
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.proc.identity import children
@@ -96,7 +96,7 @@ def _engine_children() -> list[int]:
             return ""
 
     procs = children(os.getpid())  # live descendants, through psutil
-    return [p.pid for p in procs if "miles_core.engine.server" in cmdline(p)]
+    return [p.pid for p in procs if "miles_core.engines.cpu.server" in cmdline(p)]
 
 
 def test_an_evaluation_is_deterministic_and_leaves_training_sampling_as_it_was(tiny):

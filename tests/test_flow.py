@@ -348,7 +348,7 @@ def test_a_failing_run_stops_its_engine_server(prefect_server, tmp_path, monkeyp
     extra = FAILS_ON_SECOND_ROLLOUT
 
     def engine_children() -> set[str]:
-        pgrep = ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.engine.server"]
+        pgrep = ["pgrep", "-P", str(os.getpid()), "-f", "miles_core.engines.cpu.server"]
         return set(subprocess.run(pgrep, capture_output=True, text=True).stdout.split())
 
     before = engine_children()  # servers of session fixtures (conftest.session_stack)

@@ -153,7 +153,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
     """An engine server of its own: the fuzzer pauses it, releases its memory, loads weights."""
-    from miles_core.rollout.http_engine import EngineProcess
+    from miles_core.engines.http import EngineProcess
 
     logs = tmp_path_factory.mktemp("fuzz-engine")
     with EngineProcess(model_dir, args=["--threads", "1"], log_path=logs / "engine.log") as e:

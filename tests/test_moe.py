@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from miles_core import routed_experts
 from miles_core.config import load_config
-from miles_core.engines import engine_refuses
+from miles_core.engines.registry import engine_refuses
 from miles_core.models import PRESETS, build_model, count_parameters, save_hf_dir
 from miles_core.models.builder import preset_config
 from miles_core.models.tokenizer import build_tokenizer
@@ -152,7 +152,7 @@ def _hf_routes(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
 def test_the_serving_runner_computes_the_hf_forward_and_routes_of_moe_models(preset):
-    from miles_core.engine.runner import Qwen3Runner
+    from miles_core.engines.cpu.runner import Qwen3Runner
 
     model, _ = build_model(preset, seed=1)
     runner = Qwen3Runner(model, slots=2, max_len=64)
@@ -186,8 +186,8 @@ def _sequence_routes(model, ids: list[int]) -> np.ndarray:
 
 
 def test_the_serving_engine_returns_the_routes_of_every_position_it_processed():
-    from miles_core.engine.serving import ServingEngine
-    from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
+    from miles_core.engines.cpu.serving import ServingEngine
+    from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 
     model, tok = build_model("tiny-moe-shared", seed=1)
     engine = ServingEngine(model, tok, seed=0, max_running=4, scheduler="caller")
@@ -224,8 +224,8 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
     """`return_routed_experts` in SGLang's GenerateReqInput (single and batch form, through our
     client too) → meta_info.routed_experts of every position (a dense model's refusal: the
     in-process test above; the server answers an EngineRequestError with 400)."""
-    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
-    from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+    from miles_core.engines.http import EngineProcess, HttpEngine
+    from miles_core.engines.wire import GenerateRequest, SamplingParams
     from miles_core.token_fields import register_token_field
 
     model, tok = build_model("tiny-moe-shared", seed=1)
@@ -491,8 +491,8 @@ def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_s
     another shape: the response parses, the sample is FAILED with the reason, nothing trains."""
     from miles_core.data import get_task
     from miles_core.data.tasks import Example
-    from miles_core.engine.serving import ServingEngine
-    from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+    from miles_core.engines.cpu.serving import ServingEngine
+    from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingParams
     from miles_core.rollout.rollout_fn import build_group
     from miles_core.types import Status
 
@@ -572,8 +572,8 @@ def test_every_transport_pushes_moe_weights_bitwise_and_the_engine_routes_with_t
     engine's routes after a push are those of the pushed weights."""
     from test_transports import _TwoRankShards
 
-    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
-    from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+    from miles_core.engines.http import EngineProcess, HttpEngine
+    from miles_core.engines.wire import GenerateRequest, SamplingParams
     from miles_core.token_fields import register_token_field
     from miles_core.weights import make_transport, weights_checksum
     from miles_core.weights.disk import DiskTransport

@@ -5,9 +5,9 @@ import time
 import httpx
 import pytest
 
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
-from miles_core.rollout.router import RouterProcess
+from miles_core.engines.http import EngineProcess, HttpEngine
+from miles_core.engines.router import RouterProcess
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 
 # a router and two engine servers per test: integration, not the inner loop
 pytestmark = pytest.mark.slow

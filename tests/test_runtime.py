@@ -9,15 +9,15 @@ import pytest
 
 import miles_core.run.runtime as runtime
 from miles_core.config import load_config
-from miles_core.engine_api import IN_PROCESS_ROUTES
-from miles_core.engines import BuiltEngine, EngineSetup
+from miles_core.engines.protocol import IN_PROCESS_ROUTES
+from miles_core.engines.registry import BuiltEngine, EngineSetup
 
 CLOSED: list[str] = []
 
 
 def recording_engine(setup: EngineSetup) -> BuiltEngine:
     """The embedded engine, recording its close (a test engine registered by import path)."""
-    from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.engines.cpu.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine(setup.model, setup.tokenizer, seed=setup.seed)
     engine.close = lambda: CLOSED.append("engine")

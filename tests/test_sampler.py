@@ -2,7 +2,7 @@
 
 import torch
 
-from miles_core.engine.sampler import sample_next
+from miles_core.engines.cpu.sampler import sample_next
 
 
 def _draw(logits, n, top_k=-1, top_p=1.0, seed=0):

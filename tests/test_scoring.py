@@ -10,7 +10,7 @@ import pytest
 
 from miles_core.config import load_config
 from miles_core.data.tasks import SayA, Score
-from miles_core.rollout.protocol import GenerateResponse
+from miles_core.engines.wire import GenerateResponse
 from miles_core.rollout.rollout_fn import build_group
 from miles_core.rollout.scoring import call_with_timeout, safe_score
 from miles_core.run.runtime import RLRuntime, prepare_model_dir

@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_engine import BAD_REQUESTS
 
-from miles_core.engine import runner as runner_mod
-from miles_core.engine.serving import ServingEngine
-from miles_core.engine.slots import SlotState, SlotTable, common_prefix
-from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
+from miles_core.engines.cpu import runner as runner_mod
+from miles_core.engines.cpu.serving import ServingEngine
+from miles_core.engines.cpu.slots import SlotState, SlotTable, common_prefix
+from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt, engine_load
 
 
@@ -339,7 +339,7 @@ def test_caller_engine_honours_pause_from_another_thread_and_close(engine, tiny)
 def test_seeded_streams_drawn_ahead_sample_as_drawn_one_at_a_time(tiny, monkeypatch):
     """A seeded request's sampling numbers are drawn UNIFORMS_AHEAD at a time: the same tokens
     and log-probs as one draw per token, across a chunk boundary, beside requests that end early."""
-    import miles_core.engine.serving as serving
+    import miles_core.engines.cpu.serving as serving
 
     model, tok = tiny
     reqs = [

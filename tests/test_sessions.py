@@ -272,7 +272,7 @@ def test_a_reply_sent_back_differently_is_reported_by_where_it_parts_and_its_edi
 @pytest.fixture(scope="module")
 def headers_engine(tmp_path_factory):
     """An engine server whose model speaks the test tree's family (tests/plugins/family.py)."""
-    from miles_core.rollout.http_engine import EngineProcess
+    from miles_core.engines.http import EngineProcess
 
     logs = tmp_path_factory.mktemp("headers")
     model_dir = save_model_dir(logs / "model", max_positions=2048)

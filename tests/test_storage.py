@@ -110,8 +110,8 @@ def test_disk_weight_pushes_through_s3_reach_an_engine_server(
     credentials of its own environment (as an engine on another host would)."""
     import fsspec
 
+    from miles_core.engines.http import EngineProcess, HttpEngine
     from miles_core.models import load_hf_dir
-    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
     from miles_core.weights import weights_checksum
     from miles_core.weights.disk import DiskTransport
     from miles_core.weights.source import TensorBuckets

@@ -165,7 +165,7 @@ def test_the_buffer_checkpoint_keeps_fields_bit_exact():
 def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monkeypatch):
     from miles_core.config import load_config
     from miles_core.data import PromptSource, get_task, load_examples
-    from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.engines.cpu.embedded import EmbeddedEngine
     from miles_core.rollout.rollout_fn import generate_groups
 
     model, tok = tiny
@@ -223,7 +223,7 @@ def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monke
 # ---------------------------------------------------------------------- (b) async + abort
 @pytest.fixture(scope="module")
 def engine_server(tiny_dir):
-    from miles_core.rollout.http_engine import EngineProcess
+    from miles_core.engines.http import EngineProcess
 
     proc = EngineProcess(tiny_dir, args=["--threads", "1"]).start()
     yield proc
@@ -250,8 +250,8 @@ def test_async_abort_continuations_join_fields_aligned_with_fresh_seeds(
 
     from miles_core.config import load_config
     from miles_core.data import PromptSource, get_task, load_examples
+    from miles_core.engines.http import HttpEngine
     from miles_core.models import load_hf_dir
-    from miles_core.rollout.http_engine import HttpEngine
     from miles_core.rollout.producer import RolloutProducer
     from miles_core.rollout.rollout_fn import continuation_seed
     from miles_core.weights import make_transport
@@ -328,8 +328,8 @@ def test_a_continuation_does_not_redraw_the_uniforms_of_its_first_tokens():
     """The serving engine draws one uniform per token from a generator seeded with the
     request's sampling_seed: the continuation's stream must be neither the original's (its
     first tokens' draws again) nor a sibling's (request seeds of a step are consecutive)."""
+    from miles_core.engines.wire import GenerateRequest, SamplingParams
     from miles_core.rollout.engine_groups import continuation_request
-    from miles_core.rollout.protocol import GenerateRequest, SamplingParams
     from miles_core.rollout.rollout_fn import request_seed
 
     def draws(seed: int, n: int) -> list[float]:
@@ -358,7 +358,7 @@ def test_a_continuation_does_not_redraw_the_uniforms_of_its_first_tokens():
 # ---------------------------------------------------------------------- (c) sessions
 def _turn(traj, messages, reply, engine_out: list[int]):
     """One session turn as the session server records it, the engine's answer annotated."""
-    from miles_core.rollout.protocol import GenerateResponse
+    from miles_core.engines.wire import GenerateResponse
 
     turn = traj.attach(messages, None)
     meta = {

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from miles_core.config import RunConfig
-from miles_core.engine.embedded import EmbeddedEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.advantages import grpo_advantages
 from miles_core.train.batch import PaddedBatch, TrainBatch

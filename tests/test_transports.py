@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
+from miles_core.engines.http import EngineProcess, EngineRequestRejected, HttpEngine
 from miles_core.models import load_hf_dir
-from miles_core.rollout.http_engine import EngineProcess, EngineRequestRejected, HttpEngine
 from miles_core.weights import make_transport, weights_checksum
 from miles_core.weights.disk import DiskTransport, version_dir
 from miles_core.weights.group import open_group, send_pieces
@@ -159,7 +159,7 @@ def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
 
 
 def test_transports_for_servers_refuse_in_process_engines(tiny):
-    from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.engines.cpu.embedded import EmbeddedEngine
 
     model, tok = tiny
     with pytest.raises(ValueError, match="use transport 'colocated'"):
@@ -313,8 +313,8 @@ def test_p2p_assembles_each_tensor_from_the_placement_plan(server, tiny_dir):
 
 
 def test_a_transport_refuses_an_engine_without_its_weight_route(tiny):
-    from miles_core.engine.embedded import EmbeddedEngine
-    from miles_core.rollout.sglang_engine import SGLANG_ROUTES
+    from miles_core.engines.cpu.embedded import EmbeddedEngine
+    from miles_core.engines.sglang import SGLANG_ROUTES
 
     sglang_like = HttpEngine("http://127.0.0.1:9", weight_routes=SGLANG_ROUTES)
     with pytest.raises(

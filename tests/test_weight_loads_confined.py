@@ -21,9 +21,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from miles_core.engine.disk_loads import max_load_bytes
-from miles_core.engine.server import create_app
-from miles_core.engine.serving import ServingEngine
+from miles_core.engines.cpu.disk_loads import max_load_bytes
+from miles_core.engines.cpu.server import create_app
+from miles_core.engines.cpu.serving import ServingEngine
 from miles_core.weights import weights_checksum
 from miles_core.weights.disk import DiskTransport, version_dir
 from miles_core.weights.group import host_store, open_group

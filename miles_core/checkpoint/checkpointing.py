@@ -13,8 +13,8 @@ from miles_core.checkpoint.catch_up import record_what_the_dead_process_missed
 from miles_core.checkpoint.ledger import LEDGER_FILE, TrainedLedger
 from miles_core.checkpoint.resume_checks import check_buffer_resumable, shape_changes
 from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
-from miles_core.engine_api import shared_generator
-from miles_core.fleet import EngineFleet
+from miles_core.engines.fleet import EngineFleet
+from miles_core.engines.protocol import shared_generator
 from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.weight_sync import WeightSync
 

@@ -45,7 +45,7 @@ class DedicatedRunner:
     def _score(self, job: EvalJob, local: Path, deadline: float):
         from transformers import AutoTokenizer
 
-        from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+        from miles_core.engines.http import EngineProcess, HttpEngine
 
         tokenizer = AutoTokenizer.from_pretrained(str(local))
         args = ["--threads", str(self.threads), "--max-running", str(self.spec.prompts)]

@@ -18,10 +18,10 @@ import time
 
 import httpx
 
+from miles_core.engines.http import error_message
 from miles_core.eval.evaluators import EvalJob
 from miles_core.eval.scoring import EvalSpec
 from miles_core.proc.auth import bearer
-from miles_core.rollout.http_engine import error_message
 
 
 class ExternalEvalFailed(RuntimeError):

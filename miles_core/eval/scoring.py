@@ -10,7 +10,7 @@ from pathlib import Path
 
 from miles_core.config import RolloutConfig
 from miles_core.data.tasks import Example, Task, get_task
-from miles_core.engine_api import RolloutEngine, shared_generator
+from miles_core.engines.protocol import RolloutEngine, shared_generator
 from miles_core.rollout.rollout_fn import generate_groups
 
 EVAL_STEP = -1  # the `step` of evaluation requests (rids "-1-g-k"; training steps are >= 0)
@@ -118,7 +118,7 @@ _LOAD_LOCK = threading.Lock()
 def score_model_dir(model_dir: str | Path, spec: EvalSpec) -> tuple[dict[str, float], str]:
     """Scores an HF directory (a checkpoint) with an engine in this process; returns the
     metrics and the sha256 of the weights it measured."""
-    from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.engines.cpu.embedded import EmbeddedEngine
     from miles_core.models import load_hf_dir
     from miles_core.weights import weights_checksum
 

@@ -5,7 +5,7 @@
 Server side: `--api-key` or the environment variable `MILES_API_KEY` (prefer the variable: a
 command line shows in `ps`); `ports.bind_from_args` resolves it into `args.api_key` and refuses a
 non-loopback address without one; `protect(app, key)` adds `BearerAuth` in front of the app.
-Client side: `bearer(key)` is the header dict to send. A run (fleet.py) starts its servers with
+Client side: `bearer(key)` is the header dict to send. A run (engines/fleet.py) starts its servers with
 a key of its own (`run_key`): the configured `network.api_key`, else `MILES_API_KEY`, else a
 random one per run, passed to children through the environment, never on their command line.
 """

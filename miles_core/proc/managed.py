@@ -5,7 +5,7 @@ evaluation service, the router and SGLang servers use it.
 Port: a server of ours (`reports_port = True`) binds its own socket and writes the port it got to
 a file the parent names (`--port-file`, miles_core/proc/ports.py), so two servers started at once
 never race for one port; `port_range` keeps it inside a range the user allows. Once known, the
-port stays: a restart (rollout/supervisor.py) passes it explicitly, so every client's URL stays
+port stays: a restart (engines/supervisor.py) passes it explicitly, so every client's URL stays
 valid. For a program that cannot report its port the parent probes a free one (`free_port`).
 
 Key: with `api_key` the child gets it in its environment (`MILES_API_KEY`, proc/auth.py: never
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 # ProcessUnavailable lives beside the engine protocol, so weights/ catches it without rollout/
-from miles_core.engine_api import ProcessUnavailable  # noqa: F401  (re-exported)
+from miles_core.engines.protocol import ProcessUnavailable  # noqa: F401  (re-exported)
 from miles_core.proc.auth import API_KEY_ENV, bearer
 from miles_core.proc.identity import children, terminate
 from miles_core.proc.parent_watch import PARENT_ENV

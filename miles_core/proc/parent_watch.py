@@ -1,7 +1,7 @@
 """Server subprocesses that do not outlive the process that started them.
 
 `ManagedProcess.start` puts its own PID in the child's environment (`MILES_PARENT_PID`). Our
-servers (`miles_core.engine.server`, `miles_core.sessions.server`) call `watch_parent` first: a
+servers (`miles_core.engines.cpu.server`, `miles_core.sessions.server`) call `watch_parent` first: a
 daemon thread polls whether that process is still alive and, once it is gone (a training process
 killed with SIGKILL runs no cleanup), shuts the server down with SIGTERM, as `stop` would, and
 after a grace period exits hard.

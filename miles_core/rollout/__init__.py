@@ -1,1 +1,2 @@
-"""Rollout: the engine protocol, the embedded engine, the SGLang-shaped request/response, the rollout function."""
+"""Trainer-side sample production: where a run's rollouts come from per mode (`sources`), the
+rollout function, the async producer and its buffer state, group sources and reward scoring."""

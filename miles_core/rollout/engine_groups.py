@@ -17,9 +17,9 @@ import httpx
 
 from miles_core.config import RolloutConfig
 from miles_core.data.tasks import Task
+from miles_core.engines.http import HttpEngine, batches
+from miles_core.engines.wire import FinishReason, GenerateRequest, GenerateResponse
 from miles_core.rollout.group_source import GroupWork, ProducerState
-from miles_core.rollout.http_engine import HttpEngine, batches
-from miles_core.rollout.protocol import FinishReason, GenerateRequest, GenerateResponse
 from miles_core.rollout.rollout_fn import (
     build_group,
     continuation_seed,

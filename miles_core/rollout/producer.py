@@ -36,6 +36,7 @@ from typing import Protocol
 from miles_core.config import RolloutConfig
 from miles_core.data import PromptSource
 from miles_core.data.tasks import Task
+from miles_core.engines.http import HttpEngine
 from miles_core.rollout.buffer_state import (
     BUFFER_VERSION,
     check_buffer,
@@ -44,7 +45,6 @@ from miles_core.rollout.buffer_state import (
 )
 from miles_core.rollout.engine_groups import EngineGroups
 from miles_core.rollout.group_source import GroupSource, GroupWork
-from miles_core.rollout.http_engine import HttpEngine
 from miles_core.rollout.rollout_fn import RolloutResult, rollout_metrics
 from miles_core.types import SampleGroup
 

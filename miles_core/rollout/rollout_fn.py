@@ -12,8 +12,8 @@ import time
 from miles_core.config import RolloutConfig
 from miles_core.data.dataset import to_messages
 from miles_core.data.tasks import Example, Task
-from miles_core.engine_api import RolloutEngine
-from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
+from miles_core.engines.protocol import RolloutEngine
+from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.rollout.scoring import safe_score
 from miles_core.types import FINISH_REASON_TO_STATUS, Sample, SampleGroup, Status
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from miles_core.data import PromptSource
+from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.scoring import EvalSpec, score_policy
-from miles_core.fleet import EngineFleet
 from miles_core.rollout.group_source import GroupSource
 from miles_core.rollout.producer import Launch, RolloutProducer, start_thread
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups

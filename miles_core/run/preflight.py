@@ -191,7 +191,7 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
     check = getattr(backend_factory(config.train.backend), "check_model", None)
     if check is not None:
         check(config.train.model_dump(), model_config, where)
-    from miles_core.engines import engine_refuses
+    from miles_core.engines.registry import engine_refuses
 
     # an engine may refuse a model its forward does not implement (the serving engine: Qwen3's
     # attention only), or routes it cannot return

@@ -1,6 +1,6 @@
 """The RL runtime: one run's components, composed, and the phase methods the flow's tasks call.
 
-    EngineFleet     fleet.py            the engine (`rollout.engine`), its server, supervision
+    EngineFleet     engines/fleet.py            the engine (`rollout.engine`), its server, supervision
     trainer         training.py         the backend (`train.backend`) and the RL train phase
     WeightSync      weight_sync.py      the transport, policy versions, the weights lock
     rollouts        rollout/sources.py   sync / async producer / agentic rollouts
@@ -25,8 +25,8 @@ from miles_core.checkpoint.checkpointing import Checkpointing
 from miles_core.checkpoint.store import CheckpointStore, fetch_model_dir
 from miles_core.config import RunConfig
 from miles_core.data import PromptSource, get_task, rl_examples
+from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.in_run import RunEvaluation
-from miles_core.fleet import EngineFleet
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.sources import make_rollouts

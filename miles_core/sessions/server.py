@@ -45,11 +45,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from miles_core.engines.http import ROUTING_KEY_HEADER, error_message, generate_payload
+from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.proc.auth import bearer, protect
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
 from miles_core.proc.managed import KEEP_ALIVE_S
-from miles_core.rollout.http_engine import ROUTING_KEY_HEADER, error_message, generate_payload
-from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.routed_experts import routed_experts_field
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from miles_core.engine.moe import is_moe_layer
+from miles_core.engines.cpu.moe import is_moe_layer
 from miles_core.routed_experts import FIELD_NAME
 from miles_core.train.forward import MicroBatch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from miles_core.engine_api import TENSOR
+from miles_core.engines.protocol import TENSOR
 from miles_core.weights.source import TrainerWeights
 from miles_core.weights.transport import PushStats, TransportBase, register_transport
 

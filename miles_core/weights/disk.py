@@ -29,7 +29,7 @@ import fsspec
 import torch
 from safetensors.torch import load, save
 
-from miles_core.engine_api import DISK, EngineRequestRejected, ProcessUnavailable
+from miles_core.engines.protocol import DISK, EngineRequestRejected, ProcessUnavailable
 from miles_core.roots import AllowedRoots, OutsideRoots
 from miles_core.weights import delta
 from miles_core.weights.remote import PushFailed, check_reachable

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 
-from miles_core.engine_api import DISTRIBUTED
+from miles_core.engines.protocol import DISTRIBUTED
 from miles_core.weights.group import BACKENDS, host_store
 from miles_core.weights.remote import PushFailed, check_reachable
 from miles_core.weights.transport import TransportBase

@@ -9,7 +9,7 @@ that could not come from a trainer of this model (a tensor named twice, more ele
 model holds, negative dimensions, p2p pieces from ranks that are not trainer ranks) is refused
 before anything is allocated or received: those buffers are sized by the request.
 
-The engine server's routes only translate HTTP to these calls (engine/server.py); `load` is the
+The engine server's routes only translate HTTP to these calls (engines/cpu/server.py); `load` is the
 engine's `update_weights_from_tensor(tensors, flush_cache, adopt)` and `params` its
 {name: tensor} (names and shapes are checked before a single byte is kept).
 """

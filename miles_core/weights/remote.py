@@ -7,7 +7,7 @@ import contextlib
 
 import httpx
 
-from miles_core.engine_api import PAUSED_PUSH, ProcessUnavailable
+from miles_core.engines.protocol import PAUSED_PUSH, ProcessUnavailable
 
 
 class PushFailed(RuntimeError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from miles_core.engine_api import SHARED_MEMORY, ProcessUnavailable
+from miles_core.engines.protocol import SHARED_MEMORY, ProcessUnavailable
 from miles_core.weights.remote import PushFailed, one_call, paused
 from miles_core.weights.shm import ShmBucketWriter
 from miles_core.weights.source import TrainerWeights

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from miles_core.engine_api import RolloutEngine, require_route
+from miles_core.engines.protocol import RolloutEngine, require_route
 from miles_core.registry import Registry
 from miles_core.weights.source import Bucket, TrainerWeights
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from miles_core import routed_experts
-from miles_core.engine.server import (
+from miles_core.engines.cpu.server import (
     AbortBody,
     CheckerBody,
     DiskBody,
@@ -25,8 +25,8 @@ from miles_core.engine.server import (
     VersionBody,
     create_app,
 )
-from miles_core.rollout.http_engine import batch_payload, generate_payload
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
+from miles_core.engines.http import batch_payload, generate_payload
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 
 API = json.loads((Path(__file__).with_name("sglang_api.json")).read_text())
 STRUCTS = API["structs"]
@@ -96,7 +96,7 @@ def test_sampling_params_fields_exist_in_sglang():
 
 
 def test_every_route_we_serve_exists_in_sglang(tiny):
-    from miles_core.engine.serving import ServingEngine
+    from miles_core.engines.cpu.serving import ServingEngine
 
     model, tok = tiny
     engine = ServingEngine(model, tok, max_running=2, cache_slots=2)
@@ -115,7 +115,7 @@ def test_every_route_we_serve_exists_in_sglang(tiny):
 @pytest.fixture(scope="module")
 def server(tiny_dir):
     """One engine server for the tests below that only send it requests."""
-    from miles_core.rollout.http_engine import EngineProcess
+    from miles_core.engines.http import EngineProcess
 
     with EngineProcess(tiny_dir, args=["--threads", "1"]) as proc:
         yield proc
@@ -151,7 +151,7 @@ def test_an_sglang_style_request_with_fields_we_do_not_use_is_accepted(server):
 
 
 def test_sglang_launch_flags_are_sglang_server_args():
-    from miles_core.rollout.sglang_engine import SGLangLaunch
+    from miles_core.engines.sglang import SGLangLaunch
 
     launch = SGLangLaunch(
         python="/opt/sglang/bin/python",
@@ -179,9 +179,9 @@ def test_sglang_launch_flags_are_sglang_server_args():
 
 
 def test_attach_to_running_servers_by_address(server, tiny_dir):
+    from miles_core.engines.http import EngineUnavailable
+    from miles_core.engines.sglang import attach
     from miles_core.proc.ports import free_port
-    from miles_core.rollout.http_engine import EngineUnavailable
-    from miles_core.rollout.sglang_engine import attach
 
     (engine,) = attach([server.url], expected_model=str(tiny_dir))
     out = engine.generate(
@@ -200,7 +200,7 @@ def test_real_sglang_server_answers_our_client():
     SGLANG_MODEL a model directory (a GPU host)."""
     import os
 
-    from miles_core.rollout.sglang_engine import SGLangLaunch, SGLangProcess, attach
+    from miles_core.engines.sglang import SGLangLaunch, SGLangProcess, attach
 
     python, model = os.environ.get("SGLANG_PYTHON"), os.environ.get("SGLANG_MODEL")
     if not python or not model:
@@ -217,7 +217,7 @@ def test_real_sglang_server_answers_our_client():
 
 
 def test_an_sglang_server_that_was_never_updated_reports_version_zero():
-    from miles_core.rollout.protocol import MetaInfo, version_number
+    from miles_core.engines.wire import MetaInfo, version_number
 
     assert version_number("default") == 0  # SGLang's initial weight_version
     assert version_number("7") == 7

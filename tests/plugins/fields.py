@@ -18,7 +18,7 @@ import threading
 import httpx
 import numpy as np
 
-from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
+from miles_core.engines.wire import GenerateRequest, GenerateResponse
 from miles_core.token_fields import TokenField, register_token_field
 
 PROBE = TokenField(

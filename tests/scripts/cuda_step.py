@@ -8,9 +8,9 @@ import torch
 
 import miles_core  # noqa: F401
 from miles_core.config import RunConfig
-from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import load_hf_dir
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train.batch import TrainBatch
 from miles_core.train.registry import make_backend

@@ -6,8 +6,8 @@ import json
 import sys
 import time
 
-from miles_core.rollout.http_engine import EngineProcess
-from miles_core.rollout.router import RouterProcess
+from miles_core.engines.http import EngineProcess
+from miles_core.engines.router import RouterProcess
 from miles_core.sessions import SessionServerProcess
 
 if __name__ == "__main__":

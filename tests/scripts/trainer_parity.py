@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 
 import miles_core  # noqa: F401
 from miles_core.config import ParallelConfig, RunConfig
-from miles_core.engine.embedded import EmbeddedEngine
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.http import EngineProcess, HttpEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import load_hf_dir
-from miles_core.rollout.http_engine import EngineProcess, HttpEngine
-from miles_core.rollout.protocol import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
 from miles_core.train.batch import TrainBatch

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from miles_core.engine.kv_cache import SlotKVCache
-from miles_core.engine.moe import MoEBlock, is_moe_layer
+from miles_core.engines.cpu.kv_cache import SlotKVCache
+from miles_core.engines.cpu.moe import MoEBlock, is_moe_layer
 
 # fp32 weights up to this many elements stay plain tensors (F.linear) instead of oneDNN packs: a
 # packed GEMM costs ≈10 µs more per call at these sizes (1 thread, 32 rows: 192×64 11.7 against

@@ -1,4 +1,4 @@
-"""sglang-router as `RouterProcess` starts it: `python -m miles_core.rollout.router_main launch …`
+"""sglang-router as `RouterProcess` starts it: `python -m miles_core.engines.router_main launch …`
 (sglang-router's own arguments).
 
 - Its API key comes from the environment (`MILES_API_KEY`, which only its user can read) and is

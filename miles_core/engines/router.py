@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from miles_core.engines.http import ROUTING_KEY_HEADER
 from miles_core.proc.managed import ManagedProcess
 from miles_core.proc.ports import PortRange, free_port
-from miles_core.rollout.http_engine import ROUTING_KEY_HEADER
 
 __all__ = ["ROUTING_KEY_HEADER", "RouterProcess"]
 
@@ -56,7 +56,7 @@ class RouterProcess(ManagedProcess):
         return [
             sys.executable,
             "-m",
-            "miles_core.rollout.router_main",  # the key from the environment (child_env)
+            "miles_core.engines.router_main",  # the key from the environment (child_env)
             "launch",
             "--host",
             self.host,

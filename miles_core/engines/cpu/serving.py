@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_core.device import resolve_device
-from miles_core.engine.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
-from miles_core.engine.runner import Qwen3Runner
-from miles_core.engine.sampler import sample_next
-from miles_core.engine.slots import Slot, SlotState, SlotTable
-from miles_core.engine.threads import StepThreads
-from miles_core.engine_api import TENSOR
-from miles_core.rollout.protocol import (
+from miles_core.engines.cpu.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
+from miles_core.engines.cpu.runner import Qwen3Runner
+from miles_core.engines.cpu.sampler import sample_next
+from miles_core.engines.cpu.slots import Slot, SlotState, SlotTable
+from miles_core.engines.cpu.threads import StepThreads
+from miles_core.engines.protocol import TENSOR
+from miles_core.engines.wire import (
     EngineRequestError,
     FinishReason,
     GenerateRequest,

@@ -5,7 +5,7 @@ Field names follow SGLang (`/generate` with `input_ids | text`, `sampling_params
 talks to this server and to a real `sglang.launch_server` the same way. Bad requests get a 4xx
 with a message and the server keeps serving.
 
-    python -m miles_core.engine.server --model DIR --port 30000     (or: miles engine serve ...)
+    python -m miles_core.engines.cpu.server --model DIR --port 30000     (or: miles engine serve ...)
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from miles_core.engine.disk_loads import (
+from miles_core.engines.cpu.disk_loads import (
     LOAD_TIMEOUT_S,
     DiskLoader,
     DiskLoadRefused,
     max_load_bytes,
 )
-from miles_core.engine.loading import PackedWeightsDiffer
-from miles_core.engine.serving import PAUSE_MODES, ServingEngine
-from miles_core.engine_api import SERVER_ROUTES
+from miles_core.engines.cpu.loading import PackedWeightsDiffer
+from miles_core.engines.cpu.serving import PAUSE_MODES, ServingEngine
+from miles_core.engines.protocol import SERVER_ROUTES
+from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S
-from miles_core.rollout.protocol import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.roots import AllowedRoots
 from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
@@ -177,7 +177,7 @@ def create_app(
     load_timeout_s: float = LOAD_TIMEOUT_S,
 ) -> FastAPI:
     """`weight_roots`: where `/update_weights_from_disk` may read (none: every disk load is
-    refused); `load_timeout_s`: how long one disk load may take (engine/disk_loads.py)."""
+    refused); `load_timeout_s`: how long one disk load may take (disk_loads.py)."""
     app = FastAPI(title="miles engine", docs_url=None, redoc_url=None)
     snapshot: dict[str, torch.Tensor] = {}
     disk = DiskLoader(weight_roots, timeout_s=load_timeout_s)

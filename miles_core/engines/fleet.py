@@ -1,12 +1,12 @@
 """The engine fleet of a run: the rollout engine built by name (`rollout.engine`, through the
-engine registry in `engines.py`), the engine server processes it may run in, and their
+engine registry in `registry.py`), the engine server processes it may run in, and their
 supervision (a dead or hung server is replaced on the same port and given the current weights
 before it serves).
 
 `surviving(what, call)` runs a call over HTTP (a push, a checksum); if it fails because an
 engine server died, it waits for the replacement and makes the call once more. With
 `rollout.num_engines` > 1 the engine servers sit behind sglang-router
-(`rollout/routed_engine.py`); each has its own supervisor, and a replacement rejoins the router
+(`engines/routed.py`); each has its own supervisor, and a replacement rejoins the router
 only once it holds the current weights. `gauges()`: per-engine active requests and prefix-cache
 hit rate, logged with each step's rollout metrics.
 """
@@ -19,10 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_core.engine_api import EngineUnavailable, RolloutEngine
-from miles_core.engines import EngineSetup, make_engine
+from miles_core.engines.protocol import EngineUnavailable, RolloutEngine
+from miles_core.engines.registry import EngineSetup, make_engine
+from miles_core.engines.supervisor import EngineSupervisor
 from miles_core.rollout.rollout_fn import RolloutResult
-from miles_core.rollout.supervisor import EngineSupervisor
 from miles_core.weights.disk import engine_weight_roots
 from miles_core.weights.remote import PushFailed
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from miles_core.rollout.protocol import GenerateRequest, GenerateResponse
+    from miles_core.engines.wire import GenerateRequest, GenerateResponse
 
 TENSOR = "tensor"
 SHARED_MEMORY = "shared_memory"

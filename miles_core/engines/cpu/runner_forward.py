@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from miles_core.engine.batch_forward import ForwardUnsupported
-from miles_core.engine.kv_cache import SlotKVCache
-from miles_core.engine.runner import Qwen3Runner, unsupported
+from miles_core.engines.cpu.batch_forward import ForwardUnsupported
+from miles_core.engines.cpu.kv_cache import SlotKVCache
+from miles_core.engines.cpu.runner import Qwen3Runner, unsupported
 
 
 class RunnerForward:

@@ -55,7 +55,7 @@ class ForwardUnsupported(ValueError):
 BatchForwardFactory = Callable[[torch.nn.Module], BatchForward]
 
 FAST_FORWARDS: Registry[BatchForwardFactory] = Registry("embedded engine forward")
-FAST_FORWARDS.register("Qwen3ForCausalLM", "miles_core.engine.runner_forward:RunnerForward")
+FAST_FORWARDS.register("Qwen3ForCausalLM", "miles_core.engines.cpu.runner_forward:RunnerForward")
 
 
 def batch_forward_for(model: torch.nn.Module, pad_id: int, fast: bool = True) -> BatchForward:
@@ -67,6 +67,6 @@ def batch_forward_for(model: torch.nn.Module, pad_id: int, fast: bool = True) ->
             return FAST_FORWARDS.get(name)(model)
         except ForwardUnsupported:  # this config has a feature the fast forward lacks
             pass
-    from miles_core.engine.hf_forward import HFForward
+    from miles_core.engines.cpu.hf_forward import HFForward
 
     return HFForward(model, pad_id)

@@ -15,7 +15,7 @@ themselves (`EngineFleet.engines`), not through the router.
 
 from __future__ import annotations
 
-from miles_core.rollout.http_engine import HttpEngine
+from miles_core.engines.http import HttpEngine
 
 
 class EnginesDisagree(RuntimeError):

@@ -4,7 +4,7 @@ SGLang's native API (ours or a real `sglang.launch_server`) with the same client
 `HttpEngine.generate` sends requests concurrently (httpx, pooled, bounded by `concurrency`; with
 `batch_size` > 1 several per call in SGLang's batch form) while a watchdog polls `/health`; a dead or unreachable engine
 raises `EngineUnavailable` naming the URL within a few seconds instead of leaving the rollout
-waiting. With a `supervisor` (rollout/supervisor.py) the supervisor's heartbeat replaces the
+waiting. With a `supervisor` (engines/supervisor.py) the supervisor's heartbeat replaces the
 watchdog, and a call the engine's death interrupted is re-issued once on the replacement.
 """
 
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import httpx
 
-from miles_core.engine_api import SERVER_ROUTES, EngineRequestRejected
+from miles_core.engines.protocol import SERVER_ROUTES, EngineRequestRejected
+from miles_core.engines.supervisor import EngineSupervisor, reissue_once
+from miles_core.engines.wire import GenerateRequest, GenerateResponse, version_number
 from miles_core.proc.auth import bearer
 from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
 from miles_core.proc.ports import PortRange
-from miles_core.rollout.protocol import GenerateRequest, GenerateResponse, version_number
-from miles_core.rollout.supervisor import EngineSupervisor, reissue_once
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
@@ -71,7 +71,7 @@ __all__ = ["EngineProcess", "EngineRequestRejected", "EngineUnavailable", "HttpE
 
 
 class EngineProcess(ManagedProcess):
-    """One `miles_core.engine.server` subprocess on 127.0.0.1, stopped by PID. `weight_roots`:
+    """One `miles_core.engines.cpu.server` subprocess on 127.0.0.1, stopped by PID. `weight_roots`:
     where its `/update_weights_from_disk` may read (the disk transport's root; none: no disk
     loads)."""
 
@@ -97,7 +97,7 @@ class EngineProcess(ManagedProcess):
         return [
             sys.executable,
             "-m",
-            "miles_core.engine.server",
+            "miles_core.engines.cpu.server",
             "--model",
             self.model_dir,
             *self.port_args(),
@@ -139,7 +139,7 @@ class HttpEngine:
             base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0), headers=self.headers
         )
         # set by the owner of a supervised engine server: generate calls that die with the
-        # engine wait for its replacement and are re-issued once (rollout/supervisor.py);
+        # engine wait for its replacement and are re-issued once (engines/supervisor.py);
         # control calls still fail fast
         self.supervisor: EngineSupervisor | None = None
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 
-from miles_core.engine_api import DISK, DISTRIBUTED
+from miles_core.engines.http import EngineUnavailable, HttpEngine
+from miles_core.engines.protocol import DISK, DISTRIBUTED
 from miles_core.proc.auth import bearer
 from miles_core.proc.managed import ManagedProcess
 from miles_core.proc.ports import PortRange
-from miles_core.rollout.http_engine import EngineUnavailable, HttpEngine
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What the in-process engines share: all-or-nothing weight loading by HF name, and their
-checksum. (The engine protocol itself is `miles_core/engine_api.py`.)"""
+checksum. (The engine protocol itself is `miles_core/engines/protocol.py`.)"""
 
 from __future__ import annotations
 

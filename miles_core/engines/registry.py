@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_core.engine_api import IN_PROCESS_ROUTES, SERVER_ROUTES, RolloutEngine
+from miles_core.engines.protocol import IN_PROCESS_ROUTES, SERVER_ROUTES, RolloutEngine
 from miles_core.registry import Registry
 
 
@@ -129,7 +129,7 @@ def make_engine(name: str, setup: EngineSetup) -> BuiltEngine:
 
 # ---------------------------------------------------------------------- the built-in engines
 def _embedded(s: EngineSetup) -> BuiltEngine:
-    from miles_core.engine.embedded import EmbeddedEngine
+    from miles_core.engines.cpu.embedded import EmbeddedEngine
 
     # a sync run's engine owns the process between training steps: it picks its threads
     sync = s.rollout.mode == "sync"
@@ -137,7 +137,7 @@ def _embedded(s: EngineSetup) -> BuiltEngine:
 
 
 def _serving(s: EngineSetup) -> BuiltEngine:
-    from miles_core.engine.serving import ServingEngine
+    from miles_core.engines.cpu.serving import ServingEngine
 
     r = s.rollout
     engine = ServingEngine(
@@ -155,8 +155,8 @@ def _serving(s: EngineSetup) -> BuiltEngine:
 
 def _server(s: EngineSetup) -> BuiltEngine:
     """The serving engine as `rollout.num_engines` subprocesses on 127.0.0.1 (several: behind
-    sglang-router, `rollout/routed_engine.py`), stopped by PID when the run closes."""
-    from miles_core.rollout.http_engine import EngineProcess, HttpEngine
+    sglang-router, `engines/routed.py`), stopped by PID when the run closes."""
+    from miles_core.engines.http import EngineProcess, HttpEngine
 
     r = s.rollout
     # async modes may have 1 + max_staleness steps of groups in flight at once
@@ -187,8 +187,8 @@ def _server(s: EngineSetup) -> BuiltEngine:
             servers.append((process, client))
         if r.num_engines == 1:
             return BuiltEngine(servers[0][1], servers)
-        from miles_core.rollout.routed_engine import RoutedEngine
-        from miles_core.rollout.router import RouterProcess
+        from miles_core.engines.routed import RoutedEngine
+        from miles_core.engines.router import RouterProcess
 
         router = RouterProcess(
             [p.url for p, _ in servers],
@@ -210,10 +210,10 @@ def _server(s: EngineSetup) -> BuiltEngine:
 
 
 def _runner_refuses(hf_config: dict[str, Any]) -> str | None:
-    """The serving engine's forward (`engine/runner.py`) runs dense Qwen3 only."""
+    """The serving engine's forward (`engines/cpu/runner.py`) runs dense Qwen3 only."""
     from types import SimpleNamespace
 
-    from miles_core.engine.runner import unsupported
+    from miles_core.engines.cpu.runner import unsupported
 
     return unsupported(SimpleNamespace(**hf_config))
 

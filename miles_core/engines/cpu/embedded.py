@@ -14,12 +14,12 @@ from collections.abc import Iterable
 
 import torch
 
-from miles_core.engine.batch_forward import batch_forward_for
-from miles_core.engine.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
-from miles_core.engine.sampler import sample_next
-from miles_core.engine.threads import StepThreads
-from miles_core.engine_api import TENSOR
-from miles_core.rollout.protocol import (
+from miles_core.engines.cpu.batch_forward import batch_forward_for
+from miles_core.engines.cpu.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
+from miles_core.engines.cpu.sampler import sample_next
+from miles_core.engines.cpu.threads import StepThreads
+from miles_core.engines.protocol import TENSOR
+from miles_core.engines.wire import (
     FinishReason,
     GenerateRequest,
     GenerateResponse,
