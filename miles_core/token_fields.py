@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 
 Align = Literal["response", "sequence"]
 Encoding = Literal["list", "base64"]

@@ -1,4 +1,4 @@
-"""The one registry every named plug-in kind uses (miles_core/registry.py)."""
+"""The one registry every named plug-in kind uses (miles_core/plugins.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from miles_core.registry import Registry, import_object
+from miles_core.plugins import Registry, import_object
 
 
 def test_names_lazy_entries_import_paths_and_the_unknown_error():

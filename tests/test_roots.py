@@ -1,5 +1,5 @@
 """The allowed roots of the engine (`--weight-roots`) and the evaluation service
-(`--checkpoint-roots`), one module for both (miles_core/roots.py): what a legitimate client
+(`--checkpoint-roots`), one module for both (miles_core/proc/roots.py): what a legitimate client
 reads, and the union of what the two servers' former checks refused, each under the stricter
 of their two rules."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_core.roots import AllowedRoots, MalformedUri, OutsideRoots
+from miles_core.proc.roots import AllowedRoots, MalformedUri, OutsideRoots
 from miles_core.weights.disk import confine, not_found_message
 
 

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_core.registry import import_object
+from miles_core.plugins import import_object
 from miles_core.tito import Message
 from miles_core.types import Sample, SampleGroup
 

@@ -16,7 +16,7 @@ from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matche
 from miles_core.engines.fleet import EngineFleet
 from miles_core.engines.protocol import shared_generator
 from miles_core.rollout.buffer_state import BUFFER_FILE
-from miles_core.weight_sync import WeightSync
+from miles_core.weights.sync import WeightSync
 
 log = logging.getLogger("miles")
 

@@ -12,7 +12,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.engines.protocol import IN_PROCESS_ROUTES, SERVER_ROUTES, RolloutEngine
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 
 
 @dataclass
@@ -175,7 +175,7 @@ def _server(s: EngineSetup) -> BuiltEngine:
                 log_path=s.workdir / ("engine.log" if r.num_engines == 1 else f"engine-{i}.log"),
                 port_range=s.port_range,
                 api_key=s.api_key,  # in the child's environment, not its command line
-                weight_roots=s.weight_roots,  # the disk transport's root (miles_core/roots.py)
+                weight_roots=s.weight_roots,  # the disk transport's root (miles_core/proc/roots.py)
             ).start()
             # our engine server takes SGLang's batch form: one call per group
             client = HttpEngine(

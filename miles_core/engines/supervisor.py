@@ -5,7 +5,7 @@ re-issue rule for the requests it was serving.
 a live one is dead after `timeout_s` without a 200 from `/health` (a hung process, e.g.
 SIGSTOP). A dead engine is killed by PID (a hung one must never answer again), a fresh process
 is started on the same port (every client's URL stays valid), and `serve_weights` — the owner
-of the weights, `WeightSync` (weight_sync.py) — reconnects the weight transport and pushes the
+of the weights, `WeightSync` (weights/sync.py) — reconnects the weight transport and pushes the
 current weights and version. Only then does the engine count as serving again (`generation` + 1). After
 `max_restarts` replacements the next death fails the run with a clear message.
 

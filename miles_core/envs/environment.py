@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from miles_core.envs.sandbox import Sandbox
-from miles_core.registry import import_object
+from miles_core.plugins import import_object
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ What a client may ask for is what the service was started with:
 - checkpoints: under `--checkpoint-roots` (local directories, fsspec prefixes such as
   `s3://bucket/prefix`; none by default: every checkpoint is refused until roots are given);
   another URI is 403 (400 when malformed), the same answer whether it exists or not
-  (miles_core/roots.py);
+  (miles_core/proc/roots.py);
 - jobs: at most `--max-jobs` kept (the oldest finished ones are dropped first; 429 when all are
   pending or running), run by `--workers` threads; models load one at a time (a lock in
   scoring.py: concurrent `from_pretrained` in one process leaves transformers' `tie_weights`
@@ -41,7 +41,7 @@ from miles_core.proc.auth import protect
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S, ManagedProcess
 from miles_core.proc.ports import add_port_arguments, bind_from_args
-from miles_core.roots import AllowedRoots, MalformedUri, OutsideRoots
+from miles_core.proc.roots import AllowedRoots, MalformedUri, OutsideRoots
 
 MAX_JOBS = 1024
 WORKERS = 1

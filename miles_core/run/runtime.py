@@ -2,7 +2,7 @@
 
     EngineFleet     engines/fleet.py            the engine (`rollout.engine`), its server, supervision
     trainer         training.py         the backend (`train.backend`) and the RL train phase
-    WeightSync      weight_sync.py      the transport, policy versions, the weights lock
+    WeightSync      weights/sync.py      the transport, policy versions, the weights lock
     rollouts        rollout/sources.py   sync / async producer / agentic rollouts
     Checkpointing   checkpoint/checkpointing.py    save, resume (+ checkpoint/catch_up.py: tracking catch-up)
     RunEvaluation   eval/in_run.py      evaluations while training runs
@@ -32,7 +32,7 @@ from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.sources import make_rollouts
 from miles_core.run.tracking import Tracker
 from miles_core.run.training import build_trainer, train_on_rollout
-from miles_core.weight_sync import WeightSync
+from miles_core.weights.sync import WeightSync
 
 
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
@@ -141,7 +141,7 @@ class RLRuntime:
         return stats.as_metrics() | {"train/policy_version": float(version)}
 
     def check_weights_equal(self) -> None:
-        """The engines hold exactly what was pushed (weight_sync.py `check_equal`)."""
+        """The engines hold exactly what was pushed (weights/sync.py `check_equal`)."""
         self.weights.check_equal()
 
     def engine_checksum(self) -> str:

@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Callable
 from typing import TypeVar
 
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 from miles_core.tito.family import TitoFamily
 
 Factory = Callable[[], TitoFamily]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 
 BACKENDS: Registry[Callable[..., Any]] = Registry("trainer backend", "train.backend")
 BACKENDS.register("fsdp", "miles_core.train.fsdp:FSDPBackend")

@@ -10,7 +10,7 @@ or out-of-order file is refused and the engine keeps its weights. The only pause
 own load (between two scheduler steps); the write overlaps generation. Older versions are
 removed, keeping `keep` of them.
 
-An engine server reads only under its `--weight-roots` (miles_core/roots.py, `confine`), and
+An engine server reads only under its `--weight-roots` (miles_core/proc/roots.py, `confine`), and
 answers a path outside them as a missing one inside (`not_found_message`); only regular files,
 each no further than the manifest's size and the most bytes its model can hold.
 """
@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load, save
 
 from miles_core.engines.protocol import DISK, EngineRequestRejected, ProcessUnavailable
-from miles_core.roots import AllowedRoots, OutsideRoots
+from miles_core.proc.roots import AllowedRoots, OutsideRoots
 from miles_core.weights import delta
 from miles_core.weights.remote import PushFailed, check_reachable
 from miles_core.weights.source import TrainerWeights
@@ -75,7 +75,7 @@ def not_found_message(path: str) -> str:
 
 
 def confine(roots: AllowedRoots, path: str) -> str:
-    """The path an engine reads for a disk load of `path` (miles_core/roots.py), or a
+    """The path an engine reads for a disk load of `path` (miles_core/proc/roots.py), or a
     RootRefusal: no roots configured, 403; malformed, 400; outside the roots, 403 with
     `not_found_message`, the answer of a missing path."""
     if not roots:

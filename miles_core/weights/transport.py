@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from miles_core.engines.protocol import RolloutEngine, require_route
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 from miles_core.weights.source import Bucket, TrainerWeights
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from miles_core.registry import Registry
+from miles_core.plugins import Registry
 
 
 class BatchForward(Protocol):

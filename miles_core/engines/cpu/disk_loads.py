@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_core.roots import AllowedRoots, RootRefusal
+from miles_core.proc.roots import AllowedRoots, RootRefusal
 from miles_core.weights.disk import WeightLoadError, WeightsNotFound, confine, load_weight_dir
 
 LOAD_TIMEOUT_S = 600.0

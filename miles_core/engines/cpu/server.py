@@ -37,7 +37,7 @@ from miles_core.engines.protocol import SERVER_ROUTES
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.proc.managed import KEEP_ALIVE_S
-from miles_core.roots import AllowedRoots
+from miles_core.proc.roots import AllowedRoots
 from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
 from miles_core.weights.shm import read_bucket
