@@ -123,7 +123,7 @@ def run(mode: str, model_uri: str, tmp: Path, args) -> dict:
                     "active_fraction": m.get("rollout/active_episodes_fraction", 0.0),
                     "active_episodes": m.get("rollout/active_episodes_mean", 0.0),
                     # requests running per engine step, summed over the engines
-                    "active_requests": running * cfg.rollout.num_engines,
+                    "active_requests": running * cfg.rollout.engine_options.num_engines,
                     "prefix_hit": m.get("engine/prefix_cache_hit_rate", 0.0),
                     "session_prefix": m.get("rollout/session/session_prefix_rate", 0.0),
                     "success": m.get("rollout/success_rate", 0.0),

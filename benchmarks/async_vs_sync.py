@@ -76,7 +76,7 @@ def run(preset: str, steps: int, warmup: int, mode: str, threads: int, args) -> 
             f"train.lr={args.lr}",
             f"train.threads={threads}",
             "rollout.engine=server",
-            f"rollout.engine_threads={threads}",
+            f"rollout.engine_options.threads={threads}",
             "weight_sync.transport=shared_memory",
             f"rollout.mode={mode}",
             f"rollout.max_staleness={args.max_staleness}",

@@ -29,13 +29,13 @@ import torch
 
 from miles_core import routed_experts
 from miles_core.config import RunConfig
-from miles_core.data import get_task
+from miles_core.data import TASKS
 from miles_core.engines.cpu.serving import ServingEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import build_model, save_hf_dir
 from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
-from miles_core.train.registry import make_backend
 
 PRESET = "small-moe"
 
@@ -43,7 +43,7 @@ PRESET = "small-moe"
 def rollout(model, tok, rows: int, new: int) -> TrainBatch:
     """`rows` engine samples (bf16, routes recorded) as one training batch."""
     engine = ServingEngine(model, tok, seed=0, max_running=rows, dtype="bfloat16")
-    prompts = [e.prompt for e in get_task("reverse").generate(rows, seed=0)]
+    prompts = [e.prompt for e in TASKS.get("reverse").generate(rows, seed=0)]
     requests = [
         GenerateRequest(
             input_ids=encode_prompt(tok, p),
@@ -80,7 +80,7 @@ def trainer(model_dir: str, replay: bool, check: bool, backend: str):
         }
     )
     settings = cfg.model_dump()
-    return make_backend(backend, model_dir=model_dir, optim=settings, loss=settings)
+    return BACKENDS.get(backend)(model_dir=model_dir, optim=settings, loss=settings)
 
 
 def logprob_diff(t, batch: TrainBatch) -> float:

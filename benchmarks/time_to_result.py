@@ -77,7 +77,11 @@ ENDS = {
     "finish": "summary",
     "exit": "exit",
 }
-SERVERS = ("rollout.engine=server", "rollout.num_engines=2", "weight_sync.transport=shared_memory")
+SERVERS = (
+    "rollout.engine=server",
+    "rollout.engine_options.num_engines=2",
+    "weight_sync.transport=shared_memory",
+)
 
 
 def timed(cmd: list[str], env: dict[str, str], work: Path, name: str) -> dict[str, float]:

@@ -43,8 +43,8 @@ def worker(model_dir: str, steps: int, out: str) -> None:
     import miles_core  # noqa: F401
     from miles_core.config import ParallelConfig, RunConfig
     from miles_core.train import distributed
+    from miles_core.train.backend import BACKENDS
     from miles_core.train.batch import TrainBatch
-    from miles_core.train.registry import make_backend
 
     rank, world = distributed.init_distributed()
     if rank > 0:
@@ -70,8 +70,8 @@ def worker(model_dir: str, steps: int, out: str) -> None:
                 "share_prompts": False,  # the same padded rows through both backends
             }
         )
-        trainer = make_backend(
-            backend, model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump()
+        trainer = BACKENDS.get(backend)(
+            model_dir=model_dir, optim=cfg.model_dump(), loss=cfg.model_dump()
         )
         trainer.train_step(batch)  # warm-up
         step_s = []

@@ -38,13 +38,13 @@ import torch
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.models import build_model, save_hf_dir
-from miles_core.weights import make_transport, mismatched_tensors, weights_checksum
-from miles_core.weights.disk import DiskTransport
+from miles_core.weights import TRANSPORTS, mismatched_tensors, weights_checksum
 from miles_core.weights.group import Scratch, broadcast, send_flat
 from miles_core.weights.receiver import PROBE_FORMAT
 from miles_core.weights.source import TensorBuckets, dtype_name
+from miles_core.weights.transports.disk import DiskTransport
 
-TRANSPORTS = ("colocated", "shared_memory", "broadcast", "p2p", "disk")
+COMPARED = ("colocated", "shared_memory", "broadcast", "p2p", "disk")
 RAW = {"broadcast": "broadcast_raw", "p2p": "p2p_raw"}  # each group transport's wire limit
 
 
@@ -90,14 +90,14 @@ def bench(preset: str, reps: int) -> dict[str, float]:
             server = HttpEngine(proc.url)
             # one control round trip to the engine server: a same-host push makes at least one
             results["round_trip_s"] = _median(server.server_info, 4 * reps)
-            for name in TRANSPORTS:
+            for name in COMPARED:
                 if name == "p2p":  # sends from the trainer's own shards: a 1-rank FSDP trainer
                     results[name], results["p2p_raw"] = p2p_gbps(tmp, server, nbytes, reps)
                     continue
                 if name == "disk":
                     transport = DiskTransport(root=str(Path(tmp) / "pushed"), keep=1)
                 else:
-                    transport = make_transport(name)
+                    transport = TRANSPORTS.get(name)()
                 target = colocated if name == "colocated" else server
                 transport.connect([target])
                 version = [0]
@@ -238,18 +238,17 @@ def raw_send_s(transport, trainer, reps: int) -> float:
 
 def p2p_gbps(model_dir: str, server: HttpEngine, nbytes: int, reps: int) -> tuple[float, float]:
     from miles_core.config import RunConfig
-    from miles_core.train.registry import make_backend
+    from miles_core.train.backend import BACKENDS
 
     cfg = RunConfig().train
-    trainer = make_backend(
-        cfg.backend,
+    trainer = BACKENDS.get(cfg.backend)(
         model_dir=model_dir,
         optim=cfg.model_dump(),
         loss=cfg.model_dump(),
         total_steps=1,
         device="cpu",
     )
-    transport = make_transport("p2p")
+    transport = TRANSPORTS.get("p2p")()
     transport.connect([server])
     version = [1000]
 
@@ -283,13 +282,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     results = {p: bench(p, args.reps) for p in args.presets.split(",")}
-    cols = ("memcpy", *TRANSPORTS, *RAW.values(), "flatten")
+    cols = ("memcpy", *COMPARED, *RAW.values(), "flatten")
     print(f"{'preset':8}{'MB':>8}" + "".join(f"{c + ' GB/s':>20}" for c in cols))
     for p, r in results.items():
         print(f"{p:8}{r['bytes'] / 1e6:>8.1f}" + "".join(f"{r[c]:>20.2f}" for c in cols))
-    print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / memcpy':>20}" for c in TRANSPORTS))
+    print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / memcpy':>20}" for c in COMPARED))
     for p, r in results.items():
-        print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r['memcpy']:>20.3f}" for c in TRANSPORTS))
+        print(f"{p:8}{'':>8}" + "".join(f"{r[c] / r['memcpy']:>20.3f}" for c in COMPARED))
     print(f"{'preset':8}{'':>8}" + "".join(f"{c + ' / raw':>20}" for c in RAW) + "   bound")
     for p, r in results.items():
         bound = 1 / (1 + r["broadcast_raw"] / r["flatten"])
@@ -318,7 +317,7 @@ def main() -> None:
             p: round(r["delta_bytes_fraction_step10"], 3) for p, r in results.items()
         },
         "fraction_of_memcpy": {
-            p: {c: round(r[c] / r["memcpy"], 3) for c in TRANSPORTS} for p, r in results.items()
+            p: {c: round(r[c] / r["memcpy"], 3) for c in COMPARED} for p, r in results.items()
         },
         "fraction_of_raw": {
             p: {c: round(r[c] / r[raw], 3) for c, raw in RAW.items()} for p, r in results.items()

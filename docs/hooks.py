@@ -65,14 +65,49 @@ def config_reference() -> str:
         if intro:
             out += [_cell(intro), ""]
         out += [*_table(rows), ""]
-    return "\n".join(out)
+    return "\n".join(out + plugin_options_reference())
+
+
+def _options_note(field) -> str:
+    return f"{field.description}; see [plug-in options](#plug-in-options)"
+
+
+def plugin_options_reference() -> list[str]:
+    """One table per built-in plug-in that has options, under the key that holds them."""
+    from miles_core.engines.registry import ENGINES
+    from miles_core.plugins import NoOptions
+    from miles_core.train.advantage import ADVANTAGES
+    from miles_core.train.backend import BACKENDS
+    from miles_core.train.loss import LOSSES
+    from miles_core.weights.transport import TRANSPORTS
+
+    out = ["### Plug-in options", ""]
+    out.append(
+        "A plug-in chosen by name takes its own settings under the key's `*_options` "
+        "(validated against its `Options` class; unknown keys are refused). The built-ins "
+        "that have some:"
+    )
+    out.append("")
+    for registry in (ENGINES, TRANSPORTS, BACKENDS, LOSSES, ADVANTAGES):
+        for name in registry.names():
+            options = getattr(registry.get(name), "Options", NoOptions)
+            if options is NoOptions:
+                continue
+            rows: list[list[str]] = []
+            _collect(options, f"{registry.setting}_options", rows)
+            out += [f"#### `{registry.setting}: {name}`", "", *_table(rows), ""]
+    return out
 
 
 def _collect(model, prefix: str, rows: list[list[str]]) -> None:
+    from miles_core.plugins import PluginOptions
+
     for name, field in model.model_fields.items():
         sub = _model_of(field.annotation)
         dotted = f"{prefix}.{name}"
-        if sub is not None:
+        if sub is PluginOptions:  # a plug-in's own settings: listed per plug-in below
+            rows.append([f"`{dotted}`", "mapping", "`{}`", "", _cell(_options_note(field))])
+        elif sub is not None:
             _collect(sub, dotted, rows)
         else:
             rows.append(_row(dotted, field))

@@ -105,9 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
     tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
-    from miles_core.tito import describe_choices
+    from miles_core.tito import FAMILIES
 
-    tito.add_argument("--family", required=True, help=f"TITO family: {describe_choices()}")
+    tito.add_argument(
+        "--family",
+        required=True,
+        help=f"TITO family: {', '.join(FAMILIES.names())}, or 'package.module:Class'",
+    )
     tito.add_argument(
         "--model",
         default=None,
@@ -137,7 +141,7 @@ def torchrun_command(
     if port_range is None:
         rendezvous = ["--standalone"]
     else:
-        from miles_core.proc.ports import free_port
+        from miles_core.processes.ports import free_port
 
         port = free_port("127.0.0.1", port_range)  # NoFreePort: a clear error, nothing started
         rendezvous = [
@@ -337,9 +341,9 @@ def prefect_api() -> Iterator[Callable[[], None]]:
 
 def run() -> NoReturn:
     """The `miles` command: `main`, then the exit of a finished command without the
-    interpreter's teardown of torch and the other extensions (proc/fast_exit.py: atexit handlers
+    interpreter's teardown of torch and the other extensions (processes/fast_exit.py: atexit handlers
     and the streams' flush still run; the run's log lines and events were sent before)."""
-    from miles_core.proc.fast_exit import exit_after
+    from miles_core.processes.fast_exit import exit_after
 
     exit_after(lambda: sys.exit(main()))
 

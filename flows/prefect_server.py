@@ -15,7 +15,7 @@ Before the run exits, its queued log lines and events are sent (`drain_to_api`):
 Prefect's exit hook retries them against an API that is gone, and the last lines are lost.
 
 `server_command` / `server_env` also start the tests' shared server (tests/prefect_shared.py),
-which watches its owner instead (`MILES_PARENT_PID`, miles_core/proc/parent_watch.py).
+which watches its owner instead (`MILES_PARENT_PID`, miles_core/processes/parent_watch.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_core.proc.parent_watch import PARENT_ENV
+from miles_core.processes.parent_watch import PARENT_ENV
 
 NAME = "prefect-server"
 KEPT_DIR = "miles-api"  # under PREFECT_HOME
@@ -196,7 +196,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def _register(folder: Path) -> Path:
-    from miles_core.proc.identity import ProcessIdentity
+    from miles_core.processes.identity import ProcessIdentity
 
     me = ProcessIdentity.of(os.getpid())
     clients = folder / "clients"
@@ -208,7 +208,7 @@ def _register(folder: Path) -> Path:
 
 def _spawn(folder: Path):
     from infra.processes import spawn
-    from miles_core.proc.ports import free_port
+    from miles_core.processes.ports import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
@@ -307,7 +307,7 @@ def kept_app():
 
 def _live_clients(folder: Path) -> int:
     """Registered runs still running; the registrations of runs that are gone are removed."""
-    from miles_core.proc.identity import ProcessIdentity
+    from miles_core.processes.identity import ProcessIdentity
 
     live = 0
     for path in (folder / "clients").glob("*"):
@@ -354,7 +354,7 @@ def _idle_watch(folder: Path, idle_s: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     """`python -m flows.prefect_server <uvicorn options>`: uvicorn, under the parent watch (an
     ephemeral server) or the idle watch (a kept one)."""
-    from miles_core.proc.parent_watch import watch_parent
+    from miles_core.processes.parent_watch import watch_parent
 
     watch_parent()
     kept = os.environ.get(_KEPT_ENV)

@@ -4,7 +4,7 @@ recorded PID is still that process (not a reused PID, not a zombie), stop its wh
 A record is a JSON file `<dir>/<name>.json` holding the PID, the process's start time
 (`psutil.Process.create_time()`, so a PID reused by the kernel for another program is not
 mistaken for ours), its port, URL, health URL and log path. PID identity, descendants and process
-groups come from `miles_core/proc/identity.py` (psutil), the one implementation the runtime's
+groups come from `miles_core/processes/identity.py` (psutil), the one implementation the runtime's
 servers use too; the names tests and ui-check import are re-exported here.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from miles_core.proc.identity import (
+from miles_core.processes.identity import (
     ProcessIdentity,
     descendants,
     group_members,

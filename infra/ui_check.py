@@ -96,7 +96,11 @@ def tiny_config(name: str, lr: float, client_env: dict[str, str]) -> dict:
 def async_config(client_env: dict[str, str]) -> dict:
     """A tiny fully_async run with an evaluation: all four long-running tasks."""
     config = tiny_config(ASYNC_RUN, 3e-3, client_env)
-    config["rollout"] |= {"engine": "server", "engine_threads": 1, "mode": "fully_async"}
+    config["rollout"] |= {
+        "engine": "server",
+        "engine_options": {"threads": 1},
+        "mode": "fully_async",
+    }
     config["weight_sync"] = {"transport": "shared_memory"}
     config["eval"] = {"mode": "shared", "every": 6, "prompts": 8}
     return config

@@ -1,4 +1,4 @@
-"""Where the trainer and the engines run: `train.device` / `rollout.device` (auto | cpu | cuda)
+"""Where the trainer and the engines run: `train.device` / `rollout.engine_options.device` (auto | cpu | cuda)
 → a torch device, and the process-group backend that goes with it (gloo on CPU, nccl on CUDA)
 for trainer ranks and weight-sync groups. Backends and engines ask here instead of testing for
 CUDA themselves."""

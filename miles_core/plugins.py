@@ -1,25 +1,48 @@
 """Named plug-ins: one `Registry[T]` for every kind miles_core chooses by name in a config.
 
-Trainer backends and losses (train/registry.py), rollout engines (engines/registry.py), weight transports
-(weights/transport.py), TITO families (tito/registry.py), tasks (data/tasks.py) and per-token
-fields (token_fields.py) are each one instance. An entry is registered under a short name, as the
-object itself or as its import path `package.module:object` (imported on first use, so naming it
-in a config costs nothing); a name that is not registered but holds a `:` is imported as a path.
-Unknown names fail with the kind, the config key and the known names; `check(name)` is what
-config validation calls: a registered name imports nothing, an import path is imported and
-vetted. `import_object` is the import-path half alone (agent functions, hooks).
+A plug-in registers itself beside its definition, one way for every kind:
+
+    @TRANSPORTS.register("disk")
+    class DiskTransport(TransportBase): ...
+
+    SAY_A = TASKS.register("say_a", SayA())       # an instance: the call form
+
+A registry with a `package` finds its built-ins without importing them: the plug-in `x` is the
+module `package.x` (or, for a module holding several, `package.x` for every name `x_...`),
+imported the first time `x` is asked for; so naming one in a config costs nothing until it is
+used, and a new built-in is one file in that folder. A name that is not registered but holds a
+`:` is an import path `package.module:object`, imported and vetted. Unknown names fail with the
+kind, the config key and the known names.
+
+A plug-in owns its options: its `Options` attribute, a pydantic model, validates the mapping a
+config gives under the plug-in key's `*_options` (`options(name, raw)`); a plug-in without one
+takes none. `import_object` is the import-path half alone (agent functions, hooks).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pkgutil
 import traceback
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from pydantic import BaseModel, ConfigDict
+
 T = TypeVar("T")
 
-__all__ = ["Registry", "import_object"]
+__all__ = ["NoOptions", "PluginOptions", "Registry", "import_object"]
+
+
+class PluginOptions(BaseModel):
+    """The base of every plug-in's options: unknown keys and NaN/inf are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class NoOptions(PluginOptions):
+    """The options of a plug-in that takes none."""
 
 
 def _where(e: BaseException) -> str:
@@ -61,13 +84,17 @@ def import_object(
     return obj
 
 
+_MISSING: Any = object()
+
+
 class Registry(Generic[T]):
     """Named objects of one kind.
 
     kind: what an entry is, in messages ("weight transport"); setting: the config key users
-    write a name in ("weight_sync.transport"); example: the import-path form shown in errors;
-    load: turns an imported object into a `T` (and raises ValueError when it is not one); it is
-    applied to lazy entries and to import paths, not to objects registered directly.
+    write a name in ("weight_sync.transport"); package: the folder of the built-ins, one module
+    per plug-in (see the module docstring); example: the import-path form shown in errors;
+    load: turns a registered or imported object into a `T` (and raises ValueError when it is
+    not one), e.g. a class into its instance.
     """
 
     def __init__(
@@ -75,41 +102,61 @@ class Registry(Generic[T]):
         kind: str,
         setting: str = "",
         *,
+        package: str | None = None,
         example: str = "package.module:object",
         load: Callable[[Any, str], T] | None = None,
     ) -> None:
         self.kind = kind
         self.setting = setting
+        self.package = package
         self.example = example
         self._load = load
         self._entries: dict[str, Any] = {}  # name -> T, or an import path not yet imported
 
     # ------------------------------------------------------------------ registering
-    def register(self, name: str, obj: T | str) -> T | str:
-        """Registers `obj` (or its import path, imported when first asked for) under `name`,
-        replacing an earlier entry of that name. Returns `obj` (so it works as a decorator)."""
+    def register(self, name: str, obj: Any = _MISSING) -> Any:
+        """Registers `obj` under `name` and returns what was registered; without `obj`, a
+        decorator that does so (`@REGISTRY.register("name")` above a class or function). `obj`
+        may also be an import path, imported the first time `name` is asked for."""
         if not name or ":" in name:
             raise ValueError(f"{self.kind} name {name!r} must be non-empty and without ':'")
-        self._entries[name] = obj
-        return obj
+        if obj is _MISSING:
+            return lambda o: self._add(name, o, decorated=True)
+        return self._add(name, obj, decorated=False)
+
+    def _add(self, name: str, obj: Any, decorated: bool) -> Any:
+        entry = obj if isinstance(obj, str) else self._loaded(obj, name)
+        self._entries[name] = entry
+        return obj if decorated else entry  # a decorator leaves the class or function as it is
 
     def unregister(self, name: str) -> None:
         self._entries.pop(name, None)
 
     # ------------------------------------------------------------------ asking
     def names(self) -> list[str]:
+        """Every name, the package's built-ins included (imported, so a module registering
+        several names lists them all)."""
+        for module in self._package_modules():
+            self._import_module(module)
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and (
+            name in self._entries or self._module_of(name) is not None
+        )
 
     def values(self) -> list[T]:
         """Every entry, lazy ones imported (registration order)."""
-        return [self.get(name) for name in list(self._entries)]
+        return [self.get(name) for name in self.names()]
 
     def get(self, name: str) -> T:
-        """The entry `name`, or the object at import path `name`; ValueError naming the known
-        entries (or what is wrong with the import path) otherwise."""
+        """The entry `name` (a built-in of the package is imported now), or the object at
+        import path `name`; ValueError naming the known entries (or what is wrong with the
+        import path) otherwise."""
+        if name not in self._entries and (module := self._module_of(name)) is not None:
+            self._import_module(module)
+            if name not in self._entries:
+                raise ValueError(f"{module} registers no {self.kind} named {name!r}")
         if name in self._entries:
             entry = self._entries[name]
             if isinstance(entry, str):
@@ -120,11 +167,29 @@ class Registry(Generic[T]):
         raise self.unknown(name)
 
     def check(self, name: str) -> str:
-        """Config-time check: a registered name passes without importing anything (validation
-        stays free of torch); an import path is imported and vetted. Returns `name`."""
-        if name not in self._entries:
+        """Config-time check: a registered name or a built-in of the package passes without
+        importing anything; an import path is imported and vetted. Returns `name`."""
+        if name not in self:
             self.get(name)
         return name
+
+    def options(self, name: str, raw: Any = None) -> PluginOptions:
+        """`raw` (a mapping, or options already built) validated against the options class of
+        plug-in `name` (its `Options` attribute; none: only an empty mapping passes); errors
+        name the config key."""
+        cls = getattr(self.get(name), "Options", NoOptions)
+        if isinstance(raw, cls):
+            return raw
+        if isinstance(raw, BaseModel):
+            raw = raw.model_dump()
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"{self.setting}_options must be a mapping, got {raw!r}")
+        if cls is NoOptions and raw:
+            raise ValueError(
+                f"{self.kind} {name!r} takes no options; {self.setting}_options has "
+                f"{', '.join(map(str, raw))}"
+            )
+        return cls.model_validate(raw or {})
 
     def unknown(self, name: str) -> ValueError:
         where = f" in {self.setting}" if self.setting else ""
@@ -134,6 +199,39 @@ class Registry(Generic[T]):
             f"(or give an import path '{self.example}')"
         )
 
-    def _import(self, path: str, name: str) -> T:
-        obj = import_object(path, self.kind, example=self.example)
+    # ------------------------------------------------------------------ internals
+    def _loaded(self, obj: Any, name: str) -> T:
         return self._load(obj, name) if self._load is not None else obj
+
+    def _import(self, path: str, name: str) -> T:
+        return self._loaded(import_object(path, self.kind, example=self.example), name)
+
+    def _package_modules(self) -> list[str]:
+        if self.package is None:
+            return []
+        package = importlib.import_module(self.package)
+        return [
+            f"{self.package}.{m.name}"
+            for m in pkgutil.iter_modules(package.__path__)
+            if not m.name.startswith("_")
+        ]
+
+    def _module_of(self, name: str) -> str | None:
+        """The package's module that registers `name`: `package.name`, else `package.x` for
+        the longest `x` with `name` = `x_...`."""
+        if self.package is None or ":" in name or not name.isidentifier():
+            return None
+        parts = name.split("_")
+        for i in range(len(parts), 0, -1):
+            module = f"{self.package}.{'_'.join(parts[:i])}"
+            if module.rpartition(".")[2] and importlib.util.find_spec(module) is not None:
+                return module
+        return None
+
+    def _import_module(self, module: str) -> None:
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            raise ValueError(
+                f"cannot import {self.kind} module {module}: {_where(e)}{type(e).__name__}: {e}"
+            ) from e

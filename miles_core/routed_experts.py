@@ -17,12 +17,7 @@ from typing import Any
 import numpy as np
 
 from miles_core.models.check import moe_sizes
-from miles_core.token_fields import (
-    FIELDS,
-    TokenField,
-    register_token_field,
-    unregister_token_field,
-)
+from miles_core.token_fields import FIELDS, TokenField
 
 REQUEST_FLAG = "return_routed_experts"  # GenerateReqInput field
 WIRE_KEY = "routed_experts"  # meta_info key
@@ -75,5 +70,5 @@ def declare(hf_config: dict[str, Any]) -> TokenField:
         raise ValueError("routed experts: the model has no mixture-of-experts layers")
     f = routed_experts_field(*shape)
     if FIELD_NAME in FIELDS and FIELDS.get(FIELD_NAME) != f:
-        unregister_token_field(FIELD_NAME)
-    return register_token_field(f)
+        FIELDS.unregister(FIELD_NAME)
+    return FIELDS.register(f.name, f)

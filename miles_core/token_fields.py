@@ -20,8 +20,8 @@ engine response to the trainer's micro-batch, with no per-field code anywhere on
 Joining is the same for every field (`join`): a continuation after a pause-abort appends its
 rows; a session turn appends `fill` rows for the appended tokens, then its own rows.
 
-Fields are registered by name (`register_token_field`); a user's field is a module-level
-`TokenField` loaded by import path (`load_token_field("pkg.mod:FIELD")`), which registers it.
+Fields are registered by name (`FIELDS.register(name, field)`); a user's field is a module-level
+`TokenField` loaded by import path (`load_token_fields(["pkg.mod:FIELD"])`), which registers it.
 """
 
 from __future__ import annotations
@@ -158,62 +158,52 @@ def _b64(arr: np.ndarray) -> str:
 
 
 # ---------------------------------------------------------------------- registry
-def _as_field(obj: Any, name: str) -> TokenField:
+def _declare(obj: Any, name: str) -> TokenField:
+    """What registering a field checks: a TokenField under its own name, declared once (the same
+    declaration again is a no-op), its meta_info key no other field's."""
     if not isinstance(obj, TokenField):
         raise ValueError(f"token field {name!r} is a {type(obj).__name__}, not a TokenField")
+    if ":" not in name and obj.name != name:  # (an import path is declared under its name)
+        raise ValueError(f"token field {obj.name!r} registered under another name, {name!r}")
+    old = FIELDS.get(obj.name) if obj.name in FIELDS else None
+    if old is not None and old != obj:
+        raise ValueError(f"token field {obj.name!r} is already declared differently: {old}")
+    clash = next(
+        (o for o in FIELDS.values() if o.wire_key == obj.wire_key and o.name != obj.name), None
+    )
+    if clash is not None:
+        raise ValueError(
+            f"token field {obj.name!r}: meta_info key {obj.wire_key!r} is field {clash.name!r}'s"
+        )
     return obj
 
 
 FIELDS: Registry[TokenField] = Registry(
-    "token field", "rollout.token_fields", example="pkg.mod:NAME", load=_as_field
+    "token field", "rollout.token_fields", example="pkg.mod:NAME", load=_declare
 )
+"""Declared fields: `FIELDS.register(field.name, field)` beside the declaration."""
 
 
-def register_token_field(f: TokenField) -> TokenField:
-    """Declares `f` (once per name; registering the same declaration again is a no-op)."""
-    if not isinstance(f, TokenField):
-        raise TypeError(f"register_token_field takes a TokenField, got {type(f).__name__}")
-    old = FIELDS.get(f.name) if f.name in FIELDS else None
-    if old is not None and old != f:
-        raise ValueError(f"token field {f.name!r} is already declared differently: {old}")
-    clash = next(
-        (o for o in FIELDS.values() if o.wire_key == f.wire_key and o.name != f.name), None
-    )
-    if clash is not None:
-        raise ValueError(
-            f"token field {f.name!r}: meta_info key {f.wire_key!r} is field {clash.name!r}'s"
-        )
-    FIELDS.register(f.name, f)
-    return f
-
-
-def unregister_token_field(name: str) -> None:
-    FIELDS.unregister(name)
-
-
-def get_token_field(name: str) -> TokenField:
+def token_field(name: str) -> TokenField:
+    """The declared field `name`; KeyError naming the declared ones otherwise."""
     if name not in FIELDS:
         known = ", ".join(FIELDS.names()) or "none"
         raise KeyError(
             f"no token field named {name!r} is declared (declared: {known}); register it with "
-            "register_token_field or load it by import path (pkg.mod:FIELD)"
+            "FIELDS.register or load it by import path (pkg.mod:FIELD)"
         )
     return FIELDS.get(name)
 
 
-def declared_fields() -> list[TokenField]:
-    return FIELDS.values()
-
-
-def load_token_field(path: str) -> TokenField:
-    """Imports `pkg.mod:NAME` (a TokenField) and registers it."""
-    if ":" not in path:
-        raise ValueError(f"token field {path!r}: expected an import path pkg.mod:NAME")
-    return register_token_field(FIELDS.get(path))
-
-
 def load_token_fields(paths: Iterable[str]) -> list[TokenField]:
-    return [load_token_field(p) for p in paths]
+    """Imports each `pkg.mod:NAME` (a TokenField) and declares it under its name."""
+    out = []
+    for path in paths:
+        if ":" not in path:
+            raise ValueError(f"token field {path!r}: expected an import path pkg.mod:NAME")
+        f = FIELDS.get(path)
+        out.append(FIELDS.register(getattr(f, "name", path), f))
+    return out
 
 
 # ---------------------------------------------------------------------- generic helpers
@@ -226,7 +216,7 @@ def check_lengths(fields: dict[str, np.ndarray], n_tokens: int, response_length:
     """Raises ValueError naming the first field whose rows do not match the tokens (or whose
     values leave its bounds)."""
     for name, arr in fields.items():
-        f = get_token_field(name)
+        f = token_field(name)
         want = f.rows(n_tokens, response_length)
         if not isinstance(arr, np.ndarray) or arr.shape != (want, *f.shape):
             got = getattr(arr, "shape", type(arr).__name__)
@@ -244,11 +234,11 @@ def check_lengths(fields: dict[str, np.ndarray], n_tokens: int, response_length:
 
 
 def fields_to_json(fields: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {name: get_token_field(name).to_json(arr) for name, arr in fields.items()}
+    return {name: token_field(name).to_json(arr) for name, arr in fields.items()}
 
 
 def fields_from_json(data: dict[str, Any] | None) -> dict[str, np.ndarray]:
-    return {name: get_token_field(name).from_json(v) for name, v in (data or {}).items()}
+    return {name: token_field(name).from_json(v) for name, v in (data or {}).items()}
 
 
 def join_fields(
@@ -257,5 +247,5 @@ def join_fields(
     """`prev` extended by a later call's fields (`TokenField.join`, field by field)."""
     out = dict(prev)
     for name, arr in new.items():
-        out[name] = get_token_field(name).join(prev.get(name), arr, appended)
+        out[name] = token_field(name).join(prev.get(name), arr, appended)
     return out

@@ -65,7 +65,7 @@ def _spawn(saved: Path) -> ProcessRecord:
     """Starts the server in its own session (it outlives the worker that started it; the owner
     stops it) and saves its record."""
     from flows.prefect_server import server_command, server_env
-    from miles_core.proc.ports import free_port
+    from miles_core.processes.ports import free_port
 
     shared = saved.parent
     port = free_port()

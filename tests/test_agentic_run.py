@@ -27,7 +27,7 @@ def _config(tmp_path, *extra):
             "data.task=terminal",
             "data.num_prompts=16",
             "rollout.engine=server",
-            "rollout.engine_threads=1",
+            "rollout.engine_options.threads=1",
             "rollout.prompts_per_step=2",
             "rollout.n_samples_per_prompt=2",
             "weight_sync.transport=shared_memory",
@@ -152,7 +152,12 @@ def test_a_tito_family_that_does_not_match_the_model_is_refused(tiny):
 
 def test_agentic_rollout_refuses_configs_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="needs an engine server .* set rollout.engine: server"):
-        _config(tmp_path, "rollout.engine=serving", "weight_sync.transport=colocated")
+        _config(
+            tmp_path,
+            "rollout.engine=serving",
+            "rollout.engine_options={}",
+            "weight_sync.transport=colocated",
+        )
     with pytest.raises(ValueError, match="unknown TITO family 'gpt2'"):
         _config(tmp_path, "agent.family=gpt2")
 
@@ -189,7 +194,7 @@ def test_a_black_box_harness_trains_from_its_config(tmp_path):
 
 @pytest.mark.slow
 def test_two_engines_behind_the_router_lose_one_mid_episode_and_lose_no_episode(tmp_path):
-    """rollout.num_engines=2: sessions reach the engines through sglang-router. Engine 0 is
+    """rollout.engine_options.num_engines=2: sessions reach the engines through sglang-router. Engine 0 is
     killed (SIGKILL) while it serves episodes: every episode of the step comes back exactly
     once, either complete or FAILED with its reason and a zero loss mask (trains nothing); the
     supervisor replaces engine 0, gives it the current weights, and the router takes it back;
@@ -201,7 +206,10 @@ def test_two_engines_behind_the_router_lose_one_mid_episode_and_lose_no_episode(
 
     # each episode routed by itself (not by group): the step's episodes spread over both
     cfg = _config(
-        tmp_path, "rollout.num_engines=2", "agent.eval_episodes=2", "agent.routing=session"
+        tmp_path,
+        "rollout.engine_options.num_engines=2",
+        "agent.eval_episodes=2",
+        "agent.routing=session",
     )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
     try:

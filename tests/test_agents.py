@@ -19,7 +19,7 @@ from miles_core.agents.session_generate import session_generate
 from miles_core.envs.environment import environment_path
 from miles_core.envs.sandbox_agent import run_agent
 from miles_core.envs.terminal import HELD_OUT_KINDS, KINDS, make_task, make_tasks
-from miles_core.proc.managed import free_port
+from miles_core.processes.managed import free_port
 from miles_core.types import Status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,15 +131,15 @@ def test_detours_take_turns_that_turn_slack_does_not_leave():
     same policy solves a `fix` task directly and fails it after a detour; without a slack,
     `agent.max_turns` alone limits it."""
     from miles_core.config import load_config
-    from miles_core.data import get_task
+    from miles_core.data import TASKS
     from miles_core.rollout.sources import episode_metadata
-    from miles_core.tito import get_family
+    from miles_core.tito import FAMILIES
 
-    task = get_task("terminal_detours")
+    task = TASKS.get("terminal_detours")
     examples = task.generate(24, seed=0)
     taken = [task.detours_of(ex) for ex in examples]
     assert set(taken) == {0, 1, 2} and taken == [task.detours_of(ex) for ex in examples]
-    family = get_family("tiny")
+    family = FAMILIES.get("tiny")()
     for ex in examples[:8]:  # every demonstration still solves its task (or raises)
         ids, _ = task.demonstration(ex, family)
         calls = family.decode(ids).count('"cmd"')
@@ -158,7 +158,7 @@ def test_detours_take_turns_that_turn_slack_does_not_leave():
             "agent.turn_slack=0",
         ],
     )
-    meta = episode_metadata(config, get_task("terminal"))
+    meta = episode_metadata(config, TASKS.get("terminal"))
     assert meta["turn_slack"] == 0
     prompt = [{"role": "user", "content": fix.instruction}]
     for policy, slack, reward, turns in [
@@ -333,12 +333,12 @@ def test_the_agentic_evaluation_set_holds_no_training_task():
     training task of either phase, none repeats, every kind is there, the held-out composition
     only there, and the draw is the same every time."""
     from miles_core.config import load_config
-    from miles_core.data import get_task, load_examples, rl_examples
+    from miles_core.data import TASKS, load_examples, rl_examples
     from miles_core.data.held_out import EVAL_SEED_OFFSET, example_key, held_out, trained_on
 
     config = load_config(REPO / "examples/agentic_async_cpu.yaml")
     d, n = config.data, config.agent.eval_episodes
-    task = get_task(d.task)
+    task = TASKS.get(d.task)
     rows = rl_examples(config)
     training = trained_on(config, rows)
     assert len(training) == d.num_prompts + config.sft.num_examples

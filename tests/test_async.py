@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from miles_core.config import load_config
-from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.data import TASKS, PromptSource, load_examples
 from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.models import load_hf_dir
 from miles_core.rollout.producer import RolloutProducer
 from miles_core.run.runtime import RLRuntime, prepare_model_dir
 from miles_core.types import Status
-from miles_core.weights import make_transport
+from miles_core.weights import TRANSPORTS
 from miles_core.weights.source import TensorBuckets
 
 
@@ -34,7 +34,7 @@ def _config(tmp_path, *extra):
             "train.lr=3e-3",
             "train.threads=1",
             "rollout.engine=server",
-            "rollout.engine_threads=1",
+            "rollout.engine_options.threads=1",
             "weight_sync.transport=shared_memory",
             f"checkpoint.root={tmp_path}/ckpt",
             *extra,
@@ -119,7 +119,7 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
     cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.max_new_tokens=48").rollout
     model, tok = load_hf_dir(tiny_dir)
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
-    transport = make_transport("shared_memory")
+    transport = TRANSPORTS.get("shared_memory")()
     transport.connect([engine])
     # the engine (shared by the module) starts from the model's own weights, whatever an
     # earlier test pushed: the old weights of the log-prob check below
@@ -128,7 +128,7 @@ def test_a_push_during_generation_loses_no_request(engine, tiny_dir, tmp_path, m
     version = [engine.weight_version]
     start = version[0]
     producer = RolloutProducer(
-        engine, tok, get_task("reverse"), source, cfg, version=lambda: version[0]
+        engine, tok, TASKS.get("reverse"), source, cfg, version=lambda: version[0]
     ).start()
     try:
         _wait(lambda: engine.server_info()["running"] > 0)
@@ -194,7 +194,7 @@ def test_drop_and_retry_policies_never_hand_out_stale_groups(engine, tiny_dir, t
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
     version = [engine.weight_version]
     producer = RolloutProducer(
-        engine, tok, get_task("reverse"), source, cfg, version=lambda: version[0]
+        engine, tok, TASKS.get("reverse"), source, cfg, version=lambda: version[0]
     ).start()
     try:
         _wait(lambda: producer.counters["admitted_groups"] >= cfg.prompts_per_step)
@@ -227,7 +227,7 @@ def test_the_progress_watchdog_says_what_a_stalled_step_waits_on(
     _, tok = load_hf_dir(tiny_dir)
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
     version = engine.weight_version
-    producer = RolloutProducer(engine, tok, get_task("reverse"), source, cfg, lambda: version)
+    producer = RolloutProducer(engine, tok, TASKS.get("reverse"), source, cfg, lambda: version)
     out: list = []
     try:
         engine.pause("in_place")  # nothing can complete

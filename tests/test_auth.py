@@ -1,7 +1,7 @@
 """Token authentication (issue 14, item 5): every server of ours takes a key (`--api-key` or
 MILES_API_KEY) and then requires `Authorization: Bearer <key>` on every route but /health; a
 non-loopback bind without a key is refused at start-up; a run gives its servers a key of its
-own and its clients send it (miles_core/proc/auth.py, docs/security.md)."""
+own and its clients send it (miles_core/processes/auth.py, docs/security.md)."""
 
 import os
 import subprocess
@@ -16,7 +16,7 @@ from openai import AuthenticationError, NotFoundError, OpenAI
 
 from miles_core.config import load_config
 from miles_core.engines.wire import GenerateRequest, SamplingParams
-from miles_core.proc.auth import API_KEY_ENV, bearer, is_loopback, protect, run_key
+from miles_core.processes.auth import API_KEY_ENV, bearer, is_loopback, protect, run_key
 
 KEY = "test-key-0123456789"
 
@@ -33,7 +33,7 @@ def fleet(tiny_dir, tmp_path_factory):
         [
             "model.preset=tiny",
             "rollout.engine=server",
-            "rollout.engine_threads=1",
+            "rollout.engine_options.threads=1",
             "weight_sync.transport=shared_memory",
             f"network.api_key={KEY}",
             f"checkpoint.root={work}/ckpt",
@@ -167,7 +167,7 @@ def test_non_loopback_bind_without_a_key_is_refused_at_start(tmp_path):
 def test_bind_from_args_refuses_every_non_loopback_host_without_a_key(monkeypatch):
     import argparse
 
-    from miles_core.proc.ports import add_port_arguments, bind_from_args
+    from miles_core.processes.ports import add_port_arguments, bind_from_args
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     ap = argparse.ArgumentParser()
@@ -206,7 +206,7 @@ def test_the_config_key_is_checked_and_never_dumped():
 
 
 def test_a_managed_child_gets_exactly_its_parent_s_key(monkeypatch):
-    from miles_core.proc.managed import ManagedProcess
+    from miles_core.processes.managed import ManagedProcess
 
     monkeypatch.setenv(API_KEY_ENV, "inherited")
     assert API_KEY_ENV not in ManagedProcess(port=1).child_env()  # not an inherited one
@@ -260,7 +260,7 @@ def test_a_run_keyed_from_the_environment_trains_and_pushes_its_weights(tmp_path
             "train.micro_batch_size=4",
             "train.threads=1",
             "rollout.engine=server",
-            "rollout.engine_threads=1",
+            "rollout.engine_options.threads=1",
             "weight_sync.transport=shared_memory",
             f"checkpoint.root={tmp_path}/ckpt",
         ],

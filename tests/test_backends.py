@@ -20,10 +20,11 @@ from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import RolloutResult, encode_prompt
 from miles_core.run.training import build_trainer, train_on_rollout
 from miles_core.train import distributed
-from miles_core.train.advantages import grpo_advantages
+from miles_core.train.advantage import ADVANTAGES
+from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
+from miles_core.train.loss import LOSSES
 from miles_core.train.losses.policy import OffPolicySettings, PolicyLossConfig
-from miles_core.train.registry import backend_names, make_backend, register_loss
 from miles_core.types import Sample, SampleGroup
 from tests.plugins import backend as plugin
 
@@ -36,7 +37,7 @@ def _settings(**overrides):
 
 def _trainer(model_dir, name="fsdp", **overrides):
     s = _settings(**overrides)
-    return make_backend(name, model_dir=str(model_dir), optim=s, loss=s, total_steps=4)
+    return BACKENDS.get(name)(model_dir=str(model_dir), optim=s, loss=s, total_steps=4)
 
 
 def _sft_batch(tok):
@@ -64,7 +65,7 @@ def _sft_batch(tok):
         ("train.backend=tests.plugins.backend:Missing", "has no 'Missing'"),
         ("train.loss=distill", "unknown loss 'distill' in train.loss; known: policy, sft"),
         ("train.loss=tests.plugins.backend:Nope", "has no 'Nope'"),
-        ("train.loss=miles_core.train.losses.functional:aggregate", "is not a loss: it needs"),
+        ("train.loss=miles_core.train.loss_terms:aggregate", "is not a loss: it needs"),
     ],
 )
 def test_an_unknown_backend_or_loss_is_refused_at_config_time(override, message):
@@ -89,13 +90,13 @@ def test_registered_names_are_not_imported_to_validate_a_config():
     code += "print(sorted(m for m in sys.modules if m.startswith('miles_core.train.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = eval(out.stdout)
-    assert "miles_core.train.registry" in loaded
+    assert "miles_core.train.backend" in loaded
     assert not {
-        "miles_core.train.fsdp",
-        "miles_core.train.megatron.backend",
+        "miles_core.train.backends.fsdp",
+        "miles_core.train.backends.megatron.backend",
         "miles_core.train.losses.policy",
     } & set(loaded)
-    assert backend_names() == ["fsdp", "megatron"]
+    assert BACKENDS.names() == ["fsdp", "megatron"]
 
 
 def test_followers_rebuild_the_backend_class_rank_0_announced(tiny_dir, monkeypatch):
@@ -107,7 +108,7 @@ def test_followers_rebuild_the_backend_class_rank_0_announced(tiny_dir, monkeypa
     init = announced[0]
     assert init["backend"] == PLUGIN and init["kwargs"]["device"] == "cpu"
     assert type(trainer) is plugin.RecordingBackend
-    follower = make_backend(init["backend"], **init["kwargs"])  # what distributed.follow does
+    follower = BACKENDS.get(init["backend"])(**init["kwargs"])  # what distributed.follow does
     assert type(follower) is plugin.RecordingBackend
     for a, b in zip(trainer.model.parameters(), follower.model.parameters(), strict=True):
         assert torch.equal(a.detach(), b.detach())
@@ -129,7 +130,7 @@ def test_a_custom_loss_is_used_by_name_or_import_path_and_an_unknown_one_refused
     _, tok = tiny
     batch = _sft_batch(tok)
     base = _trainer(tiny_dir).train_step(batch, loss="sft")
-    register_loss("doubled_sft", plugin.DoubledSFT)
+    LOSSES.register("doubled_sft", plugin.DoubledSFT)
     for name in ("doubled_sft", "tests.plugins.backend:DoubledSFT"):
         m = _trainer(tiny_dir).train_step(batch, loss=name)
         # every micro-batch (4 rows, micro_batch_size 4 → one) saw the masks as built
@@ -198,7 +199,7 @@ def test_one_optimizer_step_per_rollout_takes_old_log_probs_from_its_own_forward
     assert plugin.CALLS == ["init", "train_step:policy:8"]
 
     ref = build_trainer(config, tiny_dir)
-    adv = grpo_advantages(result.groups, config.train.normalize_advantage_std)
+    adv = ADVANTAGES.get("grpo")(result.groups, config.train.advantage_estimator_options)
     batch = TrainBatch.from_samples(result.samples, adv, config.rollout.temperature)
     batch.old_log_probs = ref.compute_log_probs(batch)
     expected = {f"train/{k}": v for k, v in ref.train_step(batch).items()}
@@ -231,7 +232,7 @@ def test_a_model_with_dropout_recomputes_the_old_log_probs(tiny_dir, tiny, tmp_p
 def test_a_loss_without_old_log_probs_is_a_clear_error(tiny_dir, tiny):
     config = _rl_config("train.global_batch_size=8")
     result = _rollout_result(*tiny)
-    adv = grpo_advantages(result.groups, config.train.normalize_advantage_std)
+    adv = ADVANTAGES.get("grpo")(result.groups, config.train.advantage_estimator_options)
     batch = TrainBatch.from_samples(result.samples, adv, config.rollout.temperature)
     with pytest.raises(ValueError, match="needs the old log-probs"):
         build_trainer(config, tiny_dir).train_step(batch)
@@ -271,13 +272,16 @@ def test_one_training_step_on_cuda(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
-def test_a_backend_from_the_test_tree_trains_through_the_flow(
-    prefect_server, tmp_path, monkeypatch
-):
+def test_plugins_from_the_test_tree_train_through_the_flow(prefect_server, tmp_path, monkeypatch):
+    """A trainer backend, a rollout engine, a weight transport and an advantage estimator of
+    tests/plugins/, each with what it needs from the config, in one run; nothing inside
+    miles_core names them."""
     from flows.rl_train import rl_train
+    from tests.plugins import estimator
 
     monkeypatch.chdir(tmp_path)
     plugin.CALLS.clear()
+    estimator.CALLS.clear()
     config = load_config(
         None,
         [
@@ -290,6 +294,13 @@ def test_a_backend_from_the_test_tree_trains_through_the_flow(
             "train.global_batch_size=8",
             "train.micro_batch_size=8",
             f"train.backend={PLUGIN}",
+            "rollout.engine=tests.plugins.engine:CountingEngine",
+            f"rollout.engine_options.record={tmp_path}/generate.txt",
+            "weight_sync.transport=tests.plugins.transport:JournaledTransport",
+            f"weight_sync.transport_options.journal={tmp_path}/pushes.jsonl",
+            "weight_sync.check_equal=true",
+            "train.advantage_estimator=tests.plugins.estimator:RankEstimator",
+            "train.advantage_estimator_options.scale=0.5",
             f"checkpoint.root={tmp_path}/ckpt",
             "checkpoint.interval=2",
             f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
@@ -300,6 +311,13 @@ def test_a_backend_from_the_test_tree_trains_through_the_flow(
     assert state.is_completed()
     # one optimizer step per rollout: its old log-probs are its own forward's (no recompute)
     assert plugin.CALLS == ["init"] + ["train_step:policy:8"] * 2 + ["save"]
+    # every rollout generated through the engine plug-in; every push went through the transport
+    assert (tmp_path / "generate.txt").read_text().split() == ["8", "8"]
+    pushes = [json.loads(line) for line in (tmp_path / "pushes.jsonl").read_text().splitlines()]
+    assert [p["version"] for p in pushes] == [1, 2] and all(p["bytes"] > 0 for p in pushes)
+    # 4 groups of 2 per step, each ranked: ±0.5 apart, or 0 for a tie
+    assert len(estimator.CALLS) == 8
+    assert all(sorted(a) in ([-0.5, 0.5], [0.0, 0.0]) for a in estimator.CALLS)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name("plugin-backend").experiment_id])[0]
     assert run.data.params["train.backend"] == PLUGIN

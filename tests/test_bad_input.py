@@ -15,6 +15,9 @@ from miles_core.run.preflight import preflight
 REPO = Path(__file__).resolve().parents[1]
 
 
+SERVER = ["rollout.engine=server", "weight_sync.transport=shared_memory"]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -37,17 +40,37 @@ REPO = Path(__file__).resolve().parents[1]
         (["train.adam_beta1=1.0"], "adam_beta1"),
         (["train.eps_clip_high=0"], "eps_clip_high"),
         (["train.threads=0"], "threads"),
-        (["rollout.dtype=bfloat16"], "rollout.dtype bfloat16 needs rollout.engine: serving"),
+        (
+            ["rollout.engine_options.dtype=bfloat16"],
+            "rollout engine 'embedded' takes no options; rollout.engine_options has dtype",
+        ),
         (["rollout.engine=server"], "rollout.engine: server needs weight_sync.transport"),
         (["weight_sync.transport=disk"], "set rollout.engine: server"),
         (["rollout.mode=fully_async"], "rollout.mode fully_async needs rollout.engine: server"),
         (["rollout.max_staleness=-1"], "rollout.max_staleness"),
-        (["rollout.dtype=float16"], "rollout.dtype"),
+        (
+            ["rollout.engine=serving", "rollout.engine_options.dtype=float16"],
+            "rollout.engine_options.dtype",
+        ),
         (["train.off_policy.mode=tis", "train.off_policy.low=3"], r"low \(3.0\) must be below"),
         (["train.off_policy.mode=is"], "train.off_policy.mode"),
         (["weight_sync.transport=carrier-pigeon"], "unknown weight transport 'carrier-pigeon'"),
-        (["rollout.health_timeout_s=1"], r"health_timeout_s \(1.0\) must exceed"),
-        (["rollout.max_engine_restarts=-1"], "rollout.max_engine_restarts"),
+        (
+            [*SERVER, "weight_sync.transport=disk", "weight_sync.transport_options.deltas=true"],
+            r"weight_sync.transport_options.deltas\n +Extra inputs are not permitted",
+        ),
+        (
+            ["weight_sync.transport=tests.plugins.transport:JournaledTransport"],
+            r"weight_sync.transport_options.journal\n +Field required",
+        ),
+        (
+            [*SERVER, "rollout.engine_options.health_timeout_s=1"],
+            r"health_timeout_s \(1.0\) must exceed",
+        ),
+        (
+            [*SERVER, "rollout.engine_options.max_engine_restarts=-1"],
+            "rollout.engine_options.max_engine_restarts",
+        ),
         (["data.exclude_sft=true"], "data.exclude_sft .*: the run has no sft: section"),
         (["agent.turn_slack=-1"], "agent.turn_slack"),
     ],
@@ -201,9 +224,11 @@ def test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting(ove
         load_config(None, [*AGENTIC, *overrides])
 
 
-def test_several_engines_need_engine_servers():
-    with pytest.raises(ValidationError, match=r"rollout.num_engines \(2\) starts engine servers"):
-        load_config(None, ["rollout.num_engines=2", "rollout.engine=serving"])
+def test_engine_servers_options_are_refused_for_an_in_process_engine():
+    with pytest.raises(
+        ValidationError, match=r"rollout.engine_options.num_engines\n.*Extra inputs"
+    ):
+        load_config(None, ["rollout.engine_options.num_engines=2", "rollout.engine=serving"])
 
 
 def test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context(
@@ -377,7 +402,7 @@ CATALOGUE = [
     ("agentic run on an in-process engine, or async with pause_mode abort; fewer episodes in flight than a group", "the one setting named", "test_bad_input.py::test_an_agentic_config_that_cannot_run_is_refused_naming_the_one_setting"),
     ("agentic task without agent.function; prompt + agent.max_tokens past the context", "refused in preflight, the setting named", "test_bad_input.py::test_preflight_refuses_an_agentic_task_without_an_agent_and_a_call_past_the_context"),
     ("agent.max_tokens below one tool call, agent.max_turns below a scripted solution, a token budget or context below a scripted episode", "refused in preflight, the kind and the numbers named", "test_bad_input.py::test_preflight_refuses_a_turn_or_token_budget_no_scripted_episode_fits"),
-    ("rollout.num_engines > 1 with an in-process engine", "refused, the setting named", "test_bad_input.py::test_several_engines_need_engine_servers"),
+    ("rollout.engine_options.num_engines > 1 with an in-process engine", "refused, the setting named", "test_bad_input.py::test_engine_servers_options_are_refused_for_an_in_process_engine"),
     ("agentic evaluation set that only training tasks could fill", "refused in preflight: how many disjoint tasks were found", "test_bad_input.py::test_preflight_refuses_an_evaluation_set_that_only_training_tasks_could_fill"),
     ("sandbox escapes (network, host files, fork bomb, memory, loops, output)", "blocked, scored 0", "test_sandbox.py::test_nothing_of_the_host_outside_the_workspace_is_readable_or_writable"),
     ("unknown TITO family", "the families listed", "test_tito.py::test_unknown_family_is_refused_by_the_command"),
@@ -391,7 +416,7 @@ CATALOGUE = [
     ("chat seed outside the engine's range", "400 naming seed", "test_sessions_hostile.py::test_a_seed_out_of_the_engines_range_is_400_not_a_500"),
     ("evaluation task outside the service's --tasks", "400, nothing imported", "test_eval_service_hostile.py::test_a_task_outside_the_allow_list_is_400_and_its_module_is_never_imported"),
     ("checkpoint URI outside the evaluation service's roots (URL, symlink, missing)", "403, the same answer for missing and forbidden; nothing fetched", "test_eval_service_hostile.py::test_checkpoints_outside_the_roots_are_refused_alike_and_urls_are_never_fetched"),
-    ("weight or checkpoint URI malformed for either server (.. in a local path, ?/#/backslash/control characters, %2e, empty remote segments, file://host)", "400 from both servers by one rule (miles_core/proc/roots.py), before anything is opened", "test_roots.py::test_the_stricter_rule_of_the_two_former_checks_holds_everywhere"),
+    ("weight or checkpoint URI malformed for either server (.. in a local path, ?/#/backslash/control characters, %2e, empty remote segments, file://host)", "400 from both servers by one rule (miles_core/processes/roots.py), before anything is opened", "test_roots.py::test_the_stricter_rule_of_the_two_former_checks_holds_everywhere"),
     ("evaluation job table full", "oldest finished dropped, else 429", "test_eval_service_hostile.py::test_the_job_table_is_bounded_and_drops_finished_jobs_first"),
     ("evaluation job with NaN, 2^64 seed, 50k-deep or 9 MiB body", "4xx / 413", "test_eval_service_hostile.py::test_malformed_or_hostile_job_bodies_are_4xx"),
     ("concurrent evaluation jobs, one a truncated checkpoint", "that job fails, every other loads", "test_eval_service_hostile.py::test_concurrent_jobs_in_a_fresh_service_all_load_and_a_failed_one_poisons_nothing"),

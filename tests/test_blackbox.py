@@ -13,8 +13,8 @@ from miles_core.agents.blackbox import python_agent
 from miles_core.agents.layers import GenerateInput
 from miles_core.agents.session_generate import session_generate
 from miles_core.config import RunConfig
+from miles_core.train.backends.fsdp import FSDPBackend
 from miles_core.train.batch import TrainBatch
-from miles_core.train.fsdp import FSDPBackend
 from miles_core.types import Status
 
 HARNESS = Path(__file__).parents[1] / "examples" / "blackbox_harness" / "agent.py"

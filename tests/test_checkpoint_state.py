@@ -16,7 +16,7 @@ from miles_core.checkpoint.ledger import LEDGER_FILE, TrainedLedger, read_lineag
 from miles_core.checkpoint.resume_checks import shape_changes
 from miles_core.checkpoint.store import CheckpointStore
 from miles_core.config import load_config
-from miles_core.data import PromptSource, get_task, load_examples
+from miles_core.data import TASKS, PromptSource, load_examples
 from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.models import build_model, load_hf_dir
 from miles_core.rollout.buffer_state import BUFFER_FILE, group_from_json, group_to_json
@@ -108,7 +108,7 @@ def test_the_producer_buffer_survives_a_restart(engine, tiny_dir, tmp_path):
     ).rollout
     _, tok = load_hf_dir(tiny_dir)
     examples = load_examples("reverse", None, 64, 0)
-    task = get_task("reverse")
+    task = TASKS.get("reverse")
     version = [0]
     a = RolloutProducer(engine, tok, task, PromptSource(examples, seed=0), cfg, lambda: version[0])
     try:

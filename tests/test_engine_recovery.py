@@ -42,7 +42,7 @@ def _config(tmp_path, *extra):
             "train.lr=3e-3",
             "train.threads=1",
             "rollout.engine=server",
-            "rollout.engine_threads=1",
+            "rollout.engine_options.threads=1",
             "weight_sync.transport=shared_memory",
             "weight_sync.check_equal=true",
             f"checkpoint.root={tmp_path}/ckpt",
@@ -66,7 +66,7 @@ class Saboteur:
         return self
 
     def _run(self) -> None:
-        # the run's engine requires the run's key (proc/auth.py)
+        # the run's engine requires the run's key (processes/auth.py)
         with httpx.Client(
             base_url=self.process.url, timeout=2.0, headers=self.process.headers
         ) as client:
@@ -155,7 +155,7 @@ def _check_recovered(trained, metrics, supervisor, saboteur, pids, cfg) -> None:
 def test_a_killed_engine_in_fully_async_mode_is_replaced_and_nothing_is_lost(tmp_path, caplog):
     # over disk deltas: the replacement gets a full push, the next push is a delta from it
     # (fully async over shared memory, the default here, is the hung-engine test below)
-    delta = ["weight_sync.transport=disk", "weight_sync.disk_delta=true"]
+    delta = ["weight_sync.transport=disk", "weight_sync.transport_options.delta=true"]
     cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.max_staleness=1", *delta)
     with caplog.at_level(logging.INFO, logger="miles"):
         trained, metrics, sup, sab, pids = _run(cfg, signal.SIGKILL)
@@ -245,6 +245,6 @@ def test_a_request_is_reissued_only_once_and_restarts_are_bounded(tiny_dir, tiny
     assert served == [sup.replacements[0].new_pid]  # weights served before the re-issue
     assert sup.reissued >= 1 and sup.state == "failed"
     assert "failed again after the engine server was replaced (re-issued once" in str(errors[0])
-    assert "rollout.max_engine_restarts=1" in sup.failure
+    assert "rollout.engine_options.max_engine_restarts=1" in sup.failure
     with pytest.raises(EngineUnavailable, match="max_engine_restarts"):
         client.generate(_requests(tok, 1, 2))

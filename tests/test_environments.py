@@ -98,9 +98,9 @@ def test_the_session_token_budget_caps_each_call_and_ends_a_full_conversation(se
     from fastapi.testclient import TestClient
 
     from miles_core.sessions.server import create_app
-    from miles_core.tito import get_family
+    from miles_core.tito import FAMILIES
 
-    family = get_family("tiny")
+    family = FAMILIES.get("tiny")()
     app = create_app(session_stack[0].url, family, token_budget=60)
     with TestClient(app) as http:
         sid = http.post("/sessions", json={}).json()["session_id"]

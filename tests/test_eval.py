@@ -16,7 +16,7 @@ from miles_core.config import load_config
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.eval.registry import BEST_EVAL_ALIAS
 from miles_core.eval.scoring import EvalSpec, score_policy
-from miles_core.proc.identity import children
+from miles_core.processes.identity import children
 from miles_core.run.runtime import RLRuntime, prepare_model_dir
 from miles_core.run.tracking import NEWEST_POLICY_ALIAS, Tracker
 from tests.servers import served

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from miles_core.eval.service import EvalServiceProcess, create_app
-from miles_core.proc.roots import AllowedRoots, MalformedUri, OutsideRoots
+from miles_core.processes.roots import AllowedRoots, MalformedUri, OutsideRoots
 
 SPEC = {"task": "say_a", "prompts": 2, "max_new_tokens": 2}
 

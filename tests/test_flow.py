@@ -120,7 +120,11 @@ def _histories(client, run_id, keys):
     return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
 
 
-SERVER = ["rollout.engine=server", "rollout.engine_threads=1", "weight_sync.check_equal=true"]
+SERVER = [
+    "rollout.engine=server",
+    "rollout.engine_options.threads=1",
+    "weight_sync.check_equal=true",
+]
 KEYS = [
     "rollout/reward_mean",
     "train/loss",

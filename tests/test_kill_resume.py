@@ -41,7 +41,7 @@ STEPS = 6
 SEED = int(os.environ.get("MILES_KILL_SEED", "20261201"))
 SERVER = [
     "rollout.engine=server",
-    "rollout.engine_threads=1",
+    "rollout.engine_options.threads=1",
     "weight_sync.transport=shared_memory",
 ]
 # measured times, not results: they differ between any two runs; everything else is compared

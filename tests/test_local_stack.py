@@ -25,7 +25,7 @@ from infra.processes import (
     tail,
 )
 from infra.processes import wait_for as _wait_for
-from miles_core.proc.managed import free_port
+from miles_core.processes.managed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STACK = [str(REPO / "infra" / "local-stack")]

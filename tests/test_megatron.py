@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from miles_core.config import load_config
 from miles_core.models.builder import preset_config
-from miles_core.train.megatron import convert
+from miles_core.train.backends.megatron import convert
 
 
 def _hf_state(tiny, tied=True):

@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM
 
 from miles_core import routed_experts
 from miles_core.config import load_config
-from miles_core.engines.registry import engine_refuses
+from miles_core.engines.registry import ENGINES
 from miles_core.models import PRESETS, build_model, count_parameters, save_hf_dir
 from miles_core.models.builder import preset_config
 from miles_core.models.tokenizer import build_tokenizer
 from miles_core.run import runtime
 from miles_core.run.preflight import preflight
-from miles_core.token_fields import FIELDS, get_token_field, unregister_token_field
+from miles_core.token_fields import FIELDS, token_field
 
 MOE = sorted(name for name, p in PRESETS.items() if p.is_moe)
 
@@ -32,7 +32,7 @@ def _forget_routed_experts():
     test, so no other test meets it."""
     yield
     if "routed_experts" in FIELDS:
-        unregister_token_field("routed_experts")
+        FIELDS.unregister("routed_experts")
 
 
 def test_moe_presets_route_every_token_on_their_moe_layers_and_reload_offline(tmp_path):
@@ -88,7 +88,7 @@ def test_an_engine_refuses_before_start_a_model_its_forward_does_not_implement(t
             "partial_rotary_factor 0.5 (the runner rotates every dimension)"
         )
     assert not (tmp_path / "ckpt").exists()
-    assert engine_refuses("embedded", model.config.to_dict()) is None
+    assert ENGINES.get("embedded").refuses(model.config.to_dict()) is None
 
 
 @pytest.mark.slow
@@ -226,7 +226,7 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
     in-process test above; the server answers an EngineRequestError with 400)."""
     from miles_core.engines.http import EngineProcess, HttpEngine
     from miles_core.engines.wire import GenerateRequest, SamplingParams
-    from miles_core.token_fields import register_token_field
+    from miles_core.token_fields import FIELDS
 
     model, tok = build_model("tiny-moe-shared", seed=1)
     save_hf_dir(model, tok, tmp_path / "moe")
@@ -255,7 +255,7 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
         ):
             r = httpx.post(f"{proc.url}/generate", json=bad, timeout=60)
             assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
-        register_token_field(routed_experts.routed_experts_field(2, 2))
+        FIELDS.register("routed_experts", routed_experts.routed_experts_field(2, 2))
         client = HttpEngine(proc.url)
         try:
             sp = SamplingParams(max_new_tokens=3)
@@ -273,7 +273,7 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             [more] = client.generate(
                 [GenerateRequest(input_ids=ids, sampling_params=sp, return_routed_experts=True)]
             )
-            field = get_token_field("routed_experts")
+            field = token_field("routed_experts")
             rows = field.join(
                 resp.token_fields["routed_experts"], more.token_fields["routed_experts"]
             )
@@ -284,7 +284,7 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             assert _replayed_in_megatron(tmp_path / "moe", batch)
         finally:
             client.close()
-            unregister_token_field("routed_experts")
+            FIELDS.unregister("routed_experts")
 
 
 def _three_session_turns(engine_url: str):
@@ -293,10 +293,10 @@ def _three_session_turns(engine_url: str):
     from fastapi.testclient import TestClient
 
     from miles_core.sessions.server import create_app
-    from miles_core.tito import get_family
+    from miles_core.tito import FAMILIES
     from miles_core.types import sample_from_json
 
-    with TestClient(create_app(engine_url, get_family("tiny"), routed_experts=True)) as c:
+    with TestClient(create_app(engine_url, FAMILIES.get("tiny")(), routed_experts=True)) as c:
         sid = c.post("/sessions", json={"rollout_id": "moe-1"}).json()["session_id"]
         messages = [{"role": "user", "content": "count"}]
         for k in range(3):
@@ -375,14 +375,14 @@ def _replayed_in_megatron(model_dir, batch) -> bool:
     """The same through the Megatron backend (one rank, in this process): its routers' routing
     maps under replay (Megatron's RouterReplay hook), in its sequence-first token order."""
     from miles_core.config import RunConfig
-    from miles_core.train.megatron.routing_replay import replay_hooks
-    from miles_core.train.registry import make_backend
+    from miles_core.train.backend import BACKENDS
+    from miles_core.train.backends.megatron.routing_replay import replay_hooks
 
     cfg = RunConfig().train.model_copy(
         update={"micro_batch_size": 2, "routing_replay": True, "check_routing_replay": True}
     )
     settings = cfg.model_dump()
-    trainer = make_backend("megatron", model_dir=str(model_dir), optim=settings, loss=settings)
+    trainer = BACKENDS.get("megatron")(model_dir=str(model_dir), optim=settings, loss=settings)
     try:
         routers = replay_hooks(trainer.model)
         used: list[torch.Tensor] = []
@@ -416,7 +416,7 @@ def test_with_routing_replay_the_trainer_routes_every_token_as_the_engine_did(tm
             "model.preset=tiny-moe-shared",
             "rollout.engine=serving",
             "weight_sync.transport=colocated",
-            "rollout.dtype=bfloat16",
+            "rollout.engine_options.dtype=bfloat16",
             "rollout.prompts_per_step=4",
             "rollout.n_samples_per_prompt=2",
             "rollout.max_new_tokens=8",
@@ -489,7 +489,7 @@ def test_routing_replay_on_a_dense_model_or_an_engine_that_records_nothing_is_re
 def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_step():
     """A real engine's record of tiny-moe-shared (2 MoE layers, top-2 of 8) parsed by a run of
     another shape: the response parses, the sample is FAILED with the reason, nothing trains."""
-    from miles_core.data import get_task
+    from miles_core.data import TASKS
     from miles_core.data.tasks import Example
     from miles_core.engines.cpu.serving import ServingEngine
     from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingParams
@@ -506,7 +506,7 @@ def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_s
     raw = resp.model_dump_json()
     small = preset_config("small-moe", len(tok), tok.pad_token_id, tok.eos_token_id)
     other_experts = model.config.to_dict() | {"n_routed_experts": 4}  # same shape, 4 experts
-    task = get_task("say_a")
+    task = TASKS.get("say_a")
     try:
         for config, why in [
             (small.to_dict(), "routed_experts"),  # 4 MoE layers: rows of another size
@@ -522,7 +522,7 @@ def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_s
         routed_experts.declare(model.config.to_dict())  # the right model: it fits
         assert GenerateResponse.model_validate_json(raw).field_error is None
     finally:
-        unregister_token_field("routed_experts")
+        FIELDS.unregister("routed_experts")
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
@@ -574,14 +574,14 @@ def test_every_transport_pushes_moe_weights_bitwise_and_the_engine_routes_with_t
 
     from miles_core.engines.http import EngineProcess, HttpEngine
     from miles_core.engines.wire import GenerateRequest, SamplingParams
-    from miles_core.token_fields import register_token_field
-    from miles_core.weights import make_transport, weights_checksum
-    from miles_core.weights.disk import DiskTransport
+    from miles_core.token_fields import FIELDS
+    from miles_core.weights import TRANSPORTS, weights_checksum
     from miles_core.weights.source import TensorBuckets
+    from miles_core.weights.transports.disk import DiskTransport
 
     model, tok = build_model("tiny-moe-shared", seed=1)
     model_dir = save_hf_dir(model, tok, tmp_path / "moe")
-    register_token_field(routed_experts.routed_experts_field(2, 2, 8))
+    FIELDS.register("routed_experts", routed_experts.routed_experts_field(2, 2, 8))
     gen = torch.Generator().manual_seed(0)
 
     def new_weights() -> dict[str, torch.Tensor]:
@@ -597,7 +597,7 @@ def test_every_transport_pushes_moe_weights_bitwise_and_the_engine_routes_with_t
                 if name == "disk":
                     transport = DiskTransport(root=str(tmp_path / "w"), keep=1)
                 else:
-                    transport = make_transport(name)
+                    transport = TRANSPORTS.get(name)()
                 transport.connect([engine])
                 weights = new_weights()
                 source = _TwoRankShards(weights) if name == "p2p" else TensorBuckets(weights, per=3)

@@ -314,7 +314,7 @@ def _first_step_on_one_rank(tmp_path: Path, extra: tuple, overrides=None) -> dic
         runtime.close()
 
 
-SERVER = ("rollout.engine=server", "rollout.engine_threads=1")
+SERVER = ("rollout.engine=server", "rollout.engine_options.threads=1")
 P2P_ASYNC = ("weight_sync.transport=p2p", "weight_sync.dtype=bfloat16", "rollout.mode=fully_async")
 
 

@@ -18,7 +18,7 @@ from test_agents import _Server  # noqa: E402
 from miles_core.agents.layers import GenerateInput  # noqa: E402
 from miles_core.agents.session_generate import session_generate  # noqa: E402
 from miles_core.envs.openenv_agent import run_agent  # noqa: E402
-from miles_core.proc.managed import ManagedProcess, free_port  # noqa: E402
+from miles_core.processes.managed import ManagedProcess, free_port  # noqa: E402
 from miles_core.types import Status  # noqa: E402
 
 SERVER = Path(__file__).parents[1] / "examples" / "openenv_words" / "server.py"

@@ -1,5 +1,5 @@
 """Server subprocesses exit when the process that started them dies by SIGKILL (no cleanup ran
-there): `miles_core/proc/parent_watch.py`."""
+there): `miles_core/processes/parent_watch.py`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from infra.processes import pid_alive as _alive
-from miles_core.proc.parent_watch import PARENT_ENV
+from miles_core.processes.parent_watch import PARENT_ENV
 
 SCRIPT = Path(__file__).parent / "scripts" / "spawn_servers.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_engine_router_and_session_servers_exit_within_seconds_of_a_killed_paren
 
 
 def test_a_server_started_by_hand_is_not_watched(monkeypatch):
-    from miles_core.proc.parent_watch import watch_parent
+    from miles_core.processes.parent_watch import watch_parent
 
     monkeypatch.delenv(PARENT_ENV, raising=False)
     assert watch_parent() is None

@@ -19,10 +19,10 @@ import pytest
 
 from infra.processes import ProcessRecord, record_alive, stop_group
 from miles_core.eval.service import EvalServiceProcess
-from miles_core.proc.identity import ProcessIdentity, pid_alive
-from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
-from miles_core.proc.parent_watch import parent_alive
-from miles_core.proc.ports import NoFreePort, PortRange, bind
+from miles_core.processes.identity import ProcessIdentity, pid_alive
+from miles_core.processes.managed import ManagedProcess, ProcessUnavailable
+from miles_core.processes.parent_watch import parent_alive
+from miles_core.processes.ports import NoFreePort, PortRange, bind
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -291,7 +291,7 @@ def test_a_failing_run_leaves_no_temp_folder(prefect_server, tmp_path, monkeypat
             "model.preset=tiny",
             "data.task=failing_task:FailsOnSecondRollout",
             "rollout.engine=server",
-            "rollout.engine_threads=1",
+            "rollout.engine_options.threads=1",
             "weight_sync.transport=shared_memory",
             "rollout.prompts_per_step=4",
             "rollout.n_samples_per_prompt=2",

@@ -258,7 +258,7 @@ def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_pa
 
     from miles_core.agents.layers import RolloutInput, RolloutSetup
     from miles_core.agents.rollout import AgenticRollout
-    from miles_core.data import get_task
+    from miles_core.data import TASKS
     from miles_core.data.dataset import PromptSource
     from miles_core.types import Status
 
@@ -272,7 +272,7 @@ def test_the_rollout_masks_the_episodes_a_hook_failed_and_trains_the_rest(tmp_pa
         return GenerateOutput([_sample(inp.rollout_id)], 1.0, {"turns": 1.0})
 
     cfg = _agentic(tmp_path)
-    source = PromptSource(get_task("terminal").generate(4, seed=0))
+    source = PromptSource(TASKS.get("terminal").generate(4, seed=0))
     hooks = RewardHooks(_second_attempt_raises, None, timeout_s=5)
     with _Server(counters) as url:
         setup = RolloutSetup(cfg, source, url.removesuffix("/v1"), generate, hooks)

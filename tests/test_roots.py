@@ -1,5 +1,5 @@
 """The allowed roots of the engine (`--weight-roots`) and the evaluation service
-(`--checkpoint-roots`), one module for both (miles_core/proc/roots.py): what a legitimate client
+(`--checkpoint-roots`), one module for both (miles_core/processes/roots.py): what a legitimate client
 reads, and the union of what the two servers' former checks refused, each under the stricter
 of their two rules."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_core.proc.roots import AllowedRoots, MalformedUri, OutsideRoots
-from miles_core.weights.disk import confine, not_found_message
+from miles_core.processes.roots import AllowedRoots, MalformedUri, OutsideRoots
+from miles_core.weights.transports.disk import confine, not_found_message
 
 
 def test_pushes_and_checkpoints_under_the_roots_are_read(tmp_path):

@@ -30,7 +30,7 @@ from miles_core.checkpoint.run_lock import (
     held_here,
     release,
 )
-from miles_core.proc.identity import ProcessIdentity
+from miles_core.processes.identity import ProcessIdentity
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BUCKET = "miles-locks"
@@ -269,7 +269,7 @@ def test_the_watched_server_wrapper_exits_when_its_owner_is_killed(tmp_path):
     """`python -m flows.prefect_server` with `MILES_PARENT_PID` (how the tests' shared Prefect
     API starts) serves what uvicorn serves, and exits once the process that started it is
     killed with SIGKILL (issue 14: a Prefect server stayed, re-parented to PID 1)."""
-    from miles_core.proc.ports import free_port
+    from miles_core.processes.ports import free_port
 
     port = free_port()
     parent_code = (

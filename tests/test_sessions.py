@@ -8,7 +8,7 @@ import pytest
 from openai import OpenAI
 from test_agents import _Server  # imported (and rewritten) at collection
 
-from miles_core.tito import get_family
+from miles_core.tito import FAMILIES
 from tests.plugins.family import HeadersFamily, save_model_dir
 
 PLUGIN = "tests.plugins.family:HeadersFamily"
@@ -75,7 +75,7 @@ def test_a_twenty_turn_session_trains_on_exactly_the_engine_tokens(servers, http
     assert sample["reward"] == 0.5 and sample["rollout_id"] == data["rollout_id"]
     # and the sequence is what a full render of the conversation gives (tiny is append-only),
     # each cut-off reply closed as a render closes it
-    family = get_family("tiny")
+    family = FAMILIES.get("tiny")()
     assert prompt == family.prompt(messages[:2], TOOLS)
     closed = sample["tokens"] + (family.stop_ids if finish[-1] == "length" else [])
     assert closed + family.append(messages[-1:], TOOLS) == family.prompt(messages, TOOLS)
@@ -160,7 +160,7 @@ def test_a_harness_that_disconnects_mid_turn_does_not_stop_the_server(servers, h
 
 def test_model_tool_calls_come_back_as_openai_tool_calls(servers, http):
     """The parse path on real server output: a tool-call reply from the family's own ids."""
-    family = get_family("tiny")
+    family = FAMILIES.get("tiny")()
     call = {
         "role": "assistant",
         "content": "",
@@ -193,7 +193,7 @@ def test_idle_sessions_expire_and_a_garbled_engine_reply_is_a_502():
     now = [0.0]
     with _Server(garbled) as url:
         app = create_app(
-            url.removesuffix("/v1"), get_family("tiny"), session_ttl_s=60, clock=lambda: now[0]
+            url.removesuffix("/v1"), FAMILIES.get("tiny")(), session_ttl_s=60, clock=lambda: now[0]
         )
         with TestClient(app) as c:
             a = c.post("/sessions").json()["session_id"]
@@ -225,7 +225,7 @@ def test_a_reply_sent_back_differently_is_reported_by_where_it_parts_and_its_edi
 
     from miles_core.sessions.server import create_app
 
-    family = get_family("tiny")
+    family = FAMILIES.get("tiny")()
 
     def call(arguments: str) -> dict:
         function = {"name": "run", "arguments": arguments}

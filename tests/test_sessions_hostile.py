@@ -13,12 +13,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from miles_core.proc.http_limits import BadJson, parse_json
+from miles_core.processes.http_limits import BadJson, parse_json
 from miles_core.sessions.server import create_app
-from miles_core.tito import get_family
+from miles_core.tito import FAMILIES
 from tests.servers import served
 
-FAMILY = get_family("tiny")
+FAMILY = FAMILIES.get("tiny")()
 REPLY = FAMILY.completion({"role": "assistant", "content": "abcdefgh"})[:5]
 USER = [{"role": "user", "content": "hi"}]
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.config import RunConfig
 from miles_core.models import architecture_of, build_model
-from miles_core.train.fsdp import FSDPBackend
+from miles_core.train.backends.fsdp import FSDPBackend
 
 BUCKET = "miles-test"
 
@@ -113,8 +113,8 @@ def test_disk_weight_pushes_through_s3_reach_an_engine_server(
     from miles_core.engines.http import EngineProcess, HttpEngine
     from miles_core.models import load_hf_dir
     from miles_core.weights import weights_checksum
-    from miles_core.weights.disk import DiskTransport
     from miles_core.weights.source import TensorBuckets
+    from miles_core.weights.transports.disk import DiskTransport
 
     for var, value in {
         "AWS_ACCESS_KEY_ID": s3_server["key"],
@@ -223,7 +223,7 @@ class _AuthMotoServer:
     create an IAM user and its key) go unauthenticated."""
 
     def __init__(self, log_path):
-        from miles_core.proc.managed import free_port
+        from miles_core.processes.managed import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

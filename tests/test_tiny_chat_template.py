@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from miles_core.data.dataset import to_messages
-from miles_core.data.tasks import get_task, task_names
+from miles_core.data.tasks import TASKS
 from miles_core.models.tokenizer import build_tokenizer
 from miles_core.tito.chatml import chat_template
 
@@ -56,8 +56,8 @@ def test_the_tiny_tokenizer_ships_the_tiny_familys_template():
 def test_plain_chats_and_every_tasks_prompts_render_to_the_same_ids(generation):
     tok = build_tokenizer()
     chats = list(PLAIN_CHATS)
-    for name in task_names():
-        chats += [to_messages(e.prompt) for e in get_task(name).generate(32, seed=3)]
+    for name in TASKS.names():
+        chats += [to_messages(e.prompt) for e in TASKS.get(name).generate(32, seed=3)]
     assert len(chats) > len(PLAIN_CHATS) + 3 * 32  # every task gave prompts
     for messages in chats:
         old = _ids(tok, ROLE_CONTENT_ONLY, messages, generation)

@@ -11,14 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from miles_core.config import load_config
-from miles_core.tito import (
-    describe_choices,
-    family_names,
-    get_family,
-    register_family,
-    registry,
-    resolve_family,
-)
+from miles_core.tito import FAMILIES, registry
 from miles_core.tito.diff import token_diff
 from miles_core.tito.verify import TOOLS, model_template, verify
 from tests.plugins.family import HeadersFamily, save_model_dir
@@ -26,9 +19,9 @@ from tests.plugins.family import HeadersFamily, save_model_dir
 PLUGIN = "tests.plugins.family:HeadersFamily"
 
 
-@pytest.fixture(scope="module", params=[*family_names(), PLUGIN])
+@pytest.fixture(scope="module", params=[*FAMILIES.names(), PLUGIN])
 def family(request):
-    return get_family(request.param)
+    return FAMILIES.get(request.param)()
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +66,12 @@ def test_every_turn_is_also_compared_with_the_chat_template_the_model_ships(head
         assert r.matched == r.turns and r.template_matched == 0 and not r.ok, r.variant
         assert "template" in r.template_mismatches[0] and "<|im_start|>" in r.template_mismatches[0]
     # and the tiny family against the tiny model's own template: plain chat renders alike
-    plain = verify(get_family("tiny"), 3, 6, 2, model_template(tiny_dir))[0]
+    plain = verify(FAMILIES.get("tiny")(), 3, 6, 2, model_template(tiny_dir))[0]
     assert plain.variant == "plain" and plain.template_matched == plain.turns
 
 
 def test_qwen3_uses_the_real_qwen_vocabulary():
-    q = get_family("qwen3")
+    q = FAMILIES.get("qwen3")()
     text = "<|im_start|>assistant\n<think>\nhmm\n</think>\n\n4<|im_end|>"
     ids = q.tokenizer.encode(text)
     assert ids == [151644, 77091, 198, 151667, 198, 71, 3821, 198, 151668, 271, 19, 151645]
@@ -86,7 +79,7 @@ def test_qwen3_uses_the_real_qwen_vocabulary():
 
 
 def test_a_session_built_from_engine_ids_and_appends_equals_the_render():
-    q = get_family("qwen3")
+    q = FAMILIES.get("qwen3")()
     messages = [{"role": "user", "content": "count lines in a.txt"}]
     held = q.prompt(messages, TOOLS)
     call = {
@@ -108,7 +101,7 @@ def test_a_session_built_from_engine_ids_and_appends_equals_the_render():
 
 
 def test_a_tool_call_that_is_not_json_does_not_parse():
-    q = get_family("tiny")
+    q = FAMILIES.get("tiny")()
     bad = q.tokenizer.encode("<tool_call>\n{not json\n</tool_call><|im_end|>")
     with pytest.raises(json.JSONDecodeError):
         q.parse(bad)
@@ -149,13 +142,13 @@ def test_parse_exact_gives_a_message_that_renders_back_to_the_engine_ids(family)
 
 
 def test_a_family_loads_by_import_path_or_by_a_registered_name(monkeypatch):
-    assert type(get_family(PLUGIN)) is HeadersFamily
+    assert type(FAMILIES.get(PLUGIN)()) is HeadersFamily
     assert load_config(None, [f"agent.family={PLUGIN}"]).agent.family == PLUGIN
     monkeypatch.setattr(registry.FAMILIES, "_entries", dict(registry.FAMILIES._entries))
-    register_family("headers", HeadersFamily)
-    assert type(get_family("headers")) is HeadersFamily
-    assert "headers" in family_names() and "headers" in describe_choices()
-    assert {"tiny", "qwen3", "mistral"} <= set(family_names())  # the built-ins registered
+    FAMILIES.register("headers", HeadersFamily)
+    assert type(FAMILIES.get("headers")()) is HeadersFamily
+    assert "headers" in FAMILIES.names()
+    assert {"tiny", "qwen3", "mistral"} <= set(FAMILIES.names())  # the built-ins registered
 
 
 @pytest.mark.parametrize(
@@ -171,14 +164,14 @@ def test_a_family_loads_by_import_path_or_by_a_registered_name(monkeypatch):
 )
 def test_a_family_that_is_not_one_is_refused_with_its_reason(name, message):
     with pytest.raises(ValueError, match=message):
-        resolve_family(name)
+        FAMILIES.get(name)
     with pytest.raises(ValidationError, match=message):
         load_config(None, [f"agent.family={name}"])
 
 
 def test_a_factory_that_returns_something_else_is_refused_when_built():
     with pytest.raises(ValueError, match="the factory returned <class 'str'>"):
-        get_family("os:getcwd")
+        FAMILIES.get("os:getcwd")()
 
 
 def test_token_diff_reports_the_first_divergence_and_an_edit_count():
@@ -193,11 +186,11 @@ def test_token_diff_reports_the_first_divergence_and_an_edit_count():
 
 
 def test_terminal_demonstrations_are_rendered_with_the_runs_family(tiny_dir, tmp_path):
-    from miles_core.data import get_task
+    from miles_core.data import TASKS
     from miles_core.run.preflight import preflight
 
     headers = HeadersFamily()
-    task = get_task("terminal")
+    task = TASKS.get("terminal")
     example = task.generate(1, seed=0)[0]
     ids, mask = task.demonstration(example, headers)
     opening = headers.prompt([{"role": "user", "content": example.prompt}])

@@ -15,13 +15,7 @@ import torch
 from plugins import fields as plugin
 from plugins.fields import PROBE, ROUTES, probe_of, routes_of
 
-from miles_core.token_fields import (
-    TokenField,
-    get_token_field,
-    load_token_field,
-    register_token_field,
-    unregister_token_field,
-)
+from miles_core.token_fields import FIELDS, TokenField, load_token_fields, token_field
 from miles_core.train.batch import PaddedBatch, TrainBatch
 from miles_core.types import Sample, SampleGroup, Status
 
@@ -32,8 +26,8 @@ PAD_ID = 0
 def declared():
     plugin.declare()
     yield
-    unregister_token_field(PROBE.name)
-    unregister_token_field(ROUTES.name)
+    FIELDS.unregister(PROBE.name)
+    FIELDS.unregister(ROUTES.name)
 
 
 def assert_aligned(padded: PaddedBatch, batch: TrainBatch) -> None:
@@ -68,8 +62,8 @@ def micro_batches(samples: list[Sample], size: int) -> list[tuple[TrainBatch, Pa
 
 # ---------------------------------------------------------------------- the declaration
 def test_a_field_is_declared_once_and_its_wire_forms_round_trip_exactly():
-    assert get_token_field("probe") is PROBE
-    assert load_token_field("plugins.fields:ROUTES") is ROUTES  # by import path too
+    assert token_field("probe") is PROBE
+    assert load_token_fields(["plugins.fields:ROUTES"])[0] is ROUTES  # by import path too
     values = np.array([0.1, -3.25, 1e-30], dtype=np.float32)
     assert PROBE.decode(PROBE.encode(values)).tobytes() == values.tobytes()
     routes = routes_of([5, 900, 31])
@@ -86,19 +80,19 @@ def test_a_field_is_declared_once_and_its_wire_forms_round_trip_exactly():
 
 def test_declarations_that_would_clash_or_cannot_work_are_refused_by_name():
     with pytest.raises(ValueError, match="already declared differently"):
-        register_token_field(TokenField("probe", dtype="int32"))
+        FIELDS.register("probe", TokenField("probe", dtype="int32"))
     with pytest.raises(ValueError, match="'probe_values' is field 'probe'"):
-        register_token_field(TokenField("other", wire_key="probe_values"))
+        FIELDS.register("other", TokenField("other", wire_key="probe_values"))
     with pytest.raises(ValueError, match="not numeric"):
         TokenField("text", dtype="U8")
     with pytest.raises(ValueError, match="positive ints"):
         TokenField("bad", shape=(0, 2))
     with pytest.raises(ValueError, match="pkg.mod:NAME"):
-        load_token_field("plugins.fields")
+        load_token_fields(["plugins.fields"])[0]
     with pytest.raises(ValueError, match="not a TokenField"):
-        load_token_field("plugins.fields:probe_of")
+        load_token_fields(["plugins.fields:probe_of"])[0]
     with pytest.raises(KeyError, match="no token field named 'nope'"):
-        get_token_field("nope")
+        token_field("nope")
     with pytest.raises(ValueError, match="not whole rows"):
         ROUTES.decode(ROUTES.encode(routes_of([1, 2]))[:-8])
 
@@ -106,10 +100,10 @@ def test_declarations_that_would_clash_or_cannot_work_are_refused_by_name():
 def test_a_run_declares_its_fields_in_the_config_and_a_bad_one_is_refused_up_front():
     from miles_core.config import load_config
 
-    unregister_token_field("probe")
+    FIELDS.unregister("probe")
     cfg = load_config(None, ["model.preset=tiny", "rollout.token_fields=[plugins.fields:PROBE]"])
     assert cfg.rollout.token_fields == ["plugins.fields:PROBE"]
-    assert get_token_field("probe") is PROBE  # declared by validating the config
+    assert token_field("probe") is PROBE  # declared by validating the config
     with pytest.raises(
         ValueError,
         match="(?s)rollout.token_fields.*cannot import token field 'plugins.nowhere:FIELD'",
@@ -164,7 +158,7 @@ def test_the_buffer_checkpoint_keeps_fields_bit_exact():
 # ---------------------------------------------------------------------- (a) sync rollout
 def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monkeypatch):
     from miles_core.config import load_config
-    from miles_core.data import PromptSource, get_task, load_examples
+    from miles_core.data import TASKS, PromptSource, load_examples
     from miles_core.engines.cpu.embedded import EmbeddedEngine
     from miles_core.rollout.rollout_fn import generate_groups
 
@@ -184,7 +178,7 @@ def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monke
     )
     source = PromptSource(load_examples("reverse", None, 16, 0), seed=0)
     engine = plugin.FieldEngine(EmbeddedEngine(model, tok, seed=0))
-    task = get_task("reverse")
+    task = TASKS.get("reverse")
     samples = generate_groups(engine, tok, task, source.next_batch(3), cfg.rollout, 0).samples
     short = cfg.rollout.model_copy(update={"max_new_tokens": 4})  # ragged responses: padding
     samples += generate_groups(engine, tok, task, source.next_batch(3), short, 1).samples
@@ -195,7 +189,7 @@ def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monke
     for mb, padded in micro_batches(samples, size=5):  # 12 rows: micro-batches of 5, 5, 2
         assert_aligned(padded, mb)
     # and inside a real backend's train step: every micro-batch it pads carries them
-    from miles_core.train.registry import make_backend
+    from miles_core.train.backend import BACKENDS
 
     seen: list[tuple[TrainBatch, PaddedBatch]] = []
     build = PaddedBatch.build.__func__
@@ -207,7 +201,7 @@ def test_sync_rollout_fields_reach_the_micro_batch_aligned(tiny, tiny_dir, monke
 
     monkeypatch.setattr(PaddedBatch, "build", classmethod(spy))
     train = cfg.train.model_dump()
-    backend = make_backend("fsdp", model_dir=str(tiny_dir), optim=train, loss=train)
+    backend = BACKENDS.get("fsdp")(model_dir=str(tiny_dir), optim=train, loss=train)
     try:
         mixed = samples[3:9]  # one global batch: long and short responses in each micro-batch
         batch = TrainBatch.from_samples(mixed, [1.0] * len(mixed), temperature=1.0)
@@ -249,12 +243,12 @@ def test_async_abort_continuations_join_fields_aligned_with_fresh_seeds(
     import time
 
     from miles_core.config import load_config
-    from miles_core.data import PromptSource, get_task, load_examples
+    from miles_core.data import TASKS, PromptSource, load_examples
     from miles_core.engines.http import HttpEngine
     from miles_core.models import load_hf_dir
     from miles_core.rollout.producer import RolloutProducer
     from miles_core.rollout.rollout_fn import continuation_seed
-    from miles_core.weights import make_transport
+    from miles_core.weights import TRANSPORTS
     from miles_core.weights.source import TensorBuckets
 
     cfg = load_config(
@@ -282,9 +276,9 @@ def test_async_abort_continuations_join_fields_aligned_with_fresh_seeds(
     start = version[0]
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
     producer = RolloutProducer(
-        via_proxy, tok, get_task("reverse"), source, cfg, version=lambda: version[0]
+        via_proxy, tok, TASKS.get("reverse"), source, cfg, version=lambda: version[0]
     ).start()
-    transport = make_transport("shared_memory")
+    transport = TRANSPORTS.get("shared_memory")()
     transport.connect([direct])
     try:
         deadline = time.monotonic() + 60
@@ -378,9 +372,9 @@ def _turn(traj, messages, reply, engine_out: list[int]):
 
 def test_three_session_turns_merge_fields_per_turn_with_fill_on_appended_tokens():
     from miles_core.sessions.trajectory import Trajectory
-    from miles_core.tito import get_family
+    from miles_core.tito import FAMILIES
 
-    family = get_family("tiny")
+    family = FAMILIES.get("tiny")()
     traj = Trajectory(family, "sess")
     messages = [{"role": "user", "content": "one"}]
     generated = []
@@ -406,12 +400,12 @@ def test_a_real_session_carries_fields_to_the_micro_batch(engine_server):
     from fastapi.testclient import TestClient
 
     from miles_core.sessions.server import create_app
-    from miles_core.tito import get_family
+    from miles_core.tito import FAMILIES
     from miles_core.types import sample_from_json
 
     proxy = plugin.FieldProxy(engine_server.url).start()
     try:
-        with TestClient(create_app(proxy.url, get_family("tiny"))) as c:
+        with TestClient(create_app(proxy.url, FAMILIES.get("tiny")())) as c:
             sid = c.post("/sessions", json={"rollout_id": "sess-1"}).json()["session_id"]
             url = f"/sessions/{sid}/v1/chat/completions"
             messages = [{"role": "user", "content": "count"}]

@@ -7,15 +7,15 @@ from miles_core.config import RunConfig
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.rollout.rollout_fn import encode_prompt
-from miles_core.train.advantages import grpo_advantages
+from miles_core.train.advantage import ADVANTAGES
+from miles_core.train.backends.fsdp import FSDPBackend
 from miles_core.train.batch import PaddedBatch, TrainBatch
 from miles_core.train.forward import LossNeeds
-from miles_core.train.fsdp import FSDPBackend
-from miles_core.train.losses import aggregate, k3_kl, ppo_clip_loss
+from miles_core.train.loss_terms import aggregate, k3_kl, ppo_clip_loss
 from miles_core.train.padding import pad_rows
 from miles_core.train.shared_prefix import SharedPrefix
 from miles_core.types import Sample, SampleGroup
-from miles_core.weights import make_transport, mismatched_tensors
+from miles_core.weights import TRANSPORTS, mismatched_tensors
 
 
 def _trainer(model_dir, **overrides):
@@ -137,7 +137,7 @@ def test_step_zero_is_exactly_on_policy_then_weights_move_and_sync_bitwise(tiny_
     assert m["train_rollout_logprob_abs_diff"] < 1e-5
     assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(1e-3)
 
-    transport = make_transport("colocated", bucket_bytes=1 << 16)
+    transport = TRANSPORTS.get("colocated")(bucket_bytes=1 << 16)
     transport.connect([engine])
     stats = transport.push(trainer, version=1)
     assert engine.weight_version == 1 and stats.bytes > 0
@@ -173,6 +173,15 @@ def test_kl_to_reference_is_zero_at_start_and_grows(tiny_dir, tiny):
     for _ in range(3):
         last = trainer.train_step(batch)
     assert last["kl_loss"] > 1e-6
+
+
+GRPO = ADVANTAGES.get("grpo")
+RLOO = ADVANTAGES.get("rloo")
+NORMALISED, CENTRED = GRPO.Options(), GRPO.Options(normalize_std=False)
+
+
+def grpo_advantages(groups, normalize_std=True):
+    return GRPO(groups, NORMALISED if normalize_std else CENTRED)
 
 
 def test_grpo_advantages_are_group_normalised():
@@ -212,8 +221,25 @@ def test_failed_samples_are_not_part_of_the_baseline():
     assert grpo_advantages([all_failed]) == [0.0, 0.0]
 
 
+def test_rloo_subtracts_the_mean_of_the_other_rollouts_of_the_group():
+    def sample(k, rollout, reward):
+        return Sample(0, k, rollout, "p", [1], 0, [], [], reward=reward)
+
+    rewards = [1.0, 0.0, 0.5, 0.25]
+    group = SampleGroup(0, [sample(k, f"r{k}", r) for k, r in enumerate(rewards)])
+    # r_i − mean of the other three, each computed on its own
+    others = [(sum(rewards) - r) / 3 for r in rewards]
+    assert RLOO([group], RLOO.Options()) == pytest.approx(
+        [r - o for r, o in zip(rewards, others, strict=True)], abs=1e-12
+    )
+    # leaves of one rollout share its advantage; a lone rollout has no baseline
+    leaves = SampleGroup(1, [sample(0, "a", 1.0), sample(1, "a", 1.0), sample(2, "b", 0.0)])
+    assert RLOO([leaves], RLOO.Options()) == [1.0, 1.0, -1.0]
+    assert RLOO([SampleGroup(2, [sample(0, "a", 1.0)])], RLOO.Options()) == [0.0]
+
+
 def test_optimizer_steps_take_whole_rollouts():
-    from miles_core.train.advantages import rollout_slices
+    from miles_core.train.batch import rollout_slices
 
     ids = ["a", "a", "b", "c", "c", "c", "d"]
     assert rollout_slices(ids, 2) == [(0, 3), (3, 7)]

@@ -9,12 +9,12 @@ import torch
 
 from miles_core.engines.http import EngineProcess, EngineRequestRejected, HttpEngine
 from miles_core.models import load_hf_dir
-from miles_core.weights import make_transport, weights_checksum
-from miles_core.weights.disk import DiskTransport, version_dir
+from miles_core.weights import TRANSPORTS, weights_checksum
 from miles_core.weights.group import open_group, send_pieces
 from miles_core.weights.remote import PushFailed
 from miles_core.weights.shm import ShmBucketWriter
 from miles_core.weights.source import Placement, TensorBuckets, TensorPlan, dim_chunks, dtype_name
+from miles_core.weights.transports.disk import DiskTransport, version_dir
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,9 @@ def _buckets(weights, per=5):
 @pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
 def test_push_is_bitwise_and_sets_the_version(server, tiny_dir, tmp_path, name):
     transport = (
-        DiskTransport(root=str(tmp_path / "w"), keep=1) if name == "disk" else make_transport(name)
+        DiskTransport(root=str(tmp_path / "w"), keep=1)
+        if name == "disk"
+        else TRANSPORTS.get(name)()
     )
     transport.connect([server])
     # three pushes: shared memory alternates its two file sets (the engine adopts one while the
@@ -72,7 +74,7 @@ def test_bf16_pushes_into_an_fp32_engine_are_exact_at_half_the_bytes(
     transport = (
         DiskTransport(root=str(tmp_path / "w"), keep=3, delta=True)
         if disk
-        else make_transport(name)
+        else TRANSPORTS.get(name)()
     )
     transport.connect([server])
     weights = _new_weights(tiny_dir, 4)
@@ -139,7 +141,9 @@ def test_an_unreachable_engine_fails_the_push_before_any_engine_loads(
     server, tiny_dir, tmp_path, name
 ):
     dead = HttpEngine("http://127.0.0.1:9")  # nothing listens on the discard port
-    transport = DiskTransport(root=str(tmp_path / "w")) if name == "disk" else make_transport(name)
+    transport = (
+        DiskTransport(root=str(tmp_path / "w")) if name == "disk" else TRANSPORTS.get(name)()
+    )
     before, version = server.weights_checksum(), server.weight_version
     if name == "broadcast":  # the group is formed at connect: that is where it fails
         with pytest.raises(PushFailed, match="127.0.0.1:9 cannot be reached"):
@@ -163,7 +167,7 @@ def test_transports_for_servers_refuse_in_process_engines(tiny):
 
     model, tok = tiny
     with pytest.raises(ValueError, match="use transport 'colocated'"):
-        make_transport("shared_memory").connect([EmbeddedEngine(model, tok)])
+        TRANSPORTS.get("shared_memory")().connect([EmbeddedEngine(model, tok)])
 
 
 def test_disk_deltas_carry_only_changed_tensors_and_are_refused_out_of_order_or_corrupt(
@@ -209,7 +213,7 @@ def test_a_broadcast_refused_mid_push_leaves_nothing_staged_for_the_next(server,
     """A push whose second bucket the engine refuses (a name it lacks) fails after the first
     bucket was received; the next push loads exactly its own tensors, not a mix with the
     first bucket of the failed one."""
-    transport = make_transport("broadcast")
+    transport = TRANSPORTS.get("broadcast")()
     transport.connect([server])
     try:
         base = _new_weights(tiny_dir, 11)
@@ -297,7 +301,7 @@ class _TwoRankShards:
 
 
 def test_p2p_assembles_each_tensor_from_the_placement_plan(server, tiny_dir):
-    transport = make_transport("p2p")
+    transport = TRANSPORTS.get("p2p")()
     transport.connect([server])
     try:
         with pytest.raises(TypeError, match="p2p needs a trainer backend"):
@@ -321,12 +325,12 @@ def test_a_transport_refuses_an_engine_without_its_weight_route(tiny):
         ValueError,
         match=r"take weights by 'shared_memory'; engine http://127.0.0.1:9 takes \['disk',",
     ):
-        make_transport("shared_memory").connect([sglang_like])
-    make_transport("disk").connect([sglang_like])  # a route SGLang takes: accepted
+        TRANSPORTS.get("shared_memory")().connect([sglang_like])
+    TRANSPORTS.get("disk")().connect([sglang_like])  # a route SGLang takes: accepted
     model, tok = tiny
     with pytest.raises(ValueError, match="'colocated' needs engines that take weights by 'tensor'"):
-        make_transport("colocated").connect([sglang_like])
-    make_transport("colocated").connect([EmbeddedEngine(model, tok)])
+        TRANSPORTS.get("colocated")().connect([sglang_like])
+    TRANSPORTS.get("colocated")().connect([EmbeddedEngine(model, tok)])
     sglang_like.close()
 
 
@@ -337,7 +341,7 @@ def test_one_call_pushes_continue_the_engine_and_a_wire_probe_loads_nothing(serv
     from miles_core.weights.group import broadcast
     from miles_core.weights.receiver import PROBE_FORMAT
 
-    shm = make_transport("shared_memory")
+    shm = TRANSPORTS.get("shared_memory")()
     shm.connect([server])
     weights = _new_weights(tiny_dir, 21)
     shm.push(_buckets(weights), version=70, pause_mode="retract")
@@ -346,7 +350,7 @@ def test_one_call_pushes_continue_the_engine_and_a_wire_probe_loads_nothing(serv
         shm.push(TensorBuckets([[("model.nope.weight", torch.zeros(3))]]), version=71)
     assert server.server_info()["paused"] is None and server.weight_version == 70
     shm.close()
-    transport = make_transport("broadcast")
+    transport = TRANSPORTS.get("broadcast")()
     transport.connect([server])
     try:
         bucket = [(n, torch.full_like(t, 7.0)) for n, t in weights.items()]

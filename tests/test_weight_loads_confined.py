@@ -25,10 +25,10 @@ from miles_core.engines.cpu.disk_loads import max_load_bytes
 from miles_core.engines.cpu.server import create_app
 from miles_core.engines.cpu.serving import ServingEngine
 from miles_core.weights import weights_checksum
-from miles_core.weights.disk import DiskTransport, version_dir
 from miles_core.weights.group import host_store, open_group
 from miles_core.weights.shm import _MAPPED, PREFIX, ShmBucketWriter, shm_dir, unlink_mapped
 from miles_core.weights.source import TensorBuckets
+from miles_core.weights.transports.disk import DiskTransport, version_dir
 
 
 class _Stall(http.server.BaseHTTPRequestHandler):

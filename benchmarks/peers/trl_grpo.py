@@ -54,12 +54,12 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(REPO))
-    from miles_core.data.tasks import get_task  # our prompts and reward, the same code as ours
+    from miles_core.data.tasks import TASKS  # our prompts and reward, the same code as ours
     from miles_core.run.timeline import mark  # phase marks for benchmarks/time_to_result.py
 
     mark("main")  # imports done
 
-    task = get_task(args.task)
+    task = TASKS.get(args.task)
     examples = task.generate(args.num_prompts, args.data_seed)
     # chat prompts: TRL renders them with the model directory's chat template, as our rollout does
     dataset = Dataset.from_dict(

@@ -199,7 +199,7 @@ class AgenticRollout:
         e.g. a GRPO group's, add hits beyond it)."""
         import httpx
 
-        from miles_core.proc.auth import bearer
+        from miles_core.processes.auth import bearer
 
         headers = bearer(self.setup.api_key)
         with httpx.Client(base_url=self.setup.session_url, timeout=30, headers=headers) as http:

@@ -19,8 +19,8 @@ import functools
 import httpx
 
 from miles_core.agents.layers import AgentFn, AgentResult, GenerateInput, GenerateOutput
-from miles_core.proc.auth import bearer
-from miles_core.proc.ssl_context import shared_ssl_context
+from miles_core.processes.auth import bearer
+from miles_core.processes.ssl_context import shared_ssl_context
 from miles_core.types import Status, sample_from_json
 
 
@@ -36,7 +36,7 @@ async def session_generate(
         timeout=60.0,
         limits=limits,
         headers=headers,
-        verify=shared_ssl_context(),  # not one built per episode (proc/ssl_context.py)
+        verify=shared_ssl_context(),  # not one built per episode (processes/ssl_context.py)
     ) as http:
         body = {"rollout_id": inp.rollout_id, "metadata": {"agent": True}}
         if inp.routing_key is not None:

@@ -42,7 +42,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from miles_core.proc.identity import ProcessIdentity
+from miles_core.processes.identity import ProcessIdentity
 
 log = logging.getLogger(__name__)
 

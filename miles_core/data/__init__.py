@@ -7,20 +7,18 @@ from miles_core.data.dataset import (
     sft_examples,
     to_messages,
 )
-from miles_core.data.tasks import Example, Score, Task, get_task, register_task, task_names
+from miles_core.data.tasks import TASKS, Example, Score, Task
 
 __all__ = [
     "DatasetError",
     "Example",
     "PromptSource",
     "Score",
+    "TASKS",
     "Task",
-    "get_task",
     "load_examples",
     "sft_examples",
     "read_jsonl",
     "rl_examples",
-    "register_task",
-    "task_names",
     "to_messages",
 ]

@@ -9,7 +9,7 @@ from typing import Any
 
 import fsspec
 
-from miles_core.data.tasks import Example, get_task
+from miles_core.data.tasks import TASKS, Example
 
 
 class DatasetError(ValueError):
@@ -62,7 +62,7 @@ def load_examples(
 ) -> list[Example]:
     if path:
         return read_jsonl(path, storage_options)
-    return get_task(task).generate(num_prompts, seed)
+    return TASKS.get(task).generate(num_prompts, seed)
 
 
 def sft_examples(sft) -> list[Example]:
@@ -96,7 +96,7 @@ def rl_examples(config) -> list[Example]:
                 "or sft.num_examples, or give the task more variety"
             )
         draws *= 2
-        rows = get_task(d.task).generate(draws, d.seed)
+        rows = TASKS.get(d.task).generate(draws, d.seed)
 
 
 def to_messages(prompt: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Built-in tasks: a seeded prompt generator and a reward function each.
 
 A task turns a label and the decoded completion into a reward in [0, 1] plus named per-sample
-metrics (e.g. `exact_match`). Users register their own with `register_task` or name one by
+metrics (e.g. `exact_match`). Users register their own with `@TASKS.register(name)` or name one by
 import path (`package.module:object`).
 """
 
@@ -37,6 +37,16 @@ class Task(Protocol):
     def score(self, completion: str, label: Any) -> Score: ...
 
 
+def _task(obj: Any, name: str) -> Task:
+    """A registered or imported task: an object, or a class built without arguments."""
+    return obj() if isinstance(obj, type) else obj
+
+
+# the sandbox task sets (envs/tasks/: `terminal`, `terminal_basics`, ...) are imported when named
+TASKS: Registry[Task] = Registry("task", "data.task", package="miles_core.envs.tasks", load=_task)
+
+
+@TASKS.register("say_a")
 class SayA:
     """Reward = fraction of the completion's characters that are the letter `a`."""
 
@@ -54,6 +64,7 @@ class SayA:
         return Score(completion.count("a") / len(completion))
 
 
+@TASKS.register("reverse")
 class Reverse:
     """Reverse a 4–8 letter string. Reward = per-position match; exact match is logged."""
 
@@ -77,6 +88,7 @@ class Reverse:
         return Score(matches / width if width else 1.0, {"exact_match": exact})
 
 
+@TASKS.register("add")
 class Add:
     """Two- and three-digit addition; reward = exact match of the sum."""
 
@@ -95,30 +107,3 @@ class Add:
     def score(self, completion: str, label: Any) -> Score:
         exact = float(completion.strip() == str(label))
         return Score(exact, {"exact_match": exact})
-
-
-def _task(obj: Any, name: str) -> Task:
-    """An imported task: an object, or a class built without arguments."""
-    return obj() if isinstance(obj, type) else obj
-
-
-TASKS: Registry[Task] = Registry("task", "data.task", load=_task)
-for _builtin in (SayA(), Reverse(), Add()):
-    TASKS.register(_builtin.name, _builtin)
-# sandboxes + TITO: imported on first use
-TASKS.register("terminal", "miles_core.envs.terminal_tasks:TERMINAL")
-TASKS.register("terminal_basics", "miles_core.envs.terminal_tasks:TERMINAL_BASICS")
-TASKS.register("terminal_detours", "miles_core.envs.terminal_tasks:TERMINAL_DETOURS")
-
-
-def register_task(task: Task) -> None:
-    TASKS.register(task.name, task)
-
-
-def task_names() -> list[str]:
-    return TASKS.names()
-
-
-def get_task(name: str) -> Task:
-    """A built-in task by name, or any object by import path `package.module:object`."""
-    return TASKS.get(name)

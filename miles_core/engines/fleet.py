@@ -5,7 +5,7 @@ before it serves).
 
 `surviving(what, call)` runs a call over HTTP (a push, a checksum); if it fails because an
 engine server died, it waits for the replacement and makes the call once more. With
-`rollout.num_engines` > 1 the engine servers sit behind sglang-router
+`rollout.engine_options.num_engines` > 1 the engine servers sit behind sglang-router
 (`engines/routed.py`); each has its own supervisor, and a replacement rejoins the router
 only once it holds the current weights. `gauges()`: per-engine active requests and prefix-cache
 hit rate, logged with each step's rollout metrics.
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.engines.protocol import EngineUnavailable, RolloutEngine
-from miles_core.engines.registry import EngineSetup, make_engine
+from miles_core.engines.registry import ENGINES, EngineSetup
 from miles_core.engines.supervisor import EngineSupervisor
 from miles_core.rollout.rollout_fn import RolloutResult
-from miles_core.weights.disk import engine_weight_roots
 from miles_core.weights.remote import PushFailed
+from miles_core.weights.transport import TRANSPORTS, TransportContext
 
 log = logging.getLogger("miles")
 GAUGE_TIMEOUT_S = 2.0  # a hung engine must not hold up the step that reads its gauges
@@ -36,10 +36,19 @@ class EngineFleet:
     checks) and its supervisor (from `supervise`), and the router in front of several."""
 
     def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path):
-        from miles_core.proc.auth import run_key
+        from miles_core.processes.auth import run_key
 
         # every server this run starts requires it, and only this run's clients send it
         self.api_key: str = run_key(config.network.api_key)
+        ws = config.weight_sync
+        transport = TRANSPORTS.get(ws.transport)
+        # where the engine servers may load weights from disk: what the transport writes, if any
+        roots = transport.engine_roots(
+            TransportContext.of_run(config, workdir), ws.transport_options
+        )
+        r = config.rollout
+        # async modes may have 1 + max_staleness steps of groups in flight at once
+        in_flight = 1 if r.mode == "sync" else 1 + r.max_staleness
         setup = EngineSetup(
             config.rollout,
             model,
@@ -49,13 +58,16 @@ class EngineFleet:
             workdir,
             config.network.ports,
             self.api_key,
-            engine_weight_roots(config.weight_sync, workdir),  # disk pushes: their root only
+            roots,
+            r.engine_options,
+            r.prompts_per_step * r.n_samples_per_prompt * in_flight,
         )
-        built = make_engine(config.rollout.engine, setup)
+        built = ENGINES.get(r.engine).build(setup)
         self.config = config
         self.engine: RolloutEngine = built.engine
         self.servers: list[tuple[Any, RolloutEngine]] = list(built.servers)
         self.router: Any = built.router
+        self.supervision = built.supervision
         self.supervisors: list[EngineSupervisor] = []
         self._seen: dict[str, tuple[float, float]] = {}  # per engine: prompt, cached tokens
 
@@ -83,10 +95,10 @@ class EngineFleet:
         the trainer's weights from `serve_weights(its client)` before it serves, out of the
         router's rotation until then. A transport that cannot reconnect (`reconnects` false)
         cannot serve a replacement: a dead engine fails the run."""
-        if not self.servers:
+        if not self.servers or self.supervision is None:
             return
-        r = self.config.rollout
-        restarts = r.max_engine_restarts
+        sv = self.supervision
+        restarts = sv.max_restarts
         if not reconnects and restarts:
             log.info(
                 "weight_sync.transport %s cannot reconnect to a replaced engine server: a dead "
@@ -98,8 +110,8 @@ class EngineFleet:
             supervisor = EngineSupervisor(
                 process,
                 lambda c=client, p=process: self._serve(serve_weights, c, p),
-                interval_s=r.health_interval_s,
-                timeout_s=r.health_timeout_s,
+                interval_s=sv.interval_s,
+                timeout_s=sv.timeout_s,
                 max_restarts=restarts,
                 on_dead=None if self.router is None else self._leave_router,
             ).start()

@@ -20,9 +20,9 @@ import httpx
 from miles_core.engines.protocol import SERVER_ROUTES, EngineRequestRejected
 from miles_core.engines.supervisor import EngineSupervisor, reissue_once
 from miles_core.engines.wire import GenerateRequest, GenerateResponse, version_number
-from miles_core.proc.auth import bearer
-from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
-from miles_core.proc.ports import PortRange
+from miles_core.processes.auth import bearer
+from miles_core.processes.managed import ManagedProcess, ProcessUnavailable
+from miles_core.processes.ports import PortRange
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
@@ -109,7 +109,7 @@ class EngineProcess(ManagedProcess):
 class HttpEngine:
     """The client side of the engine protocol over HTTP. `weight_routes`: how the server takes
     weights (ours: shared memory, disk, a group; SGLang: disk and a group, see `attach`).
-    `api_key`: sent as `Authorization: Bearer` on every call (proc/auth.py)."""
+    `api_key`: sent as `Authorization: Bearer` on every call (processes/auth.py)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Several engine servers behind SGLang's router (`rollout.num_engines` > 1): one
+"""Several engine servers behind SGLang's router (`rollout.engine_options.num_engines` > 1): one
 `RolloutEngine` whose generation goes through the router and whose control calls go to every
 engine.
 

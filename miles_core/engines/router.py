@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 
 from miles_core.engines.http import ROUTING_KEY_HEADER
-from miles_core.proc.managed import ManagedProcess
-from miles_core.proc.ports import PortRange, free_port
+from miles_core.processes.managed import ManagedProcess
+from miles_core.processes.ports import PortRange, free_port
 
 __all__ = ["ROUTING_KEY_HEADER", "RouterProcess"]
 

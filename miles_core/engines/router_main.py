@@ -4,7 +4,7 @@
 - Its API key comes from the environment (`MILES_API_KEY`, which only its user can read) and is
   handed to the router inside this process, never on a command line (`/proc/<pid>/cmdline` is
   readable by every local user), `=`-joined (a key may start with "-").
-- It exits with the process that started it, as our servers do (`proc/parent_watch.py`). The
+- It exits with the process that started it, as our servers do (`processes/parent_watch.py`). The
   router runs in this process's main thread without releasing the GIL, so a watcher thread here
   would never run: a forked watcher process polls the starter and, once it is gone, stops the
   router with SIGTERM (SIGKILL after the grace period); it exits itself when the router does.
@@ -17,9 +17,9 @@ import signal
 import sys
 import time
 
-from miles_core.proc.auth import API_KEY_ENV
-from miles_core.proc.identity import ProcessIdentity, pid_alive
-from miles_core.proc.parent_watch import GRACE_S, PARENT_ENV, POLL_S
+from miles_core.processes.auth import API_KEY_ENV
+from miles_core.processes.identity import ProcessIdentity, pid_alive
+from miles_core.processes.parent_watch import GRACE_S, PARENT_ENV, POLL_S
 
 
 def _watch_starter() -> None:

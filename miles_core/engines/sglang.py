@@ -18,9 +18,9 @@ import httpx
 
 from miles_core.engines.http import EngineUnavailable, HttpEngine
 from miles_core.engines.protocol import DISK, DISTRIBUTED
-from miles_core.proc.auth import bearer
-from miles_core.proc.managed import ManagedProcess
-from miles_core.proc.ports import PortRange
+from miles_core.processes.auth import bearer
+from miles_core.processes.managed import ManagedProcess
+from miles_core.processes.ports import PortRange
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import httpx
 
-from miles_core.proc.managed import ManagedProcess, ProcessUnavailable
+from miles_core.processes.managed import ManagedProcess, ProcessUnavailable
 
 log = logging.getLogger("miles.engine")
 T = TypeVar("T")
@@ -263,7 +263,8 @@ class EngineSupervisor:
         tail = f"; last replacement attempt: {last_error!r}" if last_error else ""
         message = (
             f"engine server at {self.url} died ({reason}) and is not replaced again: "
-            f"{self.attempts} of rollout.max_engine_restarts={self.max_restarts} replacement "
+            f"{self.attempts} of rollout.engine_options.max_engine_restarts={self.max_restarts} "
+            "replacement "
             f"attempt(s) used{tail}"
         )
         log.error(message)

@@ -67,7 +67,7 @@ async def run_agent(
 ) -> dict:
     from openai import AsyncOpenAI, BadRequestError, DefaultAsyncHttpxClient
 
-    from miles_core.proc.ssl_context import shared_ssl_context
+    from miles_core.processes.ssl_context import shared_ssl_context
 
     if "environment" not in metadata:
         raise ValueError("metadata has no 'environment' (the environment class's import path)")

@@ -12,7 +12,7 @@ example, rendered with the run's TITO family; `limits` are the task's sandbox li
 which a demonstration runs the first k before its script (k from 0 to all of them, fixed per
 example): demonstrations that take more turns than needed, which RL can learn to skip where
 `agent.turn_slack` leaves no room for them. Register an instance with
-`miles_core.data.register_task`, or name it by import path in `data.task`.
+`miles_core.data.TASKS.register(name, tasks)`, or name it by import path in `data.task`.
 """
 
 from __future__ import annotations

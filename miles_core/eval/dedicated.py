@@ -1,6 +1,6 @@
 """Dedicated evaluation: a separate engine server loaded from the version's checkpoint scores
 it while training keeps going, then stops (by PID, also when the job fails). Each of those
-servers requires a random key of this runner's (proc/auth.py), which only its client knows."""
+servers requires a random key of this runner's (processes/auth.py), which only its client knows."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from miles_core.eval.evaluators import EvalJob
 from miles_core.eval.scoring import EvalSpec, score_policy
-from miles_core.proc.auth import new_key
+from miles_core.processes.auth import new_key
 
 
 class DedicatedRunner:
@@ -22,7 +22,7 @@ class DedicatedRunner:
         spec: EvalSpec,
         storage_options: dict[str, Any] | None = None,
         threads: int = 1,
-        port_range: Any = None,  # miles_core.proc.ports.PortRange | str | None: network.port_range
+        port_range: Any = None,  # miles_core.processes.ports.PortRange | str | None: network.port_range
     ):
         self.spec = spec
         self.storage_options = storage_options or {}

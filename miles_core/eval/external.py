@@ -21,7 +21,7 @@ import httpx
 from miles_core.engines.http import error_message
 from miles_core.eval.evaluators import EvalJob
 from miles_core.eval.scoring import EvalSpec
-from miles_core.proc.auth import bearer
+from miles_core.processes.auth import bearer
 
 
 class ExternalEvalFailed(RuntimeError):

@@ -63,7 +63,7 @@ class RunEvaluation:
                 from miles_core.eval.external import ExternalRunner
 
                 assert e.url is not None
-                from miles_core.proc.auth import env_key
+                from miles_core.processes.auth import env_key
 
                 # a service the run did not start: the configured key, not the run's own
                 key = config.network.api_key or env_key()

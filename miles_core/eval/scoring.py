@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_core.config import RolloutConfig
-from miles_core.data.tasks import Example, Task, get_task
+from miles_core.data.tasks import TASKS, Example, Task
 from miles_core.engines.protocol import RolloutEngine, shared_generator
 from miles_core.rollout.rollout_fn import generate_groups
 
@@ -76,7 +76,7 @@ def score_policy(engine: RolloutEngine, tokenizer, spec: EvalSpec) -> dict[str, 
     `eval/reward_mean`, the task's own metrics (e.g. `eval/exact_match`), lengths. An engine
     with a shared sampling generator (the embedded one) gets it back as it was, so an
     evaluation never changes what training samples next."""
-    task = get_task(spec.task)
+    task = TASKS.get(spec.task)
     generator = shared_generator(engine)  # in-process engines: put back as it was
     saved = generator.get_state() if generator is not None else None
     try:

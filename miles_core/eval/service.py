@@ -9,7 +9,7 @@ What a client may ask for is what the service was started with:
 - checkpoints: under `--checkpoint-roots` (local directories, fsspec prefixes such as
   `s3://bucket/prefix`; none by default: every checkpoint is refused until roots are given);
   another URI is 403 (400 when malformed), the same answer whether it exists or not
-  (miles_core/proc/roots.py);
+  (miles_core/processes/roots.py);
 - jobs: at most `--max-jobs` kept (the oldest finished ones are dropped first; 429 when all are
   pending or running), run by `--workers` threads; models load one at a time (a lock in
   scoring.py: concurrent `from_pretrained` in one process leaves transformers' `tie_weights`
@@ -37,11 +37,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from miles_core.eval.scoring import EvalSpec, score_model_dir
-from miles_core.proc.auth import protect
-from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
-from miles_core.proc.managed import KEEP_ALIVE_S, ManagedProcess
-from miles_core.proc.ports import add_port_arguments, bind_from_args
-from miles_core.proc.roots import AllowedRoots, MalformedUri, OutsideRoots
+from miles_core.processes.auth import protect
+from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit
+from miles_core.processes.managed import KEEP_ALIVE_S, ManagedProcess
+from miles_core.processes.ports import add_port_arguments, bind_from_args
+from miles_core.processes.roots import AllowedRoots, MalformedUri, OutsideRoots
 
 MAX_JOBS = 1024
 WORKERS = 1
@@ -78,15 +78,15 @@ class JobState(BaseModel):
 def resolve_tasks(tasks: Sequence[str] | None) -> tuple[str, ...]:
     """The task names a service scores: the built-ins by default; each named one (a built-in
     or an import path the operator chose) is loaded now, so a bad one stops the start-up."""
-    from miles_core.data.tasks import get_task, task_names
+    from miles_core.data.tasks import TASKS
 
     if tasks is None:
-        return tuple(task_names())
+        return tuple(TASKS.names())
     names = tuple(dict.fromkeys(t.strip() for t in tasks if t.strip()))
     if not names:
         raise ValueError("--tasks names no task")
     for name in names:
-        get_task(name)  # ValueError naming the task for an unknown one
+        TASKS.get(name)  # ValueError naming the task for an unknown one
     return names
 
 
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     sock = bind_from_args(args, "evaluation service")
     config = uvicorn.Config(
-        # the key on every route but /health (proc/auth.py)
+        # the key on every route but /health (processes/auth.py)
         protect(
             create_app(tasks, roots, workers=args.workers, max_jobs=args.max_jobs), args.api_key
         ),
@@ -285,6 +285,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from miles_core.proc.fast_exit import exit_after
+    from miles_core.processes.fast_exit import exit_after
 
     exit_after(main)

@@ -312,9 +312,9 @@ def _routed_experts_args(config) -> tuple[str, ...]:
     if not config.rollout.return_routed_experts:
         return ()
     from miles_core.routed_experts import FIELD_NAME
-    from miles_core.token_fields import get_token_field
+    from miles_core.token_fields import token_field
 
-    f = get_token_field(FIELD_NAME)
+    f = token_field(FIELD_NAME)
     layers, top_k = f.shape
     experts = int(f.bounds[1]) if f.bounds else 0
     return ("--routed-experts", f"{layers},{top_k}" + (f",{experts}" if experts else ""))

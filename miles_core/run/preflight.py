@@ -12,7 +12,7 @@ import fsspec
 from miles_core.checkpoint.resume_checks import check_backend_resumable, check_buffer_resumable
 from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.config import RunConfig
-from miles_core.data import get_task, rl_examples, sft_examples
+from miles_core.data import TASKS, rl_examples, sft_examples
 from miles_core.data.tasks import Example
 from miles_core.models import architecture_of, build_tokenizer
 from miles_core.models.builder import preset_config
@@ -88,10 +88,10 @@ def _check_episode_budget(config: RunConfig, task, context: int) -> None:
     from miles_core.envs.demonstration import call_lengths, demonstration
     from miles_core.envs.sandbox import SandboxLimits
     from miles_core.rollout.sources import episode_metadata
-    from miles_core.tito import get_family
+    from miles_core.tito import FAMILIES
 
     a = config.agent
-    family = get_family(a.family)
+    family = FAMILIES.get(a.family)()
     kinds = len(task.kinds) + len(getattr(task, "eval_kinds", ()))
     draw = getattr(task, "evaluation", task.generate)
     limits = SandboxLimits(**episode_metadata(config, task)["limits"])  # what episodes get
@@ -141,13 +141,13 @@ def _check_plugins(config: RunConfig) -> None:
     ):
         if path:
             load_plugin(path, what, want_async)
-    if a.function is None and getattr(get_task(config.data.task), "agentic", False):
+    if a.function is None and getattr(TASKS.get(config.data.task), "agentic", False):
         raise ValueError(
             f"task {config.data.task!r} is agentic (its rewards come from episodes in its "
             "environment, not from scoring a completion): set agent.function, e.g. "
             "miles_core.envs.sandbox_agent:run_agent"
         )
-    if a.eval_episodes and not callable(getattr(get_task(config.data.task), "generate", None)):
+    if a.eval_episodes and not callable(getattr(TASKS.get(config.data.task), "generate", None)):
         raise ValueError(
             f"agent.eval_episodes: task {config.data.task!r} has no generate(n, seed) to draw "
             "evaluation tasks from"
@@ -184,19 +184,19 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
         one = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         gpu_memory = one * config.train.world_size  # FSDP shards the trainer's state
     check_memory(model_config, where, gpu_memory=gpu_memory)
-    from miles_core.train.registry import backend_factory
+    from miles_core.train.backend import BACKENDS
 
     # a backend may refuse a model it cannot build or split (Megatron: its converter's
     # architectures, heads and layers that divide by the parallel layout)
-    check = getattr(backend_factory(config.train.backend), "check_model", None)
+    check = getattr(BACKENDS.get(config.train.backend), "check_model", None)
     if check is not None:
         check(config.train.model_dump(), model_config, where)
-    from miles_core.engines.registry import engine_refuses
+    from miles_core.engines.registry import ENGINES
 
     # an engine may refuse a model its forward does not implement (the serving engine: Qwen3's
     # attention only), or routes it cannot return
     routes = config.rollout.return_routed_experts
-    reason = engine_refuses(config.rollout.engine, model_config, routed_experts=routes)
+    reason = ENGINES.get(config.rollout.engine).refuses(model_config, routed_experts=routes)
     if reason is not None:
         raise ValueError(f"rollout.engine {config.rollout.engine} cannot run {where}: {reason}")
     if routes and not moe_sizes(model_config):
@@ -312,7 +312,7 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
     data = config.data
     rows = rl_examples(config)
     where = data.path or f"task {data.task!r}"
-    if getattr(get_task(data.task), "needs_label", False):
+    if getattr(TASKS.get(data.task), "needs_label", False):
         missing = next((i for i, ex in enumerate(rows, start=1) if ex.label is None), None)
         if missing:
             raise ValueError(
@@ -321,14 +321,14 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
     _check_roles(rows, where)
     if tok is not None and context:
         _check_lengths(rows, tok, _call_budget(config), context, where, "rl")
-    if config.agent.function is not None and hasattr(get_task(data.task), "environment_of"):
-        _check_episode_budget(config, get_task(data.task), context)
+    if config.agent.function is not None and hasattr(TASKS.get(data.task), "environment_of"):
+        _check_episode_budget(config, TASKS.get(data.task), context)
     if config.agent.function is not None and config.agent.eval_episodes:
         from miles_core.data.held_out import EVAL_SEED_OFFSET, held_out, trained_on
 
         # the evaluation tasks exist and none is a training task (refused here if too few)
         held_out(
-            get_task(data.task),
+            TASKS.get(data.task),
             config.agent.eval_episodes,
             data.seed + EVAL_SEED_OFFSET,
             trained_on(config, rows),
@@ -338,7 +338,7 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
         sft = config.sft
         sft_rows = sft_examples(sft)
         sft_where = sft.path or f"task {sft.task!r}"
-        sft_task = get_task(sft.task)
+        sft_task = TASKS.get(sft.task)
         scripted = hasattr(sft_task, "demonstration")  # builds its own samples
         if scripted and tok is not None:
             from miles_core.tito.check import check_family_matches  # it renders with agent.family

@@ -24,7 +24,7 @@ from miles_core import routed_experts
 from miles_core.checkpoint.checkpointing import Checkpointing
 from miles_core.checkpoint.store import CheckpointStore, fetch_model_dir
 from miles_core.config import RunConfig
-from miles_core.data import PromptSource, get_task, rl_examples
+from miles_core.data import TASKS, PromptSource, rl_examples
 from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.in_run import RunEvaluation
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
@@ -61,7 +61,7 @@ class RLRuntime:
         self.config = config
         self.model_dir = model_dir
         self.tracker = tracker
-        self.task = get_task(config.data.task)
+        self.task = TASKS.get(config.data.task)
         d = config.data
         self.source = PromptSource(rl_examples(config), seed=d.seed, shuffle=d.shuffle)
         model, self.tokenizer = load_hf_dir(model_dir)

@@ -1,5 +1,6 @@
-"""The trainer of an RL run: the backend chosen by `train.backend` (from the backend registry,
-train/registry.py) and the RL train phase on it — GRPO advantages of the rollout's groups, one
+"""The trainer of an RL run: the backend chosen by `train.backend` (`train/backend.py: BACKENDS`)
+and the RL train phase on it — the advantages of the rollout's groups (`train.advantage_estimator`,
+`train/advantage.py: ADVANTAGES`), one
 `TrainBatch`, the old log-probs, one optimizer step per `train.global_batch_size` rollouts with
 the loss named by `train.loss`. With one optimizer step per rollout the old log-probs are the
 training forward's own (`TrainBatch.old_is_current`); with several, they are recomputed first."""
@@ -9,17 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles_core.rollout.rollout_fn import RolloutResult
-from miles_core.train.advantages import grpo_advantages, rollout_slices
-from miles_core.train.backend import TrainerBackend
-from miles_core.train.batch import TrainBatch
-from miles_core.train.registry import make_backend
+from miles_core.train.advantage import ADVANTAGES
+from miles_core.train.backend import BACKENDS, TrainerBackend
+from miles_core.train.batch import TrainBatch, rollout_slices
 
 
 def build_trainer(config, model_dir: Path) -> TrainerBackend:
     """The trainer backend of `config.train`, loaded from the HF directory `model_dir`."""
     train = config.train
-    return make_backend(
-        train.backend,
+    return BACKENDS.get(train.backend)(
         model_dir=str(model_dir),
         optim=train.model_dump(),
         loss=train.model_dump(),
@@ -31,7 +30,9 @@ def build_trainer(config, model_dir: Path) -> TrainerBackend:
 
 def train_on_rollout(trainer: TrainerBackend, config, result: RolloutResult) -> dict[str, float]:
     """The optimizer steps of one rollout; returns their `train/*` metrics, averaged."""
-    advantages = grpo_advantages(result.groups, config.train.normalize_advantage_std)
+    train = config.train
+    estimate = ADVANTAGES.get(train.advantage_estimator)
+    advantages = estimate(result.groups, train.advantage_estimator_options)
     batch = TrainBatch.from_samples(result.samples, advantages, config.rollout.temperature)
     # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
     slices = rollout_slices(batch.sample_ids, config.train.global_batch_size)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from miles_core.proc.managed import ManagedProcess
-from miles_core.proc.ports import PortRange
+from miles_core.processes.managed import ManagedProcess
+from miles_core.processes.ports import PortRange
 
 
 class SessionServerProcess(ManagedProcess):

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from miles_core.proc.auth import bearer
+from miles_core.processes.auth import bearer
 from miles_core.tito import TitoFamily
 from miles_core.tito.check import check_family_matches
 

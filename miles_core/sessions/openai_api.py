@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from miles_core.proc.http_limits import BadJson, parse_json
+from miles_core.processes.http_limits import BadJson, parse_json
 from miles_core.tito import Message
 
 

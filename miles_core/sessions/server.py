@@ -47,15 +47,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from miles_core.engines.http import ROUTING_KEY_HEADER, error_message, generate_payload
 from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingParams
-from miles_core.proc.auth import bearer, protect
-from miles_core.proc.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
-from miles_core.proc.managed import KEEP_ALIVE_S
-from miles_core.routed_experts import routed_experts_field
+from miles_core.processes.auth import bearer, protect
+from miles_core.processes.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
+from miles_core.processes.managed import KEEP_ALIVE_S
+from miles_core.routed_experts import FIELD_NAME, routed_experts_field
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
 from miles_core.sessions.trajectory import Trajectory
-from miles_core.tito import TitoFamily, describe_choices, get_family
-from miles_core.token_fields import load_token_fields, register_token_field
+from miles_core.tito import FAMILIES, TitoFamily
+from miles_core.token_fields import FIELDS, load_token_fields
 from miles_core.types import sample_to_json
 
 MAX_SESSIONS = 4096  # live sessions (a run keeps agent.concurrency of them open)
@@ -428,7 +428,7 @@ def create_app(
             out = s.trajectory.samples(reward)
         return {"rollout_id": s.trajectory.rollout_id, "samples": [_sample_json(x) for x in out]}
 
-    # `api_key`: every route but /health (the OpenAI ones too) needs it (proc/auth.py)
+    # `api_key`: every route but /health (the OpenAI ones too) needs it (processes/auth.py)
     return protect(app, api_key)
 
 
@@ -439,11 +439,15 @@ def _sample_json(sample) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from miles_core.proc.ports import add_port_arguments, bind_from_args
+    from miles_core.processes.ports import add_port_arguments, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles sessions serve")
     ap.add_argument("--engine-url", required=True, help="the engine (or router) /generate base")
-    ap.add_argument("--family", default="tiny", help=f"TITO family: {describe_choices()}")
+    ap.add_argument(
+        "--family",
+        default="tiny",
+        help=f"TITO family: {', '.join(FAMILIES.names())}, or 'package.module:Class'",
+    )
     ap.add_argument(
         "--no-family-check",
         action="store_true",
@@ -501,15 +505,15 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("max_sessions", "max_session_ids", "session_ttl_s"):
         if not getattr(args, flag) > 0:
             ap.error(f"--{flag.replace('_', '-')} must be > 0")
-    from miles_core.proc.parent_watch import watch_parent
+    from miles_core.processes.parent_watch import watch_parent
 
     watch_parent()  # started by a run: exit with it
     sock = bind_from_args(args, "session server")  # the port is reported before anything loads
     try:
         load_token_fields(args.token_field)
         if routed is not None:
-            register_token_field(routed_experts_field(*routed))
-        family = get_family(args.family)
+            FIELDS.register(FIELD_NAME, routed_experts_field(*routed))
+        family = FAMILIES.get(args.family)()
         if not args.no_family_check:  # a wrong family would answer 200 with garbage
             check_engine_family(args.engine_url, family, args.family, api_key=args.api_key)
     except ValueError as e:
@@ -537,6 +541,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from miles_core.proc.fast_exit import exit_after
+    from miles_core.processes.fast_exit import exit_after
 
     exit_after(main)

@@ -1,8 +1,8 @@
 """The trainer-backend protocol (FSDP2 and Megatron-core behind the same calls).
 
-A backend is built by name or import path (`miles_core.train.registry.make_backend`, chosen by
-`train.backend`) from keyword arguments every backend takes:
-`model_dir, optim (settings), loss (settings, None for SFT), total_steps, seed, device`.
+A backend is a class in `train/backends/` registering itself (`@BACKENDS.register(name)`), or one
+named by import path; `BACKENDS.get(train.backend)` is built from keyword arguments every backend
+takes: `model_dir, optim (settings), loss (settings, None for SFT), total_steps, seed, device`.
 
 Its public calls run on rank 0; under torchrun the other ranks replay them (SPMD: each public
 call announces itself; `distributed.follow` rebuilds the same backend class from the "init"
@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_core.plugins import Registry
 from miles_core.train.batch import TrainBatch
 from miles_core.train.step import StepBackend
 from miles_core.weights.source import TrainerWeights
@@ -62,3 +63,23 @@ class TrainerBackend(StepBackend, TrainerWeights, Protocol):
     def load(self, directory: str) -> None: ...
 
     def close(self) -> None: ...
+
+
+def _backend_class(obj: Any, name: str) -> Any:
+    if not callable(obj):
+        raise ValueError(f"trainer backend {name!r} is not a class or factory: {obj!r}")
+    return obj
+
+
+BACKENDS: Registry[Any] = Registry(
+    "trainer backend",
+    "train.backend",
+    package="miles_core.train.backends",
+    example="package.module:Class",
+    load=_backend_class,
+)
+
+
+def backend_path(cls: type) -> str:
+    """The import path that rebuilds `cls` in another process (a follower rank)."""
+    return f"{cls.__module__}:{cls.__qualname__}"

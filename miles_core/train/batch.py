@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from miles_core.token_fields import get_token_field
+from miles_core.token_fields import token_field
 from miles_core.train.padding import pad_rows
 from miles_core.types import Sample
 
@@ -112,7 +112,7 @@ def _field_rows(samples: list[Sample]) -> dict[str, list[np.ndarray]]:
     names = sorted({name for s in samples for name in s.token_fields})
     out: dict[str, list[np.ndarray]] = {}
     for name in names:
-        f = get_token_field(name)
+        f = token_field(name)
         rows = []
         for s in samples:
             arr = s.token_fields.get(name)
@@ -187,7 +187,7 @@ class PaddedBatch:
 
 
 def _pad_field(name: str, rows: list[np.ndarray], resp: int, width: int) -> torch.Tensor:
-    f = get_token_field(name)
+    f = token_field(name)
     length = resp if f.align == "response" else width
     dtype = torch.from_numpy(f.empty()).dtype
     out = torch.full((len(rows), length, *f.shape), f.pad, dtype=dtype)
@@ -195,3 +195,23 @@ def _pad_field(name: str, rows: list[np.ndarray], resp: int, width: int) -> torc
         if len(arr):
             out[i, : len(arr)] = torch.from_numpy(np.ascontiguousarray(arr))
     return out
+
+
+def rollout_slices(rollout_ids: list[str], rollouts_per_slice: int) -> list[tuple[int, int]]:
+    """[start, end) row ranges of consecutive rollouts, `rollouts_per_slice` whole rollouts each
+    (a rollout's leaves are never split between two optimizer steps). A rollout's samples must
+    be next to each other (rollout functions emit them so)."""
+    bounds, count, start = [], 0, 0
+    seen: set[str] = set()
+    for i, rid in enumerate(rollout_ids):
+        if i and rid != rollout_ids[i - 1]:
+            if rid in seen:
+                raise ValueError(f"rollout {rid!r}: its samples are not next to each other")
+            count += 1
+            if count == rollouts_per_slice:
+                bounds.append((start, i))
+                start, count = i, 0
+        seen.add(rid)
+    if rollout_ids:
+        bounds.append((start, len(rollout_ids)))
+    return bounds

@@ -78,7 +78,7 @@ def receive() -> tuple[str, Any]:
 
 def follow() -> None:
     """The loop of ranks > 0: build the trainer rank 0 builds, replay its calls, until 'exit'."""
-    from miles_core.train.registry import make_backend
+    from miles_core.train.backend import BACKENDS
 
     backend: Any = None
     while True:
@@ -87,7 +87,7 @@ def follow() -> None:
             _teardown()
             return
         if name == "init":
-            backend = make_backend(payload["backend"], **payload["kwargs"])
+            backend = BACKENDS.get(payload["backend"])(**payload["kwargs"])
         elif name == "close":
             backend = None
         else:

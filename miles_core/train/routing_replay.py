@@ -15,7 +15,7 @@ Outside `micro_batch` (and for a reference model, never hooked) routers route by
 `RouterReplay` hooks the HF MoE modules (the FSDP2 backend): the `mlp.gate` of each layer with
 experts, in layer order; a replayed router still returns the weights its family's rule gives the
 chosen experts from its live scores (`WEIGHT_RULES`), so it still gets gradients. Megatron's
-routers: `miles_core.train.megatron.routing_replay`.
+routers: `miles_core.train.backends.megatron.routing_replay`.
 """
 
 from __future__ import annotations

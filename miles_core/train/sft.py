@@ -39,9 +39,9 @@ def sft_batches(
     if demo is not None:  # demonstrations run commands in sandboxes: a few at a time
         from concurrent.futures import ThreadPoolExecutor
 
-        from miles_core.tito import get_family
+        from miles_core.tito import FAMILIES
 
-        chat = get_family(family)
+        chat = FAMILIES.get(family)()
         with ThreadPoolExecutor(max_workers=4) as pool:
             encoded = list(pool.map(lambda ex: demo(ex, chat), examples))
     else:
@@ -71,13 +71,12 @@ def run_sft(config, model_dir, tracker) -> str:
     from miles_core.data import sft_examples
     from miles_core.models import load_hf_dir
     from miles_core.run.progress import reporter
-    from miles_core.train.registry import make_backend
+    from miles_core.train.backend import BACKENDS
 
     sft = config.sft
     _, tokenizer = load_hf_dir(model_dir)
     examples = sft_examples(sft)
-    trainer = make_backend(
-        config.train.backend,
+    trainer = BACKENDS.get(config.train.backend)(
         model_dir=str(model_dir),
         optim=sft.model_dump(),
         loss=None,
@@ -85,9 +84,9 @@ def run_sft(config, model_dir, tracker) -> str:
         seed=config.seed,
         device=config.train.device,
     )
-    from miles_core.data import get_task
+    from miles_core.data import TASKS
 
-    task = get_task(sft.task)
+    task = TASKS.get(sft.task)
     batches = sft_batches(
         tokenizer, examples, sft.batch_size, sft.seed, task, config.agent.family
     )  # demonstrations: rendered with the run's family

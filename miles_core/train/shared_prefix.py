@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from miles_core.token_fields import get_token_field
+from miles_core.token_fields import token_field
 from miles_core.train.batch import TrainBatch
 from miles_core.train.padding import pad_rows
 
@@ -48,7 +48,7 @@ class SharedPrefix:
 
     @classmethod
     def build(cls, batch: TrainBatch, pad_id: int) -> SharedPrefix | None:
-        if any(get_token_field(name).align == "sequence" for name in batch.token_fields):
+        if any(token_field(name).align == "sequence" for name in batch.token_fields):
             return None
         prompts: dict[tuple[int, ...], int] = {}
         row_prompt: list[int] = []

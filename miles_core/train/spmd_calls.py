@@ -13,8 +13,9 @@ import torch
 
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
+from miles_core.train.backend import backend_path
 from miles_core.train.batch import TrainBatch
-from miles_core.train.registry import backend_path, get_loss
+from miles_core.train.loss import LOSSES
 from miles_core.train.routing_replay import RouteReplay
 
 
@@ -35,7 +36,7 @@ class SPMDCalls:
         """The run's RL loss (`loss.loss`, default policy) asks for reference log-probs."""
         if not self.loss_cfg:
             return False
-        fn = get_loss(self.loss_cfg.get("loss") or "policy")
+        fn = LOSSES.get(self.loss_cfg.get("loss") or "policy")
         return fn.needs(fn.config(self.loss_cfg)).reference
 
     # ------------------------------------------------------------------ public calls (rank 0)

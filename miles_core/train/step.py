@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.registry import get_loss
+from miles_core.train.loss import LOSSES
 
 # called with each micro-batch's outputs where they exist (the last pipeline stage); returns the
 # micro-batch's loss to backpropagate (a train step) or None (a forward-only pass)
@@ -113,7 +113,7 @@ def train_step(
     backend: StepBackend, batch: TrainBatch, loss: str, settings: Mapping[str, Any]
 ) -> dict[str, float]:
     """One optimizer step over the global batch with the loss registered as `loss`."""
-    fn = get_loss(loss)
+    fn = LOSSES.get(loss)
     cfg = fn.config(settings)
     needs = fn.needs(cfg)
     backend.set_training(True)

@@ -8,15 +8,27 @@ import concurrent.futures
 from collections.abc import Callable
 
 from miles_core.engines.protocol import DISTRIBUTED
+from miles_core.plugins import PluginOptions
 from miles_core.weights.group import BACKENDS, host_store
 from miles_core.weights.remote import PushFailed, check_reachable
-from miles_core.weights.transport import TransportBase
+from miles_core.weights.transport import TransportBase, TransportContext
 
 
 class GroupTransport(TransportBase):
     route = DISTRIBUTED
     group_name = "miles_weights"
     reconnects = False  # the group holds the old engine's rank
+
+    @classmethod
+    def build(cls, context: TransportContext, options: PluginOptions) -> GroupTransport:
+        """Over the trainer's distributed backend; the rendezvous inside network.port_range."""
+        return cls(
+            group_backend=context.dist_backend,
+            group_ports=context.ports,
+            bucket_bytes=context.bucket_bytes,
+            dtype=context.dtype,
+            **dict(options),
+        )
 
     def __init__(
         self,

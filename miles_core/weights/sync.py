@@ -18,8 +18,7 @@ import torch
 from miles_core.device import dist_backend
 from miles_core.engines.fleet import EngineFleet
 from miles_core.train.backend import TrainerBackend
-from miles_core.weights import make_transport, weights_checksum
-from miles_core.weights.disk import push_root
+from miles_core.weights import TRANSPORTS, TransportContext, weights_checksum
 
 log = logging.getLogger("miles")
 
@@ -39,17 +38,8 @@ class WeightSync:
         self.policy_version = 0
         self.engine_version = 0
         self.trained_since_push = False  # the trainer is one version ahead of policy_version
-        self.transport = make_transport(
-            ws.transport,
-            bucket_bytes=ws.bucket_mb << 20,
-            dtype=ws.dtype,
-            group_backend=dist_backend(trainer.device),
-            group_ports=config.network.ports,  # the weight-group rendezvous (network.port_range)
-            root=push_root(ws, workdir),  # the root its engine servers read (engines/fleet.py)
-            storage_options=config.checkpoint.storage_options,
-            keep=ws.keep_versions,
-            delta=ws.disk_delta,
-        )
+        context = TransportContext.of_run(config, workdir, dist_backend(trainer.device))
+        self.transport = TRANSPORTS.get(ws.transport).build(context, ws.transport_options)
         try:  # a transport/engine mismatch refused here leaves nothing open
             self.transport.connect(fleet.engines)
         except BaseException:

@@ -4,30 +4,33 @@
 `push(source, version, pause_mode)`: the transport takes the trainer's weights from `source`
 (weights/source.py: buckets of full tensors, or per-rank shards) with its own bucket size and
 dtype, and runs pause → transfer → set version → continue, recording bytes, seconds and GB/s;
-`close()` at the end. Transports register by name (`register_transport`).
+`close()` at the end.
+
+A transport is a class in `weights/transports/` (or anywhere, named by import path) registered
+with `@TRANSPORTS.register(name)`; `build(context, options)` makes it from what the run offers
+every transport (`TransportContext`) and its own `Options` (`weight_sync.transport_options`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from miles_core.engines.protocol import RolloutEngine, require_route
-from miles_core.plugins import Registry
+from miles_core.plugins import NoOptions, PluginOptions, Registry
 from miles_core.weights.source import Bucket, TrainerWeights
 
 __all__ = [
+    "TRANSPORTS",
     "Bucket",
     "PushStats",
     "TransportBase",
+    "TransportContext",
     "WeightTransport",
-    "make_transport",
-    "register_transport",
-    "transport_route",
 ]
 
 
@@ -69,6 +72,33 @@ def push_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return None if dtype in (None, torch.float32) else dtype
 
 
+@dataclass
+class TransportContext:
+    """What a run offers every transport: how to read the trainer's weights (weight_sync's
+    `bucket_mb`, `dtype`), the trainer's distributed backend (a group transport's group), the
+    ports it may bind (network.port_range), its working directory and fsspec options."""
+
+    bucket_bytes: int = 64 << 20
+    dtype: str | None = None
+    dist_backend: str = "gloo"
+    ports: Any = None  # miles_core.processes.ports.PortRange | None
+    workdir: Path = Path(".")
+    storage_options: dict = field(default_factory=dict)
+
+    @classmethod
+    def of_run(cls, config: Any, workdir: Path | str, dist_backend: str = "gloo") -> Any:
+        """What run `config` offers its transport (and, alike, its engine servers' roots)."""
+        ws = config.weight_sync
+        return cls(
+            bucket_bytes=ws.bucket_mb << 20,
+            dtype=ws.dtype,
+            dist_backend=dist_backend,
+            ports=config.network.ports,
+            workdir=Path(workdir),
+            storage_options=config.checkpoint.storage_options,
+        )
+
+
 class TransportBase(RecordsPushes):
     """What every transport holds: its engines, the route it needs, how it reads the source
     (`bucket_bytes`, `dtype`: weight_sync.bucket_mb / weight_sync.dtype)."""
@@ -79,15 +109,23 @@ class TransportBase(RecordsPushes):
     # re-form their group with it
     reconnects = True
 
-    def __init__(
-        self,
-        bucket_bytes: int = 64 << 20,
-        dtype: torch.dtype | str | None = None,
-        **_options,
-    ) -> None:
+    Options: type[PluginOptions] = NoOptions
+
+    def __init__(self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | str | None = None):
         self.bucket_bytes = int(bucket_bytes)
         self.dtype = push_dtype(dtype)
         self.engines: list = []
+
+    @classmethod
+    def build(cls, context: TransportContext, options: PluginOptions) -> TransportBase:
+        """The transport a run uses: `context`'s bucket size and dtype, and its own options."""
+        return cls(bucket_bytes=context.bucket_bytes, dtype=context.dtype, **dict(options))
+
+    @classmethod
+    def engine_roots(cls, context: TransportContext, options: PluginOptions) -> tuple[str, ...]:
+        """The roots the run's engine servers may load weights from on disk (none: they refuse
+        every disk load)."""
+        return ()
 
     def connect(self, engines: list) -> None:
         self.engines = require_route(engines, self.route, self.name or type(self).__name__)
@@ -115,32 +153,19 @@ class WeightTransport(Protocol):
     def close(self) -> None: ...
 
 
-def _transport_factory(obj: object, name: str) -> Callable[..., WeightTransport]:
-    if not callable(obj):
-        raise ValueError(f"weight transport {name!r} is not a class or factory: {obj!r}")
+def _transport_class(obj: object, name: str) -> type:
+    if not isinstance(obj, type) or not callable(getattr(obj, "build", None)):
+        raise ValueError(
+            f"weight transport {name!r} is not a transport class (a TransportBase subclass, or "
+            f"a class with build(context, options)): {obj!r}"
+        )
     return obj
 
 
-TRANSPORTS: Registry[Callable[..., WeightTransport]] = Registry(
-    "weight transport", "weight_sync.transport", load=_transport_factory
+TRANSPORTS: Registry[type] = Registry(
+    "weight transport",
+    "weight_sync.transport",
+    package="miles_core.weights.transports",
+    example="package.module:Class",
+    load=_transport_class,
 )
-
-
-def register_transport(name: str, factory: Callable[..., WeightTransport] | str) -> None:
-    """`factory(**options)` builds the transport; it takes the options it knows (e.g. the disk
-    transport's `root`; every one `bucket_bytes` and `dtype`) and ignores the rest. A config may
-    also name a factory by import path `pkg.mod:Factory`."""
-    TRANSPORTS.register(name, factory)
-
-
-def transport_names() -> list[str]:
-    return TRANSPORTS.names()
-
-
-def transport_route(name: str) -> str:
-    """The weight route transport `name` needs (for config checks before anything starts)."""
-    return str(getattr(TRANSPORTS.get(name), "route", ""))
-
-
-def make_transport(name: str, **options) -> WeightTransport:
-    return TRANSPORTS.get(name)(**options)

@@ -181,7 +181,7 @@ def test_sglang_launch_flags_are_sglang_server_args():
 def test_attach_to_running_servers_by_address(server, tiny_dir):
     from miles_core.engines.http import EngineUnavailable
     from miles_core.engines.sglang import attach
-    from miles_core.proc.ports import free_port
+    from miles_core.processes.ports import free_port
 
     (engine,) = attach([server.url], expected_model=str(tiny_dir))
     out = engine.generate(

@@ -8,13 +8,13 @@ notes every call it serves in `CALLS`, so a test sees that the run really traine
 
 from __future__ import annotations
 
+from miles_core.train.backend import BACKENDS
 from miles_core.train.losses.sft import SFTLoss
-from miles_core.train.registry import backend_factory
 
 CALLS: list[str] = []
 
 
-class RecordingBackend(backend_factory("fsdp")):
+class RecordingBackend(BACKENDS.get("fsdp")):
     def __init__(self, *args, **kwargs):
         CALLS.append("init")
         super().__init__(*args, **kwargs)

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 
 from miles_core.engines.wire import GenerateRequest, GenerateResponse
-from miles_core.token_fields import TokenField, register_token_field
+from miles_core.token_fields import FIELDS, TokenField
 
 PROBE = TokenField(
     name="probe",
@@ -40,8 +40,8 @@ ROUTES = TokenField(
 
 
 def declare() -> None:
-    register_token_field(PROBE)
-    register_token_field(ROUTES)
+    FIELDS.register(PROBE.name, PROBE)
+    FIELDS.register(ROUTES.name, ROUTES)
 
 
 def probe_of(tokens) -> np.ndarray:

@@ -12,8 +12,8 @@ from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import load_hf_dir
 from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
-from miles_core.train.registry import make_backend
 
 model_dir, out = sys.argv[1], sys.argv[2]
 model, tok = load_hf_dir(model_dir)
@@ -34,8 +34,8 @@ batch = TrainBatch(
     rollout_log_probs=[r.output_log_probs for r in res],
 )
 cfg = RunConfig().train.model_copy(update={"micro_batch_size": 4}).model_dump()
-trainer = make_backend(
-    "fsdp", model_dir=model_dir, optim=cfg, loss=cfg, total_steps=2, device="cuda"
+trainer = BACKENDS.get("fsdp")(
+    model_dir=model_dir, optim=cfg, loss=cfg, total_steps=2, device="cuda"
 )
 before = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
 batch.old_log_probs = trainer.compute_log_probs(batch)

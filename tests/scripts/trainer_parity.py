@@ -26,10 +26,10 @@ from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import load_hf_dir
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
+from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
-from miles_core.train.registry import make_backend
-from miles_core.weights import make_transport, weights_checksum
-from miles_core.weights.disk import DiskTransport
+from miles_core.weights import TRANSPORTS, weights_checksum
+from miles_core.weights.transports.disk import DiskTransport
 
 
 def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[str, bool]:
@@ -47,12 +47,12 @@ def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[
     client = HttpEngine(server.url)
     results: dict[str, bool] = {}
     try:
-        for name, dtype in TRANSPORTS:
+        for name, dtype in COMPARED:
             trainer.train_step(batch)
             if name == "disk":
                 transport = DiskTransport(root=str(tmp / "w"), keep=1)
             else:
-                transport = make_transport(name, **({"dtype": dtype} if dtype else {}))
+                transport = TRANSPORTS.get(name)(**({"dtype": dtype} if dtype else {}))
             engine = EmbeddedEngine(model, tok, seed=0) if name == "colocated" else client
             transport.connect([engine])
             transport.push(trainer, version=len(results) + 1, pause_mode="retract")
@@ -70,7 +70,7 @@ def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[
     return results
 
 
-TRANSPORTS = [
+COMPARED = [
     ("colocated", None),
     ("shared_memory", None),
     ("disk", None),
@@ -126,8 +126,8 @@ for i, loss_overrides in enumerate(configs):
             **loss_overrides,
         }
     )
-    trainer = make_backend(
-        backend, model_dir=model_i, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
+    trainer = BACKENDS.get(backend)(
+        model_dir=model_i, optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
     )
     if load:
         trainer.load(load)

@@ -17,8 +17,13 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_core.proc.roots import AllowedRoots, RootRefusal
-from miles_core.weights.disk import WeightLoadError, WeightsNotFound, confine, load_weight_dir
+from miles_core.processes.roots import AllowedRoots, RootRefusal
+from miles_core.weights.transports.disk import (
+    WeightLoadError,
+    WeightsNotFound,
+    confine,
+    load_weight_dir,
+)
 
 LOAD_TIMEOUT_S = 600.0
 LOAD_WORKERS = 2

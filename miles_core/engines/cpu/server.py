@@ -35,9 +35,9 @@ from miles_core.engines.cpu.loading import PackedWeightsDiffer
 from miles_core.engines.cpu.serving import PAUSE_MODES, ServingEngine
 from miles_core.engines.protocol import SERVER_ROUTES
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
-from miles_core.proc.http_limits import MAX_BODY_BYTES, BodyLimit
-from miles_core.proc.managed import KEEP_ALIVE_S
-from miles_core.proc.roots import AllowedRoots
+from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit
+from miles_core.processes.managed import KEEP_ALIVE_S
+from miles_core.processes.roots import AllowedRoots
 from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
 from miles_core.weights.shm import read_bucket
@@ -529,8 +529,8 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from miles_core.models import load_hf_dir
-    from miles_core.proc.auth import protect
-    from miles_core.proc.ports import add_port_arguments, bind_from_args
+    from miles_core.processes.auth import protect
+    from miles_core.processes.ports import add_port_arguments, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles engine serve")
     ap.add_argument("--model", required=True, help="HF model directory")
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--weight-roots: {e}")
     if not args.weight_load_timeout > 0:
         ap.error("--weight-load-timeout must be > 0")
-    from miles_core.proc.parent_watch import watch_parent
+    from miles_core.processes.parent_watch import watch_parent
     from miles_core.weights.shm import unlink_mapped
 
     # started by a run: exit with it, and drop the shared-memory weight files its trainer wrote
@@ -639,6 +639,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     import miles_core  # noqa: F401  (env defaults)
-    from miles_core.proc.fast_exit import exit_after
+    from miles_core.processes.fast_exit import exit_after
 
     exit_after(main)

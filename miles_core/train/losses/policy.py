@@ -11,8 +11,8 @@ import torch
 
 from miles_core.train.corrections import correction_weights
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.losses.base import pick
-from miles_core.train.losses.functional import aggregate, k3_kl, ppo_clip_loss
+from miles_core.train.loss import LOSSES, pick
+from miles_core.train.loss_terms import aggregate, k3_kl, ppo_clip_loss
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class PolicyLossConfig:
         return cls(**values)
 
 
+@LOSSES.register("policy")
 class PolicyLoss:
     def config(self, settings: Mapping[str, Any]) -> PolicyLossConfig:
         return PolicyLossConfig.from_settings(settings)

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.losses.functional import aggregate
+from miles_core.train.loss import LOSSES
+from miles_core.train.loss_terms import aggregate
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class SFTLossConfig:
     pass
 
 
+@LOSSES.register("sft")
 class SFTLoss:
     def config(self, settings: Mapping[str, Any]) -> SFTLossConfig:
         return SFTLossConfig()

@@ -1,0 +1,102 @@
+"""The `rollout:` section: the engine, the rollout mode and sampling."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from miles_core.config.base import (
+    PluginOptionsField,
+    Strict,
+    in_trainer_process,
+    options_field,
+    plugin_options,
+)
+from miles_core.engines.registry import ENGINES
+from miles_core.plugins import PluginOptions
+
+
+class RolloutConfig(Strict):
+    engine: str = Field(
+        "embedded",
+        description="an engine in miles_core/engines/kinds/ or 'package.module:Kind'. "
+        "embedded: batched sampler on the HF modules; serving: continuous batching with prefix "
+        "reuse (GRPO siblings share the prompt's KV), per-request seeds; server: the serving "
+        "engine as subprocesses on 127.0.0.1 behind SGLang's HTTP API (weights travel by "
+        "weight_sync.transport shared_memory, disk, broadcast or p2p)",
+    )
+    engine_options: PluginOptionsField = options_field("engine")
+    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
+        "sync",
+        description="sync: generate, then train; one_step_off: the next batch is generated "
+        "while the trainer trains (weights pushed between batches); fully_async: a producer "
+        "keeps the engine busy, weights pushed any time (needs rollout.engine: server)",
+    )
+    watchdog_s: float = Field(
+        60.0,
+        gt=0,
+        description="async modes: when no rollout group completes for this long, the run logs "
+        "what it waits on (again every watchdog_s)",
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="fully_async: most policy versions a sample may lag the trainer"
+    )
+    stale_policy: Literal["pace", "drop", "retry"] = Field(
+        "pace",
+        description="fully_async: pace admission so no sample exceeds max_staleness (default), "
+        "or admit freely and drop / requeue stale groups",
+    )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="how a weight push pauses generation on the engine"
+    )
+    prompts_per_step: int = Field(
+        16, gt=0, description="prompts sampled per rollout (rollout batch size)"
+    )
+    n_samples_per_prompt: int = Field(8, gt=0, description="GRPO group size")
+    max_new_tokens: int = Field(16, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    reward_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a reward function (task.score) running longer fails its sample (reward 0, "
+        "nothing trained)",
+    )
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 disables top-k")
+    seed: int = 0
+    token_fields: list[str] = Field(
+        default_factory=list,
+        description="declared per-token fields the engine's responses carry to the trainer "
+        "(import paths pkg.mod:FIELD of miles_core.token_fields.TokenField objects)",
+    )
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE models: ask the engine for the experts each token was routed to "
+        "(SGLang's return_routed_experts; samples carry them as the routed_experts field); "
+        "on by itself with train.routing_replay or train.check_routing_replay",
+    )
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        return ENGINES.check(v)  # ValueError naming the registered engines
+
+    @field_validator("engine_options", mode="before")
+    @classmethod
+    def _engine_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
+        return plugin_options(ENGINES, v, info)
+
+    @field_validator("token_fields")
+    @classmethod
+    def _token_fields_load(cls, paths: list[str]) -> list[str]:
+        from miles_core.token_fields import load_token_fields
+
+        load_token_fields(paths)  # imports and declares them: a clear error before anything runs
+        return paths
+
+    @model_validator(mode="after")
+    def _async_needs_a_server(self) -> RolloutConfig:
+        if self.mode != "sync" and in_trainer_process(self.engine):  # async needs a server
+            raise ValueError(f"rollout.mode {self.mode} needs rollout.engine: server")
+        return self

@@ -1,0 +1,166 @@
+"""The whole run configuration (`RunConfig`): every section, and the checks across them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from miles_core.config.agent import AgentConfig
+from miles_core.config.base import Strict, in_trainer_process
+from miles_core.config.checkpoint import CheckpointConfig
+from miles_core.config.data import DataConfig
+from miles_core.config.eval import EvalConfig
+from miles_core.config.model import ModelConfig
+from miles_core.config.network import NetworkConfig
+from miles_core.config.rollout import RolloutConfig
+from miles_core.config.sft import SFTConfig
+from miles_core.config.tracking import TrackingConfig
+from miles_core.config.train import TrainConfig
+from miles_core.config.weight_sync import WeightSyncConfig
+from miles_core.train.advantage import ADVANTAGES
+
+
+class RunConfig(Strict):
+    name: str = Field(
+        "miles-run",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="run name: checkpoint folder and registered-model name (letters, digits, _ . -)",
+    )
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    sft: SFTConfig | None = Field(None, description="supervised warm start before RL")
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sft_shares_the_trainer(cls, data: Any) -> Any:
+        """An `sft:` section without its own `world_size` / `parallel` takes the trainer's (they
+        share the ranks and the layout; different ones set explicitly are refused below)."""
+        if not isinstance(data, dict):
+            return data
+        sft, train = data.get("sft"), data.get("train")
+        if isinstance(sft, dict) and isinstance(train, dict):
+            shared = {
+                k: train[k] for k in ("world_size", "parallel") if k in train and k not in sft
+            }
+            if shared:
+                data = {**data, "sft": {**sft, **shared}}
+        return data
+
+    def _check_transport_fits_engine(self) -> None:
+        """The transport's weight route must be one the engine takes (both from registries)."""
+        from miles_core.engines.registry import ENGINES
+        from miles_core.weights.transport import TRANSPORTS
+
+        r, ws = self.rollout, self.weight_sync
+        need, routes = TRANSPORTS.get(ws.transport).route, ENGINES.get(r.engine).routes
+        if need not in routes:
+            fitting = [n for n in TRANSPORTS.names() if TRANSPORTS.get(n).route in routes]
+            server = not in_trainer_process(r.engine)
+            hint = "" if server else " (or set rollout.engine: server)"
+            raise ValueError(
+                f"rollout.engine: {r.engine} needs weight_sync.transport {' | '.join(fitting)}"
+                f"{hint}: {ws.transport} loads weights by {need!r}, the engine takes "
+                f"{sorted(routes)}"
+            )
+
+    @model_validator(mode="after")
+    def _batch_invariant(self) -> RunConfig:
+        r, t = self.rollout, self.train
+        if t.routing_replay or t.check_routing_replay:
+            r.return_routed_experts = True  # what the trainer replays or checks against
+        if self.agent.function is not None:  # the agent section checks its own settings
+            self._check_agentic()
+            if self.agent.eval_episodes and self.data.path:
+                raise ValueError(
+                    "agent.eval_episodes draws fixed tasks from data.task's generator; with "
+                    "data.path set there is none: leave agent.eval_episodes at 0"
+                )
+        fewest = getattr(ADVANTAGES.get(t.advantage_estimator), "min_group", 1)
+        if r.n_samples_per_prompt < fewest:
+            raise ValueError(
+                f"rollout.n_samples_per_prompt must be at least {fewest} for "
+                f"train.advantage_estimator {t.advantage_estimator} (its advantages compare a "
+                "group's samples)"
+            )
+        samples = r.prompts_per_step * r.n_samples_per_prompt
+        if samples % t.global_batch_size:
+            raise ValueError(
+                f"rollout.prompts_per_step × n_samples_per_prompt ({samples}) must be divisible by "
+                f"train.global_batch_size ({t.global_batch_size})"
+            )
+        self._check_transport_fits_engine()
+        self._check_eval()
+        if self.data.exclude_sft and self.sft is None:
+            raise ValueError(
+                "data.exclude_sft leaves the SFT warm start's examples out of the RL prompts: "
+                "the run has no sft: section"
+            )
+        if self.sft is not None and self.sft.world_size != t.world_size:
+            raise ValueError(
+                "sft.world_size must equal train.world_size (they share the trainer ranks)"
+            )
+        if self.sft is not None and self.sft.parallel != t.parallel:
+            raise ValueError(
+                "sft.parallel must equal train.parallel (they share the trainer and its layout)"
+            )
+        return self
+
+    def _check_agentic(self) -> None:
+        """What an agentic run needs of the other sections; each refusal names the one setting
+        that does not fit."""
+        r, a = self.rollout, self.agent
+        if in_trainer_process(r.engine):
+            raise ValueError(
+                "agent.function (agentic rollout) needs an engine server behind the session "
+                f"server: rollout.engine: {r.engine} runs in the trainer's process; set "
+                "rollout.engine: server"
+            )
+        if r.mode != "sync" and r.pause_mode == "abort":
+            raise ValueError(
+                "rollout.pause_mode: abort ends the model calls in flight at each weight push, "
+                "and an agent episode cannot continue a call it lost: agentic runs in "
+                f"rollout.mode {r.mode} use retract or in_place"
+            )
+        if a.concurrency < r.n_samples_per_prompt:
+            raise ValueError(
+                f"agent.concurrency ({a.concurrency} episodes in flight) is below the group size "
+                f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): a GRPO group's "
+                "episodes must be able to run together"
+            )
+
+    def _check_eval(self) -> None:
+        e, interval = self.eval, self.checkpoint.interval
+        if e.mode == "none":
+            return
+        if self.agent.function is not None:
+            raise ValueError(
+                "eval.mode is for task runs; agentic runs evaluate with agent.eval_episodes"
+            )
+        if e.mode in ("dedicated", "external") and e.every:
+            if not interval or e.every % interval:
+                raise ValueError(
+                    f"eval.mode {e.mode} evaluates saved checkpoints: eval.every ({e.every}) "
+                    f"must be a multiple of checkpoint.interval ({interval})"
+                )
+
+    def with_model_path(self, path: str | None) -> RunConfig:
+        """The same config starting from the HF directory `path` (e.g. an SFT output)."""
+        return self.model_copy(update={"model": self.model.model_copy(update={"path": path})})
+
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        return (
+            self.rollout.prompts_per_step
+            * self.rollout.n_samples_per_prompt
+            // self.train.global_batch_size
+        )

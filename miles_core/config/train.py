@@ -1,0 +1,206 @@
+"""The `train:` section: the trainer backend, its layout, the optimizer and the loss."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_options
+from miles_core.plugins import PluginOptions
+
+
+class ParallelConfig(Strict):
+    """How a Megatron trainer splits the model over its ranks (train.backend: megatron; FSDP2
+    is data parallel only). tp × pp × cp × dp = train.world_size; dp defaults to what the
+    others leave. ep splits a mixture-of-experts model's experts over data-parallel ranks."""
+
+    tp: int = Field(1, ge=1, description="tensor parallel: heads, MLP columns, vocabulary")
+    pp: int = Field(1, ge=1, description="pipeline parallel: consecutive layers per stage")
+    cp: int = Field(1, ge=1, description="context parallel (needs TransformerEngine: 1 here)")
+    dp: int | None = Field(None, ge=1, description="data parallel; default: what is left")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="expert parallel (MoE models): each of ep data-parallel ranks holds 1/ep of "
+        "every layer's routed experts and runs them for the tokens of all ep",
+    )
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+class OptimConfig(Strict):
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(32, gt=0)
+    share_prompts: bool = Field(
+        True,
+        description="the training forward runs each distinct prompt of a micro-batch once and "
+        "its samples' responses attend to its keys and values (exact: the same log-probs and "
+        "gradients as one padded row per sample, up to rounding); off: one padded row each",
+    )
+    world_size: int = Field(
+        1, gt=0, description="trainer ranks; >1 runs under torchrun (gloo on CPU)"
+    )
+    threads: int | None = Field(
+        None, ge=1, description="torch threads per process (default: all cores)"
+    )
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: each trains a share of the batch."""
+        return self.world_size // self.parallel.model_parallel
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> OptimConfig:
+        from miles_core.train.backends.megatron.layout import resolve_layout
+
+        resolve_layout(self.parallel.model_dump(), self.world_size)  # ValueError naming sizes
+        return self
+
+    @model_validator(mode="after")
+    def _lr_floor(self) -> OptimConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+
+class OffPolicyConfig(Strict):
+    mode: Literal["none", "tis", "icepop", "mis"] = Field(
+        "none",
+        description="importance correction for π_old/π_rollout: tis truncates the ratio, icepop "
+        "masks tokens outside [low, high], mis weights at `level` with truncate or mask",
+    )
+    low: float = Field(0.0, ge=0, description="lower bound of the ratio band")
+    high: float = Field(2.0, gt=0, description="upper bound of the ratio band")
+    level: Literal["token", "sequence", "geometric"] = "token"
+    mis_mode: Literal["truncate", "mask"] = "truncate"
+    veto_threshold: float | None = Field(
+        None, gt=0, lt=1, description="mis: reject a sequence holding a token ratio below this"
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> OffPolicyConfig:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class TrainConfig(OptimConfig):
+    backend: str = Field(
+        "fsdp",
+        description="trainer backend: a registered name (fsdp; more with "
+        "a module in miles_core/train/backends/) or 'package.module:Class'",
+    )
+    loss: str = Field(
+        "policy",
+        description="loss of the RL step: a registered name (policy: PPO-clip/GRPO) or "
+        "'package.module:object'",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where the trainer runs: cuda (bf16 compute, fp32 params and gradient "
+        "reduction; nccl between ranks), cpu (fp32, gloo), auto = cuda when available",
+    )
+    num_steps: int = Field(50, gt=0, description="rollout → train → weight update iterations")
+    global_batch_size: int = Field(
+        128,
+        gt=0,
+        description="rollouts per optimizer step (a sample each; an agent episode's leaves "
+        "count once and stay in one step)",
+    )
+    advantage_estimator: str = Field(
+        "grpo",
+        description="advantages from a group's rewards: a module of "
+        "miles_core/train/advantages/ (grpo, rloo) or 'package.module:Class'",
+    )
+    advantage_estimator_options: PluginOptionsField = options_field("advantage_estimator")
+    eps_clip: float = Field(0.2, gt=0, lt=1)
+    eps_clip_high: float | None = Field(
+        None, gt=0, description="upper clip (DAPO clip-higher); default eps_clip"
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "rollout_mean_token_mean"] = Field(
+        "token_mean",
+        description="token_mean: over all tokens; seq_mean_token_mean: per sample, then over "
+        "samples; rollout_mean_token_mean: per rollout (samples sharing a rollout id, e.g. one "
+        "agent session's leaves), then over rollouts",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model"
+    )
+    entropy_coef: float = Field(0.0, ge=0)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    routing_replay: bool = Field(
+        False,
+        description="MoE models (R3): the trainer's routers take the experts the engine routed "
+        "each token to at rollout, in the old-log-prob and the training forward; the router "
+        "still computes its scores and gets gradients",
+    )
+    check_routing_replay: bool = Field(
+        False,
+        description="MoE models: compare, per token and MoE layer, the experts the trainer's "
+        "router would pick with the engine's (train/routing_mismatch_fraction); without "
+        "routing_replay it measures how often rollout and training route apart",
+    )
+
+    @model_validator(mode="after")
+    def _micro_batches_divide(self) -> TrainConfig:
+        unit = self.micro_batch_size * self.dp_world
+        if self.global_batch_size % unit:
+            raise ValueError(
+                f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"micro_batch_size × data-parallel ranks ({unit})"
+            )
+        if (self.parallel.model_parallel > 1 or self.parallel.ep > 1) and self.backend == "fsdp":
+            raise ValueError(
+                f"train.parallel asks for tp={self.parallel.tp}, pp={self.parallel.pp}, "
+                f"cp={self.parallel.cp}, ep={self.parallel.ep}: train.backend fsdp is data "
+                "parallel only (use megatron)"
+            )
+        return self
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        from miles_core.train.backend import BACKENDS
+
+        return BACKENDS.check(v)  # ValueError naming the registered backends
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        from miles_core.train.advantage import ADVANTAGES
+
+        return ADVANTAGES.check(v)
+
+    @field_validator("advantage_estimator_options", mode="before")
+    @classmethod
+    def _estimator_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
+        from miles_core.train.advantage import ADVANTAGES
+
+        return plugin_options(ADVANTAGES, v, info)
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from miles_core.train.loss import LOSSES
+
+        return LOSSES.check(v)
+
+    @field_validator("device")
+    @classmethod
+    def _device_present(cls, v: str) -> str:
+        if v == "cuda":  # only then import torch: validating a config stays cheap
+            from miles_core.device import check_device
+
+            check_device(v)
+        return v

@@ -1,0 +1,21 @@
+"""`embedded`: our batched sampler on the trainer's HF modules, in the trainer's process
+(weights handed over as tensors: weight_sync.transport colocated)."""
+
+from __future__ import annotations
+
+from miles_core.engines.protocol import IN_PROCESS_ROUTES
+from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, EngineSetup
+
+
+@ENGINES.register("embedded")
+class Embedded(EngineKind):
+    routes = IN_PROCESS_ROUTES
+
+    @classmethod
+    def build(cls, setup: EngineSetup) -> BuiltEngine:
+        from miles_core.engines.cpu.embedded import EmbeddedEngine
+
+        # a sync run's engine owns the process between training steps: it picks its threads
+        sync = setup.rollout.mode == "sync"
+        engine = EmbeddedEngine(setup.model, setup.tokenizer, seed=setup.seed, adapt_threads=sync)
+        return BuiltEngine(engine)

@@ -1,0 +1,72 @@
+"""`serving`: our continuous-batching engine (prefix reuse, per-request seeds) in the trainer's
+process, stepped by the caller; its options are the serving engine's compute settings, which the
+`server` engine shares."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from miles_core.engines.protocol import IN_PROCESS_ROUTES
+from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, EngineSetup
+from miles_core.plugins import PluginOptions
+
+
+class ServingOptions(PluginOptions):
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute dtype; bfloat16 decodes faster on CPUs with bf16 units, its "
+        "log-probs differ from the fp32 trainer's by ~1e-2 (train_rollout_* metrics)",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where the engine keeps its weights and KV cache: cpu, cuda, or auto = "
+        "cuda when available",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_present(cls, v: str) -> str:
+        if v == "cuda":
+            from miles_core.device import check_device
+
+            check_device(v)  # a clear error on a machine without CUDA
+        return v
+
+
+def refuses_model(hf_config: dict[str, Any]) -> str | None:
+    """The serving engine's forward (`engines/cpu/runner.py`) runs dense Qwen3 only."""
+    from types import SimpleNamespace
+
+    from miles_core.engines.cpu.runner import unsupported
+
+    return unsupported(SimpleNamespace(**hf_config))
+
+
+@ENGINES.register("serving")
+class Serving(EngineKind):
+    routes = IN_PROCESS_ROUTES
+    routed_experts = True
+    Options = ServingOptions
+
+    @classmethod
+    def check_model(cls, hf_config: dict[str, Any]) -> str | None:
+        return refuses_model(hf_config)
+
+    @classmethod
+    def build(cls, setup: EngineSetup) -> BuiltEngine:
+        from miles_core.engines.cpu.serving import ServingEngine
+
+        r, o = setup.rollout, setup.options
+        engine = ServingEngine(
+            setup.model,
+            setup.tokenizer,
+            seed=setup.seed,
+            max_running=setup.batch,
+            dtype=o.dtype,
+            scheduler="caller",
+            device=o.device,
+            adapt_threads=r.mode == "sync",  # in async modes a trainer computes beside it
+        )
+        return BuiltEngine(engine)

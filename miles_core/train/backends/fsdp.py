@@ -1,0 +1,318 @@
+"""FSDP2 trainer backend: `fully_shard` per decoder layer and at the root, AdamW. One CPU rank
+trains the plain module (nothing to shard; the checkpoint, state-dict and weight-transport code
+below takes both: `DTensor` parameters or plain ones).
+
+The step loop (sharding, micro-batches, global denominators, metric reduction) is
+`miles_core.train.step`, the losses are `miles_core.train.losses`; this file holds what is FSDP2's
+own: building and sharding the model on its device, forward to per-token log-probs, backward, the
+optimizer step, checkpoints and how the weights leave (the block at the end of the class).
+
+On CUDA, parameters stay fp32 (the optimizer's copy) and FSDP2 computes in bf16 and reduces
+gradients in fp32 (`MixedPrecisionPolicy`); on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from transformers import AutoModelForCausalLM
+
+from miles_core import routed_experts
+from miles_core.device import resolve_device
+from miles_core.train import distributed as spmd
+from miles_core.train import step as steps
+from miles_core.train.backend import BACKENDS
+from miles_core.train.batch import TrainBatch
+from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
+from miles_core.train.loss_terms import entropy_from_logits, token_log_probs
+from miles_core.train.lr_schedule import build_optimizer
+from miles_core.train.routing_replay import RouterReplay
+from miles_core.train.shared_prefix import response_logits
+from miles_core.train.spmd_calls import SPMDCalls
+from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
+
+
+def has_dropout(config) -> bool:
+    """Whether an HF config turns on any dropout (`attention_dropout`, `hidden_dropout`, …)."""
+    return any(
+        "dropout" in key and isinstance(value, int | float) and value > 0
+        for key, value in config.to_dict().items()
+    )
+
+
+@BACKENDS.register("fsdp")
+class FSDPBackend(SPMDCalls):
+    def __init__(
+        self,
+        model_dir: str,
+        optim: dict[str, Any],
+        loss: dict[str, Any] | None = None,
+        total_steps: int = 1,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        self.device = resolve_device(device)
+        self.rank, self.world = spmd.init_distributed(self.device)
+        self._announce_init(
+            model_dir=model_dir,
+            optim=optim,
+            loss=loss,
+            total_steps=total_steps,
+            seed=seed,
+            device=device,
+        )
+        if optim.get("threads"):
+            torch.set_num_threads(int(optim["threads"]))
+        torch.manual_seed(seed)
+        self.optim_cfg = optim
+        self.loss_cfg = loss or {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.config = model.config
+        self.pad_id = int(model.config.pad_token_id or 0)
+        self.stochastic_forward = has_dropout(model.config)
+        on_cuda = self.device.type == "cuda"
+        self.ref_model = None
+        if self._needs_reference():
+            ref = copy.deepcopy(model).eval().requires_grad_(False)
+            # on CUDA the reference computes in bf16 like the FSDP2 policy it is compared with
+            self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
+        self.routing = None  # MoE routing replay / its checker (routing_replay.py)
+        if optim.get("routing_replay") or optim.get("check_routing_replay"):
+            # the policy's routers only (after the reference copy, which routes by itself)
+            routed_experts.declare(model.config.to_dict())  # also on ranks > 0
+            self.routing = RouterReplay(
+                model, bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
+            )
+        if on_cuda:
+            model.to(self.device)
+        if self.world > 1 or on_cuda:
+            mesh = init_device_mesh(self.device.type, (self.world,))
+            mp = {}
+            if on_cuda:  # bf16 compute, fp32 gradient reduction; the sharded fp32 params stay
+                mp["mp_policy"] = MixedPrecisionPolicy(
+                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+                )
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, **mp)
+            fully_shard(model, mesh=mesh, **mp)
+        # else one CPU rank: nothing to shard or reduce, and FSDP2's per-layer all-gather and
+        # reduce-scatter hooks and DTensor optimizer ops cost 20 % of the tiny preset's train
+        # step; the plain module runs the same fp32 AdamW over the same parameters, bitwise
+        self.model = model
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+        self.micro_batch_size = int(optim["micro_batch_size"])
+        # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
+        # where the group's rows would share one dropout draw over their prompt
+        # not with routing replay either: routes are recorded per position of the padded rows
+        self.share_prompts = (
+            bool(optim.get("share_prompts", True))
+            and not self.stochastic_forward
+            and self.routing is None
+        )
+
+    # ------------------------------------------------------------------ the step loop's calls
+    @property
+    def dp_rank(self) -> int:  # every rank is a data-parallel rank
+        return self.rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.world
+
+    reports_stats = True
+
+    def forward_backward(self, parts, needs, on_output, train) -> None:
+        steps.sequential(self, parts, needs, on_output, train)
+
+    def micro_batch(self, batch: TrainBatch) -> MicroBatch:
+        return MicroBatch.build(batch, self.pad_id, self.device, self.share_prompts)
+
+    def forward(self, mb: MicroBatch, needs: LossNeeds) -> TokenOutputs:
+        if self.routing is None:
+            lp, resp_logits = self._log_probs(self.model, mb)
+        else:
+            with self.routing.micro_batch(mb):
+                lp, resp_logits = self._log_probs(self.model, mb)
+        entropy = None
+        if needs.entropy != "none":
+            logits = resp_logits if needs.entropy == "grad" else resp_logits.detach()
+            entropy = entropy_from_logits(logits, mb.temperature)
+        ref = None
+        if needs.reference:
+            if self.ref_model is None:
+                raise ValueError(
+                    "this loss needs reference log-probs, but the backend was built without a "
+                    "reference model (its loss settings asked for none: kl_coef 0)"
+                )
+            with torch.no_grad():
+                ref, _ = self._log_probs(self.ref_model, mb)
+        return TokenOutputs(lp, entropy, ref)
+
+    def _log_probs(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        padded = mb.padded
+        if mb.prefix is not None:
+            resp_logits = response_logits(model, mb.prefix)
+        else:
+            logits = model(input_ids=padded.input_ids).logits
+            idx = padded.targets_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+            resp_logits = logits.gather(1, idx)
+        return token_log_probs(resp_logits, padded.targets, mb.temperature), resp_logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def set_training(self, training: bool) -> None:
+        self.model.train(training)
+
+    def optimizer_step(self) -> dict[str, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.optim_cfg["grad_clip"]
+        )
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    # ------------------------------------------------------------------ checkpoints (all ranks)
+    def _save(self, directory: str) -> None:
+        path = Path(directory)
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.config.save_pretrained(str(path))
+            save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+            with open(path / "trainer_state.json", "w") as f:
+                json.dump({"scheduler": self.scheduler.state_dict(), "world_size": self.world}, f)
+        osd = get_optimizer_state_dict(self.model, self.optimizer)
+        dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+        if self.world > 1:
+            dist.barrier()
+
+    def _load(self, directory: str) -> None:
+        path = Path(directory)
+        sd = load_file(str(path / "model.safetensors")) if self.rank == 0 else {}
+        if getattr(self.config, "tie_word_embeddings", False) and self.rank == 0:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        set_model_state_dict(
+            self.model,
+            sd,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+        )
+        if (path / "optimizer").exists():
+            osd = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+            set_optimizer_state_dict(self.model, self.optimizer, osd)
+        state_file = path / "trainer_state.json"
+        if state_file.exists():
+            with open(state_file) as f:
+                self.scheduler.load_state_dict(json.load(f)["scheduler"])
+
+    # ------------------------------------------------------------------ how weights leave
+    # (miles_core.weights.source.TrainerWeights; this block is the weight-sync stream's)
+    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+        """For every parameter, in `send_shards` order: its HF name, full shape, the dtype sent
+        and the slice each rank holds. FSDP2 shards along the dim of its `Shard` placement
+        (dim 0) in torch.chunk pieces; an unsharded parameter is sent whole by rank 0."""
+        plan = []
+        for name, p in self.model.named_parameters():
+            shape = list(p.shape)
+            sent = dtype_name(dtype or p.dtype)
+            placement = p.placements[0] if isinstance(p, DTensor) else None
+            if isinstance(placement, Shard) and shape:
+                pieces = [
+                    Placement(r, placement.dim, start, length)
+                    for r, (start, length) in enumerate(
+                        dim_chunks(shape[placement.dim], self.world)
+                    )
+                ]
+                mine = pieces[self.rank].length
+                if p.to_local().shape[placement.dim] != mine:  # the plan is what this rank holds
+                    raise RuntimeError(f"{name}: local shard {p.to_local().shape} != plan {mine}")
+            else:
+                pieces = [Placement(0, 0, 0, shape[0] if shape else 1)]
+            plan.append(TensorPlan(name, shape, sent, pieces))
+        return plan
+
+    def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+        from miles_core.weights.group import Scratch, send_pieces
+
+        scratch = self.__dict__.setdefault("_send_scratch", Scratch())  # kept from push to push
+        plan = self.shard_plan(dtype)
+        pieces = {}  # tensor index in the plan: this rank's slice, sent in one flat buffer
+        with torch.no_grad():
+            params = self.model.named_parameters()
+            for i, ((_, param), t) in enumerate(zip(params, plan, strict=True)):
+                mine = [p for p in t.pieces if p.rank == self.rank and p.length > 0]
+                if not mine:
+                    continue
+                piece = mine[0]
+                if isinstance(param, DTensor):
+                    local = param.to_local()
+                else:
+                    local = param.detach().reshape(-1) if not t.shape else param.detach()
+                    local = local.narrow(piece.dim, piece.start, piece.length)
+                pieces[i] = local.detach().to(dtype or local.dtype)
+            pg = self._transfer_group[1]
+            return send_pieces(pg, plan, self.rank, pieces, engine_ranks, scratch)
+
+    def _named_weights(
+        self, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of full tensors (rank 0). Every rank runs one all-gather per parameter, so if
+        rank 0's consumer stops early (an error mid-push), the rest are still run in `finally`:
+        the followers never wait in a collective that rank 0 skipped."""
+        params = list(self.model.named_parameters())
+        done = 0
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        try:
+            with torch.no_grad():
+                for name, param in params:
+                    full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+                    done += 1
+                    if self.rank != 0:
+                        continue
+                    if dtype is not None:
+                        full = full.to(dtype)
+                    bucket.append((name, full))
+                    size += full.numel() * full.element_size()
+                    if size >= bucket_bytes:
+                        yield bucket
+                        bucket, size = [], 0
+            if bucket:
+                yield bucket
+        finally:
+            with torch.no_grad():
+                for _, param in params[done:]:
+                    if isinstance(param, DTensor):
+                        param.full_tensor()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Rank 0: every tensor unsharded, HF names, tied duplicates dropped."""
+        sd = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if getattr(self.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return {k: v.contiguous() for k, v in sd.items()}
