@@ -37,7 +37,7 @@ def _config(tmp_path, *extra):
             "agent.max_tokens=24",
             "train.global_batch_size=4",
             "train.micro_batch_size=4",
-            "train.loss_agg=rollout_mean_token_mean",
+            "train.loss_options.loss_agg=rollout_mean_token_mean",
             "train.threads=1",
             f"checkpoint.root={tmp_path}/ckpt",
             "agent.eval_episodes=7",  # one of each kind, the held-out one last

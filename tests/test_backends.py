@@ -13,7 +13,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from pydantic import ValidationError
 
-from miles_core.config import OffPolicyConfig, RunConfig, load_config
+from miles_core.config import RunConfig, load_config
 from miles_core.device import check_device, dist_backend, resolve_device
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
@@ -23,8 +23,8 @@ from miles_core.train import distributed
 from miles_core.train.advantage import ADVANTAGES
 from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
-from miles_core.train.loss import LOSSES
-from miles_core.train.losses.policy import OffPolicySettings, PolicyLossConfig
+from miles_core.train.loss import LOSSES, loss_options
+from miles_core.train.losses.policy import OffPolicyOptions, PolicyOptions
 from miles_core.types import Sample, SampleGroup
 from tests.plugins import backend as plugin
 
@@ -32,7 +32,10 @@ PLUGIN = "tests.plugins.backend:RecordingBackend"
 
 
 def _settings(**overrides):
-    return RunConfig().train.model_copy(update={"micro_batch_size": 4, **overrides}).model_dump()
+    """The train section as a trainer gets it; the policy loss's keys go to its options."""
+    loss = {k: overrides.pop(k) for k in list(overrides) if k in PolicyOptions.model_fields}
+    update = {"micro_batch_size": 4, "loss_options": PolicyOptions(**loss), **overrides}
+    return RunConfig().train.model_copy(update=update).model_dump()
 
 
 def _trainer(model_dir, name="fsdp", **overrides):
@@ -84,18 +87,24 @@ def test_a_backend_and_a_loss_by_import_path_pass_config_validation():
     )
 
 
-def test_registered_names_are_not_imported_to_validate_a_config():
+def test_validating_a_config_imports_only_the_plugins_it_names():
     code = "import sys; from miles_core.config import load_config; "
     code += "load_config(None, ['train.backend=fsdp', 'train.loss=policy']); "
-    code += "print(sorted(m for m in sys.modules if m.startswith('miles_core.train.')))"
+    code += "print(sorted(m for m in sys.modules if m.startswith(('miles_core.', 'transformers'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = eval(out.stdout)
-    assert "miles_core.train.backend" in loaded
-    assert not {
-        "miles_core.train.backends.fsdp",
-        "miles_core.train.backends.megatron.backend",
-        "miles_core.train.losses.policy",
-    } & set(loaded)
+    loaded = set(eval(out.stdout))
+    # the named ones, for their options; none of the others, and no model code
+    assert {"miles_core.train.backends.fsdp", "miles_core.train.losses.policy"} <= loaded
+    assert (
+        not {
+            "miles_core.train.backends.megatron.backend",
+            "miles_core.train.advantages.rloo",
+            "miles_core.weights.transports.disk",
+            "miles_core.engines.kinds.server",
+            "transformers",
+        }
+        & loaded
+    )
     assert BACKENDS.names() == ["fsdp", "megatron"]
 
 
@@ -114,16 +123,17 @@ def test_followers_rebuild_the_backend_class_rank_0_announced(tiny_dir, monkeypa
         assert torch.equal(a.detach(), b.detach())
 
 
-def test_the_policy_loss_reads_a_typed_config_from_the_train_section():
-    cfg = PolicyLossConfig.from_settings(
-        _settings(eps_clip_high=0.28, kl_coef=0.1, off_policy=OffPolicyConfig(mode="tis", high=1.5))
-    )
-    assert cfg == PolicyLossConfig(
-        eps_clip=0.2,
-        eps_clip_high=0.28,
-        kl_coef=0.1,
-        off_policy=OffPolicySettings(mode="tis", high=1.5),
-    )
+def test_the_policy_loss_reads_its_typed_options_and_refuses_unknown_ones():
+    off = OffPolicyOptions(mode="tis", high=1.5)
+    settings = _settings(eps_clip_high=0.28, kl_coef=0.1, off_policy=off)
+    policy = LOSSES.get("policy")
+    cfg = policy.config(loss_options(settings, "policy"))
+    assert cfg == PolicyOptions(eps_clip=0.2, eps_clip_high=0.28, kl_coef=0.1, off_policy=off)
+    assert loss_options(settings, "sft") == {}  # the run's loss options are the policy loss's
+    with pytest.raises(ValidationError, match="kl_coeff"):
+        policy.config({"kl_coeff": 0.1})
+    with pytest.raises(ValidationError, match=r"train.loss_options.kl_coeff\n +Extra inputs"):
+        load_config(None, ["train.loss_options.kl_coeff=0.1"])
 
 
 def test_a_custom_loss_is_used_by_name_or_import_path_and_an_unknown_one_refused(tiny_dir, tiny):
@@ -182,8 +192,15 @@ def _rl_config(*overrides):
     [
         [],
         # the corrections and mismatch stats compare π_old with the engine's log-probs
-        ["train.off_policy.mode=tis", "train.kl_coef=0.1", "train.entropy_coef=0.01"],
-        ["train.loss_agg=seq_mean_token_mean", "train.off_policy.mode=icepop"],
+        [
+            "train.loss_options.off_policy.mode=tis",
+            "train.loss_options.kl_coef=0.1",
+            "train.loss_options.entropy_coef=0.01",
+        ],
+        [
+            "train.loss_options.loss_agg=seq_mean_token_mean",
+            "train.loss_options.off_policy.mode=icepop",
+        ],
     ],
 )
 def test_one_optimizer_step_per_rollout_takes_old_log_probs_from_its_own_forward(

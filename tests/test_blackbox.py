@@ -15,6 +15,7 @@ from miles_core.agents.session_generate import session_generate
 from miles_core.config import RunConfig
 from miles_core.train.backends.fsdp import FSDPBackend
 from miles_core.train.batch import TrainBatch
+from miles_core.train.losses.policy import PolicyOptions
 from miles_core.types import Status
 
 HARNESS = Path(__file__).parents[1] / "examples" / "blackbox_harness" / "agent.py"
@@ -51,7 +52,10 @@ def test_a_black_box_harness_with_a_sub_agent_and_compaction_records_a_tree(setu
         assert s.reward == out.reward and s.status in (Status.COMPLETED, Status.TRUNCATED)
     # the three leaves train as one rollout
     cfg = RunConfig().train.model_copy(
-        update={"loss_agg": "rollout_mean_token_mean", "micro_batch_size": 3}
+        update={
+            "loss_options": PolicyOptions(loss_agg="rollout_mean_token_mean"),
+            "micro_batch_size": 3,
+        }
     )
     trainer = FSDPBackend(str(model_dir), optim=cfg.model_dump(), loss=cfg.model_dump())
     batch = TrainBatch.from_samples(samples, [1.0] * 3, temperature=1.0)

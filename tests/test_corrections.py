@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_trainer import _rollout, _trainer
 
-from miles_core.config import OffPolicyConfig
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.train.corrections import correction_weights
+from miles_core.train.losses.policy import OffPolicyOptions
 
 
 def _w(ratios, mask=None, **kw):
@@ -65,7 +65,7 @@ def test_masked_tokens_leave_the_denominator_unchanged(tiny_dir, tiny):
     """ICEPOP rejects one token: pg_loss = −Σ_kept A / (all tokens), not / (kept tokens)."""
     model, tok = tiny
     batch = _rollout(EmbeddedEngine(copy.deepcopy(model), tok, seed=0), tok, n=8)
-    trainer = _trainer(tiny_dir, off_policy=OffPolicyConfig(mode="icepop", low=0.5, high=2.0))
+    trainer = _trainer(tiny_dir, off_policy=OffPolicyOptions(mode="icepop", low=0.5, high=2.0))
     batch.old_log_probs = trainer.compute_log_probs(batch)
     batch.rollout_log_probs = [list(r) for r in batch.old_log_probs]
     batch.rollout_log_probs[0][0] -= 5.0  # ratio e^5: outside the band, masked
@@ -82,7 +82,7 @@ def test_masked_tokens_leave_the_denominator_unchanged(tiny_dir, tiny):
 def test_a_correction_without_engine_logprobs_is_a_clear_error(tiny_dir, tiny):
     model, tok = tiny
     batch = _rollout(EmbeddedEngine(copy.deepcopy(model), tok, seed=0), tok, n=8)
-    trainer = _trainer(tiny_dir, off_policy=OffPolicyConfig(mode="tis"))
+    trainer = _trainer(tiny_dir, off_policy=OffPolicyOptions(mode="tis"))
     batch.old_log_probs = trainer.compute_log_probs(batch)
     batch.rollout_log_probs = None
     with pytest.raises(ValueError, match="needs the engine's log-probs"):

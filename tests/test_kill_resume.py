@@ -212,7 +212,7 @@ AGENTIC = [
     "rollout.n_samples_per_prompt=2",
     "train.global_batch_size=4",
     "train.micro_batch_size=4",
-    "train.loss_agg=rollout_mean_token_mean",
+    "train.loss_options.loss_agg=rollout_mean_token_mean",
 ]
 
 

@@ -109,7 +109,7 @@ def test_rl_steps_train_the_experts_and_routers_and_the_engine_serves_them(
             "train.global_batch_size=16",
             "train.micro_batch_size=8",
             "train.lr=1e-3",
-            "train.entropy_coef=0.01",  # a gradient whatever the random model's rewards
+            "train.loss_options.entropy_coef=0.01",  # a gradient whatever the random model's rewards
             f"checkpoint.root={tmp_path / 'ckpt'}",
             "weight_sync.check_equal=true",
         ],

@@ -330,7 +330,7 @@ def _agentic_overrides(tmp_path: Path, name: str, world: int, extra: tuple) -> l
         "rollout.n_samples_per_prompt=2",
         "train.global_batch_size=4",
         "train.micro_batch_size=2",
-        "train.loss_agg=rollout_mean_token_mean",
+        "train.loss_options.loss_agg=rollout_mean_token_mean",
     )
     return _overrides(tmp_path, name, world, (*agentic, *extra))
 

@@ -12,6 +12,7 @@ from miles_core.train.backends.fsdp import FSDPBackend
 from miles_core.train.batch import PaddedBatch, TrainBatch
 from miles_core.train.forward import LossNeeds
 from miles_core.train.loss_terms import aggregate, k3_kl, ppo_clip_loss
+from miles_core.train.losses.policy import PolicyOptions
 from miles_core.train.padding import pad_rows
 from miles_core.train.shared_prefix import SharedPrefix
 from miles_core.types import Sample, SampleGroup
@@ -19,7 +20,9 @@ from miles_core.weights import TRANSPORTS, mismatched_tensors
 
 
 def _trainer(model_dir, **overrides):
-    cfg = RunConfig().train.model_copy(update={"micro_batch_size": 8, **overrides})
+    loss = {k: overrides.pop(k) for k in list(overrides) if k in PolicyOptions.model_fields}
+    update = {"micro_batch_size": 8, "loss_options": PolicyOptions(**loss), **overrides}
+    cfg = RunConfig().train.model_copy(update=update)
     return FSDPBackend(
         str(model_dir), optim=cfg.model_dump(), loss=cfg.model_dump(), total_steps=10
     )

@@ -139,7 +139,7 @@ def main() -> None:
             top_k=0,
             beta=0.0,
             epsilon=0.2,
-            loss_type="dapo",  # token-level mean over the batch, as train.loss_agg token_mean
+            loss_type="dapo",  # token-level mean over the batch, as train.loss_options.loss_agg token_mean
             scale_rewards="group",
             learning_rate=args.lr,
             lr_scheduler_type="constant",

@@ -11,7 +11,7 @@
 
 The environment sets the reward (the agent function returns it), then the optional reward hooks
 per episode and per group (`agents/rewards.py`); an episode left without one is FAILED. The
-rollout function is wired in `rollout_source.AgentSessions`; all three layers are chosen by
+rollout function is wired in `rollout/sources.py: AgentSessions`; all three layers are chosen by
 import path (`agent.rollout_function`, default `AgenticRollout`; `agent.generate_function`;
 `agent.function`).
 """

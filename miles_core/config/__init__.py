@@ -19,7 +19,7 @@ from miles_core.config.rollout import RolloutConfig
 from miles_core.config.run import RunConfig
 from miles_core.config.sft import SFTConfig
 from miles_core.config.tracking import TrackingConfig
-from miles_core.config.train import OffPolicyConfig, OptimConfig, ParallelConfig, TrainConfig
+from miles_core.config.train import OptimConfig, ParallelConfig, TrainConfig
 from miles_core.config.weight_sync import WeightSyncConfig
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "EvalConfig",
     "ModelConfig",
     "NetworkConfig",
-    "OffPolicyConfig",
     "OptimConfig",
     "ParallelConfig",
     "RolloutConfig",

@@ -45,7 +45,7 @@ class AgentConfig(Strict):
     family: str = Field(
         "tiny",
         description="TITO family of the session server: a registered name (tiny, qwen3, mistral, "
-        "or one added with miles_core.tito.register_family) or 'package.module:Class'",
+        "or a module added to miles_core/chat_templates/) or 'package.module:Class'",
     )
     rollout_function: str | None = Field(
         None,

@@ -74,38 +74,19 @@ class OptimConfig(Strict):
         return self
 
 
-class OffPolicyConfig(Strict):
-    mode: Literal["none", "tis", "icepop", "mis"] = Field(
-        "none",
-        description="importance correction for π_old/π_rollout: tis truncates the ratio, icepop "
-        "masks tokens outside [low, high], mis weights at `level` with truncate or mask",
-    )
-    low: float = Field(0.0, ge=0, description="lower bound of the ratio band")
-    high: float = Field(2.0, gt=0, description="upper bound of the ratio band")
-    level: Literal["token", "sequence", "geometric"] = "token"
-    mis_mode: Literal["truncate", "mask"] = "truncate"
-    veto_threshold: float | None = Field(
-        None, gt=0, lt=1, description="mis: reject a sequence holding a token ratio below this"
-    )
-
-    @model_validator(mode="after")
-    def _band(self) -> OffPolicyConfig:
-        if self.low >= self.high:
-            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
-        return self
-
-
 class TrainConfig(OptimConfig):
     backend: str = Field(
         "fsdp",
         description="trainer backend: a registered name (fsdp; more with "
         "a module in miles_core/train/backends/) or 'package.module:Class'",
     )
+    backend_options: PluginOptionsField = options_field("backend")
     loss: str = Field(
         "policy",
-        description="loss of the RL step: a registered name (policy: PPO-clip/GRPO) or "
-        "'package.module:object'",
+        description="loss of the RL step: a module of miles_core/train/losses/ (policy: "
+        "PPO-clip with KL, entropy and off-policy corrections) or 'package.module:object'",
     )
+    loss_options: PluginOptionsField = options_field("loss")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="where the trainer runs: cuda (bf16 compute, fp32 params and gradient "
@@ -124,21 +105,6 @@ class TrainConfig(OptimConfig):
         "miles_core/train/advantages/ (grpo, rloo) or 'package.module:Class'",
     )
     advantage_estimator_options: PluginOptionsField = options_field("advantage_estimator")
-    eps_clip: float = Field(0.2, gt=0, lt=1)
-    eps_clip_high: float | None = Field(
-        None, gt=0, description="upper clip (DAPO clip-higher); default eps_clip"
-    )
-    loss_agg: Literal["token_mean", "seq_mean_token_mean", "rollout_mean_token_mean"] = Field(
-        "token_mean",
-        description="token_mean: over all tokens; seq_mean_token_mean: per sample, then over "
-        "samples; rollout_mean_token_mean: per rollout (samples sharing a rollout id, e.g. one "
-        "agent session's leaves), then over rollouts",
-    )
-    kl_coef: float = Field(
-        0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model"
-    )
-    entropy_coef: float = Field(0.0, ge=0)
-    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     routing_replay: bool = Field(
         False,
         description="MoE models (R3): the trainer's routers take the experts the engine routed "
@@ -160,12 +126,15 @@ class TrainConfig(OptimConfig):
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"micro_batch_size × data-parallel ranks ({unit})"
             )
-        if (self.parallel.model_parallel > 1 or self.parallel.ep > 1) and self.backend == "fsdp":
-            raise ValueError(
-                f"train.parallel asks for tp={self.parallel.tp}, pp={self.parallel.pp}, "
-                f"cp={self.parallel.cp}, ep={self.parallel.ep}: train.backend fsdp is data "
-                "parallel only (use megatron)"
-            )
+        p = self.parallel
+        if p.model_parallel > 1 or p.ep > 1:
+            from miles_core.train.backend import BACKENDS
+
+            if not getattr(BACKENDS.get(self.backend), "model_parallel", False):
+                raise ValueError(
+                    f"train.parallel asks for tp={p.tp}, pp={p.pp}, cp={p.cp}, ep={p.ep}: "
+                    f"train.backend {self.backend} is data parallel only (megatron splits models)"
+                )
         return self
 
     @field_validator("backend")
@@ -174,6 +143,13 @@ class TrainConfig(OptimConfig):
         from miles_core.train.backend import BACKENDS
 
         return BACKENDS.check(v)  # ValueError naming the registered backends
+
+    @field_validator("backend_options", mode="before")
+    @classmethod
+    def _backend_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
+        from miles_core.train.backend import BACKENDS
+
+        return plugin_options(BACKENDS, v, info)
 
     @field_validator("advantage_estimator")
     @classmethod
@@ -188,6 +164,13 @@ class TrainConfig(OptimConfig):
         from miles_core.train.advantage import ADVANTAGES
 
         return plugin_options(ADVANTAGES, v, info)
+
+    @field_validator("loss_options", mode="before")
+    @classmethod
+    def _loss_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
+        from miles_core.train.loss import LOSSES
+
+        return plugin_options(LOSSES, v, info)
 
     @field_validator("loss")
     @classmethod

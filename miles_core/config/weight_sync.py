@@ -27,7 +27,7 @@ class WeightSyncConfig(Strict):
         "float32",
         description="dtype of pushed weights: float32 is exact; bfloat16 halves the bytes and "
         "keeps disk deltas small, and engines then hold bf16-rounded weights (a train/rollout "
-        "mismatch that train.off_policy corrects and train_rollout_* metrics show)",
+        "mismatch that train.loss_options.off_policy corrects and train_rollout_* metrics show)",
     )
 
     @field_validator("transport")

@@ -17,9 +17,11 @@ from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 
 
 class Loss(Protocol):
-    def config(self, settings: Mapping[str, Any]) -> Any:
-        """The loss's typed config, read from the trainer's loss settings (the `train` section
-        as a mapping; {} for SFT): unknown keys are ignored, missing ones take defaults."""
+    Options: type  # its settings (train.loss_options), a PluginOptions model
+
+    def config(self, options: Mapping[str, Any]) -> Any:
+        """Its typed settings from `options` (train.loss_options when the run's loss is this
+        one, else {}): unknown keys are refused, missing ones take defaults."""
         ...
 
     def aggregation(self, cfg: Any) -> str:
@@ -45,10 +47,12 @@ class Loss(Protocol):
         ...
 
 
-def pick(cls: type, settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of `settings` that are fields of dataclass `cls`."""
-    names = cls.__dataclass_fields__  # type: ignore[attr-defined]
-    return {k: v for k, v in settings.items() if k in names}
+def loss_options(settings: Mapping[str, Any] | None, name: str) -> Mapping[str, Any]:
+    """The options `settings` (a trainer's loss settings: the train section as a mapping) hold
+    for loss `name`: `loss_options` when `name` is the section's loss, else none."""
+    if not settings or settings.get("loss", "policy") != name:
+        return {}
+    return settings.get("loss_options") or {}
 
 
 def _loss(obj: Any, name: str) -> Any:

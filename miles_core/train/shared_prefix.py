@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from miles_core.token_fields import token_field
 from miles_core.train.batch import TrainBatch
@@ -94,6 +93,8 @@ class SharedPrefix:
 def response_logits(model, layout: SharedPrefix) -> torch.Tensor:
     """[B, R, V] logits predicting each response token, as the padded forward's
     `logits.gather(targets_index)` gives them."""
+    from transformers import DynamicCache  # (importing this module stays cheap)
+
     cache = DynamicCache()
     first = model(
         input_ids=layout.prefix_ids,

@@ -15,7 +15,7 @@ from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.backend import backend_path
 from miles_core.train.batch import TrainBatch
-from miles_core.train.loss import LOSSES
+from miles_core.train.loss import LOSSES, loss_options
 from miles_core.train.routing_replay import RouteReplay
 
 
@@ -36,8 +36,9 @@ class SPMDCalls:
         """The run's RL loss (`loss.loss`, default policy) asks for reference log-probs."""
         if not self.loss_cfg:
             return False
-        fn = LOSSES.get(self.loss_cfg.get("loss") or "policy")
-        return fn.needs(fn.config(self.loss_cfg)).reference
+        name = self.loss_cfg.get("loss") or "policy"
+        fn = LOSSES.get(name)
+        return fn.needs(fn.config(loss_options(self.loss_cfg, name))).reference
 
     # ------------------------------------------------------------------ public calls (rank 0)
     def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.loss import LOSSES
+from miles_core.train.loss import LOSSES, loss_options
 
 # called with each micro-batch's outputs where they exist (the last pipeline stage); returns the
 # micro-batch's loss to backpropagate (a train step) or None (a forward-only pass)
@@ -114,7 +114,7 @@ def train_step(
 ) -> dict[str, float]:
     """One optimizer step over the global batch with the loss registered as `loss`."""
     fn = LOSSES.get(loss)
-    cfg = fn.config(settings)
+    cfg = fn.config(loss_options(settings, loss))
     needs = fn.needs(cfg)
     backend.set_training(True)
     local = shard(batch, backend.dp_rank, backend.dp_world)

@@ -43,7 +43,7 @@ def paused(engines: list, mode: str, skip: bool = False, check: bool = True):
 
 def one_call(engines: list) -> bool:
     """One engine that pauses and continues itself within its weight calls (`pause_mode` in the
-    body, engine_api.PAUSED_PUSH): a push needs no separate pause and continue calls. With
+    body, engines/protocol.py: PAUSED_PUSH): a push needs no separate pause and continue calls. With
     several engines every one is paused first, so that an unreachable one fails the push before
     any engine loads."""
     return len(engines) == 1 and PAUSED_PUSH in getattr(engines[0], "weight_routes", ())

@@ -139,7 +139,7 @@ class TransportBase(RecordsPushes):
 
 
 class WeightTransport(Protocol):
-    route: str  # the weight route (engine_api) an engine must take for this transport
+    route: str  # the weight route (engines/protocol.py) an engine must take for this transport
     reconnects: bool  # connect() may be called again with a replaced engine
 
     def connect(self, engines: list[RolloutEngine]) -> None: ...

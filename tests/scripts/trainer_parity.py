@@ -28,6 +28,7 @@ from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
 from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
+from miles_core.train.losses.policy import PolicyOptions
 from miles_core.weights import TRANSPORTS, weights_checksum
 from miles_core.weights.transports.disk import DiskTransport
 
@@ -109,6 +110,9 @@ for i, loss_overrides in enumerate(configs):
         loss_overrides.pop(k, None) for k in ("load", "save", "old_from", "push")
     )
     parallel = ParallelConfig(**loss_overrides.pop("parallel", {}))
+    loss = PolicyOptions(
+        **{k: loss_overrides.pop(k) for k in PolicyOptions.model_fields if k in loss_overrides}
+    )
     batch = TrainBatch(
         tokens=[q.input_ids + r.output_ids for q, r in zip(reqs, out, strict=True)],
         response_lengths=[len(r.output_ids) for r in out],
@@ -123,6 +127,7 @@ for i, loss_overrides in enumerate(configs):
             "world_size": world,
             "lr": 1e-2,
             "parallel": parallel,
+            "loss_options": loss,
             **loss_overrides,
         }
     )

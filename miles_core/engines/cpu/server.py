@@ -84,7 +84,7 @@ class TensorBody(_Body):
     load_format: str | None = None
     weight_version: str | None = None
     flush_cache: bool = True
-    # ours beyond SGLang's struct (engine_api.PAUSED_PUSH): pause, load, continue in this call
+    # ours beyond SGLang's struct (engines/protocol.py: PAUSED_PUSH): pause, load, continue in this call
     pause_mode: str | None = None
     extensions: ClassVar[frozenset[str]] = frozenset({"pause_mode"})
 
@@ -108,7 +108,7 @@ class DistributedBody(_Body):
     load_format: str | None = None  # "p2p_shards": trainer ranks send their own shards
     plan: list[dict] | None = None  # p2p: each tensor's pieces per trainer rank (source.py)
     senders: int | None = None  # p2p: trainer ranks in the group
-    # engine_api.PAUSED_PUSH: paused (mode) for the receive, continued after the push's last call
+    # engines/protocol.py: PAUSED_PUSH: paused (mode) for the receive, continued after the push's last call
     pause_mode: str | None = None
     # fields of our own beyond SGLang's struct (plan, senders: only read with load_format
     # "p2p_shards")
@@ -145,7 +145,7 @@ def _check_pause_mode(mode: str | None) -> None:
 
 
 async def _paused_call(engine: ServingEngine, mode: str | None, call, continues: bool):
-    """A weight call that carries `pause_mode` (engine_api.PAUSED_PUSH): the engine pauses
+    """A weight call that carries `pause_mode` (engines/protocol.py: PAUSED_PUSH): the engine pauses
     (mode; `in_place` needs no pause), runs `call`, and continues when `continues` (the push's
     last call) or when the call failed; the call's result either way."""
     if mode is None:

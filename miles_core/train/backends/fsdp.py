@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
-from transformers import AutoModelForCausalLM
 
 from miles_core import routed_experts
 from miles_core.device import resolve_device
@@ -84,6 +83,8 @@ class FSDPBackend(SPMDCalls):
         torch.manual_seed(seed)
         self.optim_cfg = optim
         self.loss_cfg = loss or {}
+        from transformers import AutoModelForCausalLM  # (importing this module stays cheap)
+
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.config = model.config
         self.pad_id = int(model.config.pad_token_id or 0)

@@ -4,62 +4,77 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, model_validator
 
+from miles_core.plugins import PluginOptions
 from miles_core.train.corrections import correction_weights
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.loss import LOSSES, pick
+from miles_core.train.loss import LOSSES
 from miles_core.train.loss_terms import aggregate, k3_kl, ppo_clip_loss
 
 
-@dataclass(frozen=True)
-class OffPolicySettings:
-    """`train.off_policy` (see `miles_core.train.corrections`)."""
+class OffPolicyOptions(PluginOptions):
+    """`train.loss_options.off_policy`: importance correction for π_old/π_rollout (see
+    `miles_core.train.corrections`)."""
 
-    mode: str = "none"
-    low: float = 0.0
-    high: float = 2.0
-    level: str = "token"
-    mis_mode: str = "truncate"
-    veto_threshold: float | None = None
+    mode: Literal["none", "tis", "icepop", "mis"] = Field(
+        "none",
+        description="tis truncates the ratio, icepop masks tokens outside [low, high], mis "
+        "weights at `level` with truncate or mask",
+    )
+    low: float = Field(0.0, ge=0, description="lower bound of the ratio band")
+    high: float = Field(2.0, gt=0, description="upper bound of the ratio band")
+    level: Literal["token", "sequence", "geometric"] = "token"
+    mis_mode: Literal["truncate", "mask"] = "truncate"
+    veto_threshold: float | None = Field(
+        None, gt=0, lt=1, description="mis: reject a sequence holding a token ratio below this"
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> OffPolicyOptions:
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None  # default eps_clip
-    loss_agg: str = "token_mean"
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    off_policy: OffPolicySettings = field(default_factory=OffPolicySettings)
+class PolicyOptions(PluginOptions):
+    """`train.loss_options` of the policy loss."""
 
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> PolicyLossConfig:
-        values = pick(cls, settings)
-        off = values.get("off_policy")
-        if isinstance(off, Mapping):
-            values["off_policy"] = OffPolicySettings(**pick(OffPolicySettings, off))
-        elif off is not None and not isinstance(off, OffPolicySettings):  # a pydantic section
-            values["off_policy"] = OffPolicySettings(**pick(OffPolicySettings, off.model_dump()))
-        return cls(**values)
+    eps_clip: float = Field(0.2, gt=0, lt=1, description="PPO clip range")
+    eps_clip_high: float | None = Field(
+        None, gt=0, description="upper clip (DAPO clip-higher); default eps_clip"
+    )
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "rollout_mean_token_mean"] = Field(
+        "token_mean",
+        description="token_mean: over all tokens; seq_mean_token_mean: per sample, then over "
+        "samples; rollout_mean_token_mean: per rollout (samples sharing a rollout id, e.g. one "
+        "agent session's leaves), then over rollouts",
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="k3 KL to the initial policy; 0 disables the reference model"
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus")
+    off_policy: OffPolicyOptions = Field(default_factory=OffPolicyOptions)
 
 
 @LOSSES.register("policy")
 class PolicyLoss:
-    def config(self, settings: Mapping[str, Any]) -> PolicyLossConfig:
-        return PolicyLossConfig.from_settings(settings)
+    Options = PolicyOptions
 
-    def aggregation(self, cfg: PolicyLossConfig) -> str:
+    def config(self, options: Mapping[str, Any] | PolicyOptions) -> PolicyOptions:
+        return options if isinstance(options, PolicyOptions) else PolicyOptions(**options)
+
+    def aggregation(self, cfg: PolicyOptions) -> str:
         return cfg.loss_agg
 
-    def needs(self, cfg: PolicyLossConfig) -> LossNeeds:
+    def needs(self, cfg: PolicyOptions) -> LossNeeds:
         return LossNeeds(entropy="grad" if cfg.entropy_coef else "value", reference=cfg.kl_coef > 0)
 
     def __call__(
-        self, out: TokenOutputs, mb: MicroBatch, cfg: PolicyLossConfig, denom: float
+        self, out: TokenOutputs, mb: MicroBatch, cfg: PolicyOptions, denom: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         batch, lp, agg = mb.batch, out.log_probs, cfg.loss_agg
         if batch.advantages is None:
@@ -77,11 +92,11 @@ class PolicyLoss:
         if off.mode != "none":
             if batch.rollout_log_probs is None:
                 raise ValueError(
-                    "train.off_policy needs the engine's log-probs (samples without "
+                    "train.loss_options.off_policy needs the engine's log-probs (samples without "
                     "rollout_log_probs)"
                 )
             rollout = mb.per_token(batch.rollout_log_probs)
-            correction = correction_weights(old, rollout, mask, **asdict(off))
+            correction = correction_weights(old, rollout, mask, **off.model_dump())
             pg = pg * correction.weights  # the numerator only: `denom` keeps every token
         pg_loss = aggregate(pg, mask, agg, denom, rows)
         total = pg_loss

@@ -8,7 +8,7 @@ loaded anywhere and the push fails naming it, so every engine keeps its previous
 version. `in_place` needs no pause call: the engine swaps weights between two decode steps and
 its running requests keep their KV, which is what in_place means.
 
-One engine that takes `paused_push` (engine_api.PAUSED_PUSH: our engine server) gets the whole
+One engine that takes `paused_push` (engines/protocol.py: PAUSED_PUSH: our engine server) gets the whole
 push in one HTTP call: the call carries `pause_mode` and the engine pauses, maps, loads, sets the
 version and continues within it (three fixed round trips were most of a small push). An engine
 that cannot be reached then fails that call, before it loaded anything. Several engines keep the

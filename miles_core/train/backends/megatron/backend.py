@@ -71,6 +71,8 @@ def init_model_parallel(layout: Layout) -> None:
 
 
 class MegatronBackend(SPMDCalls):
+    model_parallel = True  # train.parallel: tensor, pipeline and expert parallel layouts
+
     def __init__(
         self,
         model_dir: str,
