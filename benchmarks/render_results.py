@@ -243,13 +243,21 @@ def async_vs_sync(r: dict[str, Any]) -> list[str]:
     ]
     if len(r.get("runs", [])) > 1:
         each = r["runs"]
-        fa = ", ".join(_num(x["fully_async_over_sync"], ".2f") for x in each)
-        oso = ", ".join(_num(x["one_step_off_over_sync"], ".2f") for x in each)
+
+        def series(key: str) -> str:
+            return ", ".join(_num(x.get(key), ".2f") for x in each)
+
         out += [
             "",
-            f"{len(each)} comparisons in a row (the tables show the last): fully_async {fa}× "
-            f"sync; one_step_off {oso}×.",
+            f"{len(each)} comparisons in a row (the tables show the last): fully_async "
+            f"{series('fully_async_over_sync')}× sync; one_step_off "
+            f"{series('one_step_off_over_sync')}×.",
         ]
+        if all("overlap_push_gain" in x for x in each):
+            out[-1] += (
+                " fully_async with the overlapped push over the same run waiting for each push: "
+                f"{series('overlap_push_gain')}×."
+            )
     if r.get("overlap_estimate_over_sync") is not None:
         one = r.get("cpu_s", {}).get("sync_1t", {})
         out += [

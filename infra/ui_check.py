@@ -7,7 +7,7 @@
        fully_async run (engine server, shared-memory pushes, shared evaluation) triggered
        through the Prefect REST API like the UI's "Custom run"; all must complete
     4. screenshots into `ui-check/`: the Prefect flow-run page of the first run and of the async
-       run (its four long-running task runs side by side in the run graph), the training
+       run (its long-running task runs side by side in the run graph), the training
        deployment's run form (the RunConfig parameter), MLflow's compare-runs page and the
        `rollout/reward_mean` chart of the two sync runs; each page's rendered text is checked
        (names, states, no error banner) and each PNG for colours and non-background pixels
@@ -43,7 +43,7 @@ OUT = REPO / "ui-check"
 EXPERIMENT = "ui-check"
 RUNS = {"ui-check-a": 3e-3, "ui-check-b": 1e-2}  # run name -> learning rate
 ASYNC_RUN = "ui-check-async"  # fully_async: the long-running tasks of flows/rl_loops.py
-LOOP_TASKS = ("rollout_loop", "train_loop", "weight_update_loop", "evaluation_loop")
+LOOP_TASKS = ("rollout_loop", "train_loop", "weight_update_loop")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # ms of virtual time Chromium lets the page run before the shot (the SPAs fetch, then render)
 VIRTUAL_TIME_MS = int(os.environ.get("MILES_UI_CHECK_WAIT_MS", "20000"))
@@ -94,7 +94,8 @@ def tiny_config(name: str, lr: float, client_env: dict[str, str]) -> dict:
 
 
 def async_config(client_env: dict[str, str]) -> dict:
-    """A tiny fully_async run with an evaluation: all four long-running tasks."""
+    """A tiny fully_async run with a shared evaluation: the producer's, the trainer's and the
+    overlapped pushes' long-running tasks."""
     config = tiny_config(ASYNC_RUN, 3e-3, client_env)
     config["rollout"] |= {
         "engine": "server",
@@ -277,7 +278,7 @@ def main() -> int:
                 # its logs: the run's step lines (the last one too) beside Prefect's own
                 [run_a["name"], "Completed", "rl-train", "Task Runs", "rl step 12/12"],
             ),
-            (  # the async run's shape: four long-running task runs Running side by side
+            (  # the async run's shape: its long-running task runs Running side by side
                 "prefect_async_flow_run.png",
                 f"{prefect_ui}/runs/flow-run/{run_async['id']}",
                 [run_async["name"], "Completed", "rl-train", *LOOP_TASKS],

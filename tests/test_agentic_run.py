@@ -110,7 +110,7 @@ def test_fully_async_agentic_steps_keep_the_staleness_bound_in_each_pause_mode(
     cfg = _config(
         tmp_path,
         "rollout.mode=fully_async",
-        f"rollout.max_staleness={staleness}",
+        f"rollout.mode_options.max_staleness={staleness}",
         f"rollout.pause_mode={pause_mode}",
         "rollout.prompts_per_step=1",
         "train.global_batch_size=2",

@@ -59,7 +59,7 @@ def _run(cfg, steps):
 
 @pytest.mark.slow
 def test_fifty_async_steps_never_exceed_the_staleness_bound_and_consume_the_sync_order(tmp_path):
-    cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.max_staleness=2")
+    cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.mode_options.max_staleness=2")
     metrics, consumed = _run(cfg, 50)
     worst = [m["rollout/staleness/max"] for m in metrics]
     assert max(worst) <= 2
@@ -187,8 +187,8 @@ def test_drop_and_retry_policies_never_hand_out_stale_groups(engine, tiny_dir, t
     cfg = _config(
         tmp_path,
         "rollout.mode=fully_async",
-        "rollout.max_staleness=0",
-        f"rollout.stale_policy={policy}",
+        "rollout.mode_options.max_staleness=0",
+        f"rollout.mode_options.stale_policy={policy}",
     ).rollout
     _, tok = load_hf_dir(tiny_dir)
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
@@ -223,7 +223,9 @@ def test_the_progress_watchdog_says_what_a_stalled_step_waits_on(
     import logging
     import threading
 
-    cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.watchdog_s=0.3").rollout
+    cfg = _config(
+        tmp_path, "rollout.mode=fully_async", "rollout.mode_options.watchdog_s=0.3"
+    ).rollout
     _, tok = load_hf_dir(tiny_dir)
     source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
     version = engine.weight_version

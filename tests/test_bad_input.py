@@ -47,7 +47,15 @@ SERVER = ["rollout.engine=server", "weight_sync.transport=shared_memory"]
         (["rollout.engine=server"], "rollout.engine: server needs weight_sync.transport"),
         (["weight_sync.transport=disk"], "set rollout.engine: server"),
         (["rollout.mode=fully_async"], "rollout.mode fully_async needs rollout.engine: server"),
-        (["rollout.max_staleness=-1"], "rollout.max_staleness"),
+        (
+            [*SERVER, "rollout.mode=fully_async", "rollout.mode_options.max_staleness=-1"],
+            "rollout.mode_options.max_staleness",
+        ),
+        (
+            ["rollout.mode_options.max_staleness=2"],
+            "rollout mode 'sync' takes no options; rollout.mode_options has max_staleness",
+        ),
+        (["rollout.mode=lockstep"], "unknown rollout mode 'lockstep' in rollout.mode; known: "),
         (
             ["rollout.engine=serving", "rollout.engine_options.dtype=float16"],
             "rollout.engine_options.dtype",

@@ -270,5 +270,5 @@ def test_a_buffer_filled_under_another_stale_policy_is_refused():
     data = {"version": BUFFER_VERSION, "prompts_per_step": 4, "n_samples_per_prompt": 2}
     check_buffer(data | {"stale_policy": "pace"}, 4, 2, "pace")
     check_buffer(data, 4, 2, "pace")  # buffers written before the field: not checked
-    with pytest.raises(ValueError, match="resume with rollout.stale_policy=drop"):
+    with pytest.raises(ValueError, match="resume with rollout.mode_options.stale_policy=drop"):
         check_buffer(data | {"stale_policy": "drop"}, 4, 2, "pace")

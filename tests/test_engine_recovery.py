@@ -156,7 +156,9 @@ def test_a_killed_engine_in_fully_async_mode_is_replaced_and_nothing_is_lost(tmp
     # over disk deltas: the replacement gets a full push, the next push is a delta from it
     # (fully async over shared memory, the default here, is the hung-engine test below)
     delta = ["weight_sync.transport=disk", "weight_sync.transport_options.delta=true"]
-    cfg = _config(tmp_path, "rollout.mode=fully_async", "rollout.max_staleness=1", *delta)
+    cfg = _config(
+        tmp_path, "rollout.mode=fully_async", "rollout.mode_options.max_staleness=1", *delta
+    )
     with caplog.at_level(logging.INFO, logger="miles"):
         trained, metrics, sup, sab, pids = _run(cfg, signal.SIGKILL)
     _check_recovered(trained, metrics, sup, sab, pids, cfg)

@@ -305,10 +305,18 @@ def _loop_runs(flow_run_id) -> dict:
 @pytest.mark.slow
 @pytest.mark.usefixtures("mlflow_store")
 def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_path, monkeypatch):
+    """Also: each push overlaps the next train step (tests/plugins/overlap.py holds the push of
+    version 1 until the trainer steps again) and is checked bitwise against its snapshot."""
     monkeypatch.chdir(tmp_path)
     from flows.rl_train import rl_train
+    from tests.plugins import overlap
 
-    extra = [*SERVER, "weight_sync.transport=shared_memory", "rollout.mode=fully_async"]
+    overlap.HELD.clear()
+    extra = [*SERVER, "rollout.mode=fully_async"]
+    extra += [
+        "train.backend=tests.plugins.overlap:SteppingBackend",
+        "weight_sync.transport=tests.plugins.overlap:HeldPush",
+    ]
     extra += ["eval.mode=shared", "eval.every=3", "eval.prompts=4"]  # the evaluation loop too
     state = rl_train(_tiny_config(tmp_path, "async", 6, extra), return_state=True)
     assert state.is_completed()
@@ -320,9 +328,11 @@ def test_fully_async_flow_logs_staleness_within_the_bound(prefect_server, tmp_pa
         assert len(client.get_metric_history(run.info.run_id, key)) == 6, key
     evals = client.get_metric_history(run.info.run_id, "eval/policy_version")
     assert sorted((m.step, m.value) for m in evals) == [(0, 0.0), (3, 3.0), (6, 6.0)]
-    # the run's shape: four long-running task runs, all Running at once, all completed
+    assert overlap.HELD == [1]  # released by a train step taken while it was pushed
+    # the run's shape: the long-running task runs with work beside the trainer (producer,
+    # overlapped pushes; the shared evaluation runs between steps), Running at once, completed
     loops = _loop_runs(state.state_details.flow_run_id)
-    assert sorted(loops) == sorted(LOOP_NAMES)
+    assert sorted(loops) == ["rollout_loop", "train_loop", "weight_update_loop"]
     assert {r.state_type.value for r in loops.values()} == {"COMPLETED"}
     assert max(r.start_time for r in loops.values()) < min(r.end_time for r in loops.values())
 

@@ -233,7 +233,7 @@ def test_fully_async_run_killed_mid_run_trains_every_sample_exactly_once(
         *SERVER,
         "checkpoint.interval=2",
         "rollout.mode=fully_async",
-        "rollout.max_staleness=2",
+        "rollout.mode_options.max_staleness=2",
         *extra,
     ]
     args = _args(tmp_path, "async", "mlflow.db", extra)

@@ -18,6 +18,7 @@ from typing import Any
 
 from miles_core.config import RunConfig
 from miles_core.rollout.buffer_state import BUFFER_FILE, buffered_groups, check_buffer
+from miles_core.rollout.mode import MODES
 
 SHAPE_FIELDS = (
     "rollout.prompts_per_step",
@@ -70,11 +71,12 @@ def check_buffer_resumable(buffer: dict[str, Any] | None, config: RunConfig, ste
         return
     assert buffer is not None
     r = config.rollout
-    if r.mode == "sync":
+    mode = MODES.get(r.mode)
+    if not mode.ahead:
         raise ValueError(
             f"--resume: checkpoint step {step} holds {buffered_groups(buffer)} rollout groups of "
             f"an async run ({BUFFER_FILE}) that rollout.mode sync cannot continue: resume with "
             "rollout.mode fully_async or one_step_off"
         )
-    policy = "pace" if r.mode == "one_step_off" else r.stale_policy  # what the producer uses
+    policy = mode.staleness(r.mode_options).policy  # what the producer uses
     check_buffer(buffer, r.prompts_per_step, r.n_samples_per_prompt, policy)

@@ -15,6 +15,7 @@ from miles_core.config.base import (
 )
 from miles_core.engines.registry import ENGINES
 from miles_core.plugins import PluginOptions
+from miles_core.rollout.mode import MODES
 
 
 class RolloutConfig(Strict):
@@ -27,26 +28,14 @@ class RolloutConfig(Strict):
         "weight_sync.transport shared_memory, disk, broadcast or p2p)",
     )
     engine_options: PluginOptionsField = options_field("engine")
-    mode: Literal["sync", "one_step_off", "fully_async"] = Field(
+    mode: str = Field(
         "sync",
-        description="sync: generate, then train; one_step_off: the next batch is generated "
-        "while the trainer trains (weights pushed between batches); fully_async: a producer "
-        "keeps the engine busy, weights pushed any time (needs rollout.engine: server)",
+        description="a module of miles_core/rollout/modes/ or 'package.module:Mode'. sync: "
+        "generate, then train; one_step_off: the next batch is generated while the trainer "
+        "trains (weights pushed between batches); fully_async: a producer keeps the engine "
+        "busy, weights pushed any time (both need an engine server)",
     )
-    watchdog_s: float = Field(
-        60.0,
-        gt=0,
-        description="async modes: when no rollout group completes for this long, the run logs "
-        "what it waits on (again every watchdog_s)",
-    )
-    max_staleness: int = Field(
-        1, ge=0, description="fully_async: most policy versions a sample may lag the trainer"
-    )
-    stale_policy: Literal["pace", "drop", "retry"] = Field(
-        "pace",
-        description="fully_async: pace admission so no sample exceeds max_staleness (default), "
-        "or admit freely and drop / requeue stale groups",
-    )
+    mode_options: PluginOptionsField = options_field("mode")
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "retract", description="how a weight push pauses generation on the engine"
     )
@@ -87,6 +76,16 @@ class RolloutConfig(Strict):
     def _engine_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
         return plugin_options(ENGINES, v, info)
 
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, v: str) -> str:
+        return MODES.check(v)
+
+    @field_validator("mode_options", mode="before")
+    @classmethod
+    def _mode_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
+        return plugin_options(MODES, v, info)
+
     @field_validator("token_fields")
     @classmethod
     def _token_fields_load(cls, paths: list[str]) -> list[str]:
@@ -97,6 +96,6 @@ class RolloutConfig(Strict):
 
     @model_validator(mode="after")
     def _async_needs_a_server(self) -> RolloutConfig:
-        if self.mode != "sync" and in_trainer_process(self.engine):  # async needs a server
+        if MODES.get(self.mode).ahead and in_trainer_process(self.engine):
             raise ValueError(f"rollout.mode {self.mode} needs rollout.engine: server")
         return self

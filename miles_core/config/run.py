@@ -18,6 +18,7 @@ from miles_core.config.sft import SFTConfig
 from miles_core.config.tracking import TrackingConfig
 from miles_core.config.train import TrainConfig
 from miles_core.config.weight_sync import WeightSyncConfig
+from miles_core.rollout.mode import MODES
 from miles_core.train.advantage import ADVANTAGES
 
 
@@ -125,7 +126,7 @@ class RunConfig(Strict):
                 f"server: rollout.engine: {r.engine} runs in the trainer's process; set "
                 "rollout.engine: server"
             )
-        if r.mode != "sync" and r.pause_mode == "abort":
+        if MODES.get(r.mode).ahead and r.pause_mode == "abort":
             raise ValueError(
                 "rollout.pause_mode: abort ends the model calls in flight at each weight push, "
                 "and an agent episode cannot continue a call it lost: agentic runs in "

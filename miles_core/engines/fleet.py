@@ -22,6 +22,7 @@ from typing import Any
 from miles_core.engines.protocol import EngineUnavailable, RolloutEngine
 from miles_core.engines.registry import ENGINES, EngineSetup
 from miles_core.engines.supervisor import EngineSupervisor
+from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.weights.remote import PushFailed
 from miles_core.weights.transport import TRANSPORTS, TransportContext
@@ -47,8 +48,9 @@ class EngineFleet:
             TransportContext.of_run(config, workdir), ws.transport_options
         )
         r = config.rollout
-        # async modes may have 1 + max_staleness steps of groups in flight at once
-        in_flight = 1 if r.mode == "sync" else 1 + r.max_staleness
+        mode = MODES.get(r.mode)
+        # a mode with a producer may have 1 + max_staleness steps of groups in flight at once
+        in_flight = 1 + mode.staleness(r.mode_options).max_staleness if mode.ahead else 1
         setup = EngineSetup(
             config.rollout,
             model,
@@ -61,6 +63,7 @@ class EngineFleet:
             roots,
             r.engine_options,
             r.prompts_per_step * r.n_samples_per_prompt * in_flight,
+            mode.ahead,
         )
         built = ENGINES.get(r.engine).build(setup)
         self.config = config

@@ -29,6 +29,7 @@ class EngineSetup:
     weight_roots: tuple[str, ...] = ()  # where an engine server may load weights from disk
     options: Any = None  # the engine's Options (rollout.engine_options)
     max_in_flight: int = 0  # most requests in flight at once (default: one rollout batch)
+    beside_trainer: bool = False  # generates while the trainer trains (else they take turns)
 
     @property
     def batch(self) -> int:

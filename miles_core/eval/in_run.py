@@ -72,6 +72,12 @@ class RunEvaluation:
                 self._runner, timeout, e.max_in_flight, self.mode, current_version
             )
 
+    @property
+    def background(self) -> bool:
+        """Evaluations run beside training (dedicated, external), not on the rollout engine
+        between steps (shared)."""
+        return self._runner is not None
+
     @staticmethod
     def wanted(config) -> bool:
         if config.agent.function is not None:

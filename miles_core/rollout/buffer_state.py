@@ -59,8 +59,8 @@ def check_buffer(
     if stale_policy is not None and saved is not None and saved != stale_policy:
         # pace takes groups by index; drop / retry skip indices, which pace would wait for
         raise ValueError(
-            f"the checkpoint's rollout buffer was filled with rollout.stale_policy {saved}, the "
-            f"config has {stale_policy}: resume with rollout.stale_policy={saved}"
+            f"the checkpoint's rollout buffer was filled with rollout.mode_options.stale_policy {saved}, the "
+            f"config has {stale_policy}: resume with rollout.mode_options.stale_policy={saved}"
         )
 
 

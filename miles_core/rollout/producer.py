@@ -45,6 +45,7 @@ from miles_core.rollout.buffer_state import (
 )
 from miles_core.rollout.engine_groups import EngineGroups
 from miles_core.rollout.group_source import GroupSource, GroupWork
+from miles_core.rollout.mode import MODES, Staleness
 from miles_core.rollout.rollout_fn import RolloutResult, rollout_metrics
 from miles_core.types import SampleGroup
 
@@ -99,11 +100,14 @@ class RolloutProducer:
         first_group: int = 0,
         launch: Launch = start_thread,
         groups: GroupSource | None = None,
+        staleness: Staleness | None = None,
     ):
         self.engine = engine  # aborted on stop; `tokenizer` and `task` make the default groups
         self.source = source
         self.cfg = cfg
         self.version = version
+        # the bound and policy: the mode's (rollout.mode_options), unless given
+        self.staleness = staleness or MODES.get(cfg.mode).staleness(cfg.mode_options)
         self.batch = cfg.prompts_per_step
         self.n = cfg.n_samples_per_prompt
         # what one group is (default: the prompt's n completions on the engine)
@@ -145,10 +149,10 @@ class RolloutProducer:
                     break
                 self._raise_if_stopped(f"step {step} waits for its groups")
                 now = time.monotonic()
-                if now - max(self._last_done, warned) >= self.cfg.watchdog_s:
+                if now - max(self._last_done, warned) >= self.staleness.watchdog_s:
                     log.warning(self._waiting_on(step, now - self._last_done))
                     warned = now
-                self._cond.wait(min(1.0, self.cfg.watchdog_s))
+                self._cond.wait(min(1.0, self.staleness.watchdog_s))
             for t in picked:
                 del self._tickets[t.index]
             self._cond.notify_all()
@@ -176,7 +180,7 @@ class RolloutProducer:
             f"progress watchdog: no rollout group completed for {idle_s:.1f} s; step {step} "
             f"waits for {self.batch} groups; buffer: {done} done, {len(tickets) - done} "
             f"generating, {len(self._retry)} to retry; engine serves version {self.version()} "
-            f"(stale_policy {self.cfg.stale_policy}, max_staleness {self.cfg.max_staleness})"
+            f"(stale_policy {self.staleness.policy}, max_staleness {self.staleness.max_staleness})"
         )
 
     @contextlib.contextmanager
@@ -220,7 +224,7 @@ class RolloutProducer:
             "version": BUFFER_VERSION,
             "prompts_per_step": self.batch,
             "n_samples_per_prompt": self.n,
-            "stale_policy": self.cfg.stale_policy,
+            "stale_policy": self.staleness.policy,
             "groups": [
                 {
                     "index": t.index,
@@ -240,7 +244,7 @@ class RolloutProducer:
         """Before `start`: continues a checkpoint's buffer (`snapshot`). Completed groups are
         handed to the trainer as they are; generating ones start again first (same rids and
         seeds), then the retry queue; new prompts continue after the last admitted one."""
-        check_buffer(data, self.batch, self.n, self.cfg.stale_policy)
+        check_buffer(data, self.batch, self.n, self.staleness.policy)
         if self._loop is not None:
             raise RuntimeError("RolloutProducer.restore must come before start()")
         with self._cond:
@@ -284,7 +288,7 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------ selection
     def _pick(self, step: int) -> list[_Ticket] | None:
-        if self.cfg.stale_policy == "pace":
+        if self.staleness.policy == "pace":
             first = step * self.batch
             wanted = [self._tickets.get(i) for i in range(first, first + self.batch)]
             if all(t is not None and t.group is not None for t in wanted):
@@ -296,10 +300,10 @@ class RolloutProducer:
         current = self.version()
         keep = []
         for t in ready:
-            if current - t.admitted_version > self.cfg.max_staleness:
+            if current - t.admitted_version > self.staleness.max_staleness:
                 del self._tickets[t.index]
                 self.counters["stale_groups"] += 1
-                if self.cfg.stale_policy == "retry":
+                if self.staleness.policy == "retry":
                     t.group, t.retries = None, t.retries + 1
                     self._retry.append(t)
                 self._cond.notify_all()
@@ -310,9 +314,9 @@ class RolloutProducer:
     def _may_admit(self) -> bool:
         if self._held:
             return False
-        if self.cfg.stale_policy == "pace":
-            return self.version() >= self._next_index // self.batch - self.cfg.max_staleness
-        return len(self._tickets) < (1 + self.cfg.max_staleness) * self.batch
+        if self.staleness.policy == "pace":
+            return self.version() >= self._next_index // self.batch - self.staleness.max_staleness
+        return len(self._tickets) < (1 + self.staleness.max_staleness) * self.batch
 
     def _may_resume(self) -> bool:
         return bool(self._resumed) and not self._held

@@ -22,6 +22,7 @@ from miles_core.data import PromptSource
 from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.scoring import EvalSpec, score_policy
 from miles_core.rollout.group_source import GroupSource
+from miles_core.rollout.mode import MODES
 from miles_core.rollout.producer import Launch, RolloutProducer, start_thread
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 
@@ -93,8 +94,6 @@ class AsyncRollouts(SyncRollouts):
     def take(self, step: int) -> RolloutResult:
         if self.producer is None:  # first call: after a resume has set the data position
             r = self.config.rollout
-            if r.mode == "one_step_off":  # one batch ahead, pushes between batches
-                r = r.model_copy(update={"max_staleness": 1, "stale_policy": "pace"})
             self.producer = RolloutProducer(
                 self.fleet.engine,
                 self.tokenizer,
@@ -116,7 +115,7 @@ class AsyncRollouts(SyncRollouts):
         return self.producer.held() if self.producer else contextlib.nullcontext()
 
     def before_push(self) -> None:
-        if self.producer is not None and self.config.rollout.mode == "one_step_off":
+        if self.producer is not None and MODES.get(self.config.rollout.mode).drains_before_push:
             self.producer.wait_idle()  # the batch in flight finishes on the old weights
 
     def after_push(self) -> None:
@@ -149,7 +148,7 @@ class AgentSessions:
         self.config = config
         self.prompts = prompts
         self._eval_examples: list | None = None  # drawn on the first evaluation
-        needs = ("__call__",) if config.rollout.mode == "sync" else ("group",)
+        needs = ("group",) if MODES.get(config.rollout.mode).ahead else ("__call__",)
         rollout_cls = load_rollout_function(
             agent.rollout_function, needs + (("evaluate",) if agent.eval_episodes else ())
         )
@@ -298,10 +297,11 @@ def make_rollouts(
     workdir: Path,
 ) -> SyncRollouts:
     """The rollout source of the config: agentic or not, sync or async."""
+    ahead = MODES.get(config.rollout.mode).ahead
     if config.agent.function is not None:
-        agentic = AgenticRollouts if config.rollout.mode == "sync" else AsyncAgenticRollouts
+        agentic = AsyncAgenticRollouts if ahead else AgenticRollouts
         return agentic(config, fleet, tokenizer, task, prompts, engine_version, workdir)
-    if config.rollout.mode == "sync":
+    if not ahead:
         return SyncRollouts(config, fleet, tokenizer, task, prompts)
     return AsyncRollouts(config, fleet, tokenizer, task, prompts, engine_version)
 

@@ -1,22 +1,23 @@
 """A run as long-running loops around one `RLRuntime`, for a flow that runs each loop as a
-concurrent task (`flows/rl_loops.py`); nothing here knows about Prefect. The async modes (a
-rollout producer) run four loops:
+concurrent task (`flows/rl_loops.py`); nothing here knows about Prefect. A loop exists only
+where it has work to do beside the trainer:
 
-    rollout   hosts the producer's loop (`RolloutProducer._run`) from the first rollout on
-    train     take → train → hand the new policy to `weights` → save → StepLog → tell `evaluate`
-    weights   pushes each new policy (`RLRuntime.update_weights`: before_push, the weights lock,
-              after_push), one at a time, in the order the trainer hands them over
-    evaluate  (runs with an evaluation only) submits the versions due, logs the finished ones,
-              and waits for the pending ones once training ended
+    train     every step: take the rollout → train → push → save → StepLog → evaluate
+    rollout   (a mode with a producer) hosts the producer's loop (`RolloutProducer._run`)
+    weights   (pushes that overlap training: fully_async with a transport that pushes a
+              snapshot) pushes each policy the trainer hands over as a `WeightSnapshot`, while
+              the trainer trains the next step; the trainer collects the push before handing
+              over the next one, and at save and evaluation steps before going on
+    evaluate  (background evaluations: dedicated, external) submits the versions due and logs
+              the finished ones as the trainer goes on, and waits for the pending ones once
+              training ended
 
-Sync mode (no producer: nothing would overlap) runs `train` alone, which pushes and evaluates
-in line: the same step order without a hand-over per step.
-
-The step order is the sync loop's (`flows/rl_train.py`): the trainer waits for each hand-over
-to be done (the push before the save and the next rollout, the evaluation's submit and collect
-before the next step), so staleness, versions, checkpoints and metrics are those of the
-one-thread loop, bit for bit in `one_step_off`. What overlaps is what overlapped before: the
-producer generating while the trainer trains, and background evaluations.
+Otherwise the trainer does the step's phases itself, in the sync loop's order
+(`flows/rl_train.py`): sync and one_step_off push in line (one_step_off's push waits for the
+batch in flight anyway), shared evaluations run on the rollout engine between steps. A step
+whose push overlaps the next one is logged when its push is collected, with its own time (up
+to the hand-over) and its push's metrics; the versions, checkpoints and evaluated policies are
+those of the one-thread loop.
 
 A loop that raises ends the run: the first error is kept (`error`), every loop waiting on a
 hand-over gets `Stopped` and returns, the producer is asked to stop, and the flow re-raises the
@@ -37,7 +38,6 @@ from miles_core.run.runtime import RLRuntime
 from miles_core.run.steplog import StepLog
 
 log = logging.getLogger("miles.loops")
-LOOPS = ("rollout", "train", "weights", "evaluate")
 _END = object()  # the trainer's last hand-over
 
 
@@ -51,7 +51,7 @@ class Phases:
 
     rollout: Callable[[RLRuntime, int], Any]  # → RolloutResult with perf/rollout_time_s
     train: Callable[[RLRuntime, Any], dict[str, float]]
-    push: Callable[[RLRuntime], dict[str, float]]
+    push: Callable[..., dict[str, float]]  # (rt[, snapshot])
     save: Callable[..., dict[str, float]]  # (rt, step[, metrics])
     evaluate: Callable[[RLRuntime, int], None]
     collect: Callable[..., list[tuple[int, dict[str, float]]]]  # (rt[, wait])
@@ -114,18 +114,20 @@ class RunLoops:
         self.log = log
         self.phases = phases
         self.host = HostedLoop()
-        if not rt.rollouts.ahead:  # sync mode: `train` pushes and evaluates in line
-            self.loops = ["train"]
-        else:
+        self.loops = ["train"]
+        if rt.rollouts.ahead:
             rt.rollouts.launch = self.host.launch  # the producer's loop runs in `rollout`
-            self.loops = [n for n in LOOPS if n != "evaluate" or rt.evaluation is not None]
+            self.loops.insert(0, "rollout")
+        if rt.rollouts.ahead and rt.overlaps_pushes:
+            self.loops.append("weights")
+        if rt.evaluation is not None and rt.evaluation.background:
+            self.loops.append("evaluate")
         self.error: BaseException | None = None  # the first loop failure
         self._cond = threading.Condition()
         self._running = set(self.loops) - {"rollout"}  # rollout ends when these have
         self._to_push: collections.deque = collections.deque()
         self._pushed: collections.deque = collections.deque()
         self._to_eval: collections.deque = collections.deque()
-        self._evaluated: collections.deque = collections.deque()
         self._over = False
 
     def run(self, name: str) -> str:
@@ -191,8 +193,10 @@ class RunLoops:
             self.rt.producer.raise_if_failed()
 
     def _train(self) -> None:
-        rt, p, log = self.rt, self.phases, self.log
+        rt, p = self.rt, self.phases
         steps = rt.config.train.num_steps
+        overlap = "weights" in self.loops
+        pending = None  # a step whose push overlaps this one: (step, t0, t_end, its metrics)
         try:
             if rt.start_step == 0 and rt.eval_due(0):  # a resumed run scored its start already
                 self._evaluate_at(0, due=True, collect=False)
@@ -201,12 +205,16 @@ class RunLoops:
                 t0 = time.perf_counter()
                 rollout = p.rollout(rt, step)
                 train_metrics = p.train(rt, rollout)
-                sync_metrics = self._push()
-                phases = rollout.metrics | train_metrics | sync_metrics  # kept in the checkpoint
-                saved = p.save(rt, step, phases) if rt.is_save_step(step) else {}
-                log.step(step, t0, rollout.metrics, train_metrics, sync_metrics, saved)
-                if rt.evaluation is not None:  # the policy after step + 1 training steps
-                    self._evaluate_at(step + 1, due=rt.eval_due(step + 1), collect=True)
+                if not overlap:
+                    self._finish(step, t0, 0.0, rollout.metrics, train_metrics, p.push(rt))
+                    continue
+                if pending is not None:  # pushed while this step trained
+                    self._finish(*pending, self._get(self._pushed))
+                self._put(self._to_push, rt.snapshot_weights())
+                pending = (step, t0, time.perf_counter(), rollout.metrics, train_metrics)
+                if rt.is_save_step(step) or rt.eval_due(step + 1) or step == steps - 1:
+                    self._finish(*pending, self._get(self._pushed))  # the engines serve it
+                    pending = None
             if rt.last_saved_step != steps - 1:
                 p.save(rt, steps - 1)
             if "evaluate" not in self.loops and rt.evaluation is not None:
@@ -216,27 +224,29 @@ class RunLoops:
             if rt.evaluation is not None:
                 self._put(self._to_eval, _END)
 
-    def _push(self) -> dict[str, float]:
-        if "weights" not in self.loops:
-            return self.phases.push(self.rt)
-        self._put(self._to_push, None)
-        return self._get(self._pushed)
+    def _finish(self, step: int, t0: float, t_end: float, *parts: dict[str, float]) -> None:
+        """The rest of step `step` once its push is done: save, log, evaluate."""
+        rt, p = self.rt, self.phases
+        rollout_metrics, train_metrics, sync_metrics = parts
+        phases = rollout_metrics | train_metrics | sync_metrics  # kept in the checkpoint
+        saved = p.save(rt, step, phases) if rt.is_save_step(step) else {}
+        self.log.step(step, t0, *parts, saved, t_end=t_end)
+        if rt.evaluation is not None:  # the policy after step + 1 training steps
+            self._evaluate_at(step + 1, due=rt.eval_due(step + 1), collect=True)
 
     def _evaluate_at(self, version: int, due: bool, collect: bool) -> None:
-        if "evaluate" not in self.loops:
+        if "evaluate" in self.loops:  # in the background: the trainer goes on
+            self._put(self._to_eval, (version, due, collect))
+        else:
             self._evaluation_item(version, due, collect)
-            return
-        self._put(self._to_eval, (version, due, collect))
-        self._get(self._evaluated)
 
     def _weights(self) -> None:
-        while self._get(self._to_push) is not _END:
-            self._put(self._pushed, self.phases.push(self.rt))
+        while (snapshot := self._get(self._to_push)) is not _END:
+            self._put(self._pushed, self.phases.push(self.rt, snapshot))
 
     def _evaluate(self) -> None:
         while (item := self._get(self._to_eval)) is not _END:
             self._evaluation_item(*item)
-            self._put(self._evaluated, None)
         self._check()
         self._finish_evaluations()
 

@@ -28,11 +28,12 @@ from miles_core.data import TASKS, PromptSource, rl_examples
 from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.in_run import RunEvaluation
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
+from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.sources import make_rollouts
 from miles_core.run.tracking import Tracker
 from miles_core.run.training import build_trainer, train_on_rollout
-from miles_core.weights.sync import WeightSync
+from miles_core.weights.sync import WeightSnapshot, WeightSync
 
 
 def prepare_model_dir(config: RunConfig, workdir: Path) -> Path:
@@ -130,13 +131,31 @@ class RLRuntime:
             self.checkpoints.ledger.record(self._rollout_step, result.groups)
         return metrics
 
-    def update_weights(self) -> dict[str, float]:
-        version = self.weights.next_version()  # a replaced engine gets it from now on
+    @property
+    def overlaps_pushes(self) -> bool:
+        """The trainer hands each policy over as a snapshot and trains on while it is pushed:
+        the mode asks for it (fully_async) and the transport can push a snapshot."""
+        r = self.config.rollout
+        return MODES.get(r.mode).overlaps_push(r.mode_options) and self.weights.snapshots
+
+    def snapshot_weights(self) -> WeightSnapshot:
+        """The trainer's weights as the next policy version, for a push beside training."""
+        return self.weights.snapshot()
+
+    def update_weights(self, snapshot: WeightSnapshot | None = None) -> dict[str, float]:
+        """Pushes the trainer's weights as the next policy version, or `snapshot` as its own;
+        with weight_sync.check_equal the engines are checked bitwise after the push."""
+        pause_mode = self.config.rollout.pause_mode
         self.rollouts.before_push()  # one_step_off: the batch in flight ends on the old weights
-        stats = self.weights.push(version, self.config.rollout.pause_mode)
+        if snapshot is None:
+            version = self.weights.next_version()  # a replaced engine gets it from now on
+            stats = self.weights.push(version, pause_mode)
+        else:
+            version = snapshot.version
+            stats = self.weights.push_snapshot(snapshot, pause_mode)  # checked against it
         self.weights.engine_version = version
         self.rollouts.after_push()
-        if self.config.weight_sync.check_equal:
+        if snapshot is None and self.config.weight_sync.check_equal:
             self.check_weights_equal()
         return stats.as_metrics() | {"train/policy_version": float(version)}
 

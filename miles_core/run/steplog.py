@@ -37,11 +37,13 @@ class StepLog:
         self._carry = 0.0  # time of the previous MLflow flush, charged to orchestration
         report.start(total_steps, "rl")
 
-    def step(self, step: int, t0: float, *parts: dict[str, float]) -> None:
+    def step(self, step: int, t0: float, *parts: dict[str, float], t_end: float = 0.0) -> None:
+        """Logs step `step`'s metrics (`parts`); its time runs from `t0` to `t_end` (default:
+        now), when the trainer was done with it (a push overlapped by the next step is not)."""
         metrics: dict[str, float] = {}
         for p in parts:
             metrics.update(p)
-        step_time = time.perf_counter() - t0 + self._carry
+        step_time = (t_end or time.perf_counter()) - t0 + self._carry
         inner = sum(metrics.get(k, 0.0) for k in PHASES)
         metrics["perf/step_time_s"] = step_time
         metrics["perf/orchestration_time_s"] = max(0.0, step_time - inner)

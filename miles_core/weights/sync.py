@@ -4,14 +4,17 @@ lock.
 
 The lock (`exclusive()`) is held by everything that reads or writes the trainer's weights — a
 train phase, a push, the equality check, a checkpoint's save / load — so the supervisor's push
-to a replaced engine server (`serve_current_weights`) never reads them mid-update, nor pushes
-beside another push.
+to a replaced engine server (`serve_current_weights`) never reads them mid-update. A push from a
+`WeightSnapshot` (the trainer's weights copied at a hand-over, pushed while it trains on) reads
+no trainer weights and holds only the transport's lock, which every push and check holds, so two
+pushes never interleave.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -19,10 +22,21 @@ from miles_core.device import dist_backend
 from miles_core.engines.fleet import EngineFleet
 from miles_core.train.backend import TrainerBackend
 from miles_core.weights import TRANSPORTS, TransportContext, weights_checksum
+from miles_core.weights.source import TensorBuckets
 
 log = logging.getLogger("miles")
 
 _CHECK_BUCKET = 64 << 20  # bucket size of the trainer's weights read for checksums
+
+
+@dataclass
+class WeightSnapshot:
+    """The trainer's weights at one policy version, copied in the transport's buckets: what a
+    push sends while the trainer goes on, and what the engines must then hold."""
+
+    version: int
+    source: TensorBuckets
+    checksum: str | None = None  # weights_checksum the engines must answer (check_equal)
 
 
 class WeightSync:
@@ -35,6 +49,7 @@ class WeightSync:
         self.trainer = trainer
         self.fleet = fleet
         self.lock = threading.RLock()
+        self.push_lock = threading.RLock()  # the transport: one push or check at a time
         self.policy_version = 0
         self.engine_version = 0
         self.trained_since_push = False  # the trainer is one version ahead of policy_version
@@ -81,15 +96,60 @@ class WeightSync:
 
     def push_now(self, version: int, pause_mode: str):
         # the transport reads the trainer (buckets or shards) with weight_sync's bucket and dtype
-        with self.lock:
+        with self.lock, self.push_lock:
             return self.transport.push(self.trainer, version, pause_mode)
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether the transport can push a snapshot (it reads full tensors, not shards)."""
+        return bool(getattr(self.transport, "snapshots", False))
+
+    def snapshot(self) -> WeightSnapshot:
+        """The next policy version and a copy of the trainer's weights as the transport reads
+        them (its bucket size; the push dtype applied when pushed), taken under the weights
+        lock: the trainer may train on while it is pushed."""
+        with self.lock:
+            version = self.next_version()
+            buckets = [
+                [(n, t.detach().clone()) for n, t in bucket]
+                for bucket in self.trainer.named_weights(self.transport.bucket_bytes)
+            ]
+        checksum = None
+        if self.config.weight_sync.check_equal:
+            checksum = weights_checksum(self._as_loaded(n_t for b in buckets for n_t in b))
+        return WeightSnapshot(version, TensorBuckets(buckets), checksum)
+
+    def push_snapshot(self, snap: WeightSnapshot, pause_mode: str):
+        """Pushes `snap` as its version (the trainer's weights are not read: no weights lock);
+        with `check_equal`, the engines are checked against it in the same hold of the
+        transport, so a replaced engine's push cannot come in between."""
+
+        def push_and_check():
+            with self.push_lock:
+                stats = self.transport.push(snap.source, snap.version, pause_mode)
+                if snap.checksum is not None and self.fleet.engine.weights_checksum() != (
+                    snap.checksum
+                ):
+                    raise RuntimeError(
+                        f"engine weights ({self.fleet.where}) differ from the snapshot of "
+                        f"version {snap.version} after its push"
+                    )
+                return stats
+
+        return self.fleet.surviving(f"push of version {snap.version}", push_and_check)
+
+    def _as_loaded(self, named):
+        """(name, tensor) as the engines hold them after a push: rounded to the push dtype and
+        loaded into their own parameters' dtype."""
+        dtype = self.push_dtype
+        return [(n, t.to(dtype).to(t.dtype) if dtype is not None else t) for n, t in named]
 
     def serve_current_weights(self, engine) -> None:
         """Called by the supervisor for a fresh engine server (its client `engine`), before it
         serves: the transport reconnects to it alone (a disk transport's next push is full),
         the trainer's current weights go out with their version, and the transport reconnects
         to every engine; `check_equal` verifies them."""
-        with self.lock:
+        with self.lock, self.push_lock:
             version = self.policy_version + int(self.trained_since_push)
             self.transport.connect([engine])
             try:
@@ -111,13 +171,10 @@ class WeightSync:
         self.fleet.surviving("weights check", self.check_now)
 
     def check_now(self) -> None:
-        dtype = self.push_dtype
-        with self.lock:
-            expected = [
-                (n, t.to(dtype).to(t.dtype) if dtype is not None else t)
-                for b in self.trainer.named_weights(_CHECK_BUCKET)
-                for n, t in b
-            ]
+        with self.lock, self.push_lock:
+            expected = self._as_loaded(
+                n_t for b in self.trainer.named_weights(_CHECK_BUCKET) for n_t in b
+            )
             if self.fleet.engine.weights_checksum() != weights_checksum(expected):
                 raise RuntimeError(
                     f"engine weights ({self.fleet.where}) differ from the trainer's after the push"

@@ -108,6 +108,9 @@ class TransportBase(RecordsPushes):
     # connect() can take a fresh engine server mid-run (a replaced one); group transports cannot
     # re-form their group with it
     reconnects = True
+    # pushes read full tensors (`named_weights`), so a snapshot of them can be pushed while the
+    # trainer trains on; a transport sending each rank's shards cannot
+    snapshots = True
 
     Options: type[PluginOptions] = NoOptions
 

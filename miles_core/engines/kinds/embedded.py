@@ -15,7 +15,8 @@ class Embedded(EngineKind):
     def build(cls, setup: EngineSetup) -> BuiltEngine:
         from miles_core.engines.cpu.embedded import EmbeddedEngine
 
-        # a sync run's engine owns the process between training steps: it picks its threads
-        sync = setup.rollout.mode == "sync"
-        engine = EmbeddedEngine(setup.model, setup.tokenizer, seed=setup.seed, adapt_threads=sync)
+        # taking turns with the trainer, the engine owns the process: it picks its threads
+        engine = EmbeddedEngine(
+            setup.model, setup.tokenizer, seed=setup.seed, adapt_threads=not setup.beside_trainer
+        )
         return BuiltEngine(engine)

@@ -58,7 +58,7 @@ class Serving(EngineKind):
     def build(cls, setup: EngineSetup) -> BuiltEngine:
         from miles_core.engines.cpu.serving import ServingEngine
 
-        r, o = setup.rollout, setup.options
+        o = setup.options
         engine = ServingEngine(
             setup.model,
             setup.tokenizer,
@@ -67,6 +67,6 @@ class Serving(EngineKind):
             dtype=o.dtype,
             scheduler="caller",
             device=o.device,
-            adapt_threads=r.mode == "sync",  # in async modes a trainer computes beside it
+            adapt_threads=not setup.beside_trainer,
         )
         return BuiltEngine(engine)

@@ -25,6 +25,7 @@ from miles_core.weights.transport import TRANSPORTS, PushStats
 
 @TRANSPORTS.register("p2p")
 class P2PTransport(GroupTransport):
+    snapshots = False  # each trainer rank sends the shards it holds
     group_name = "miles_weight_p2p"
     name = "p2p"
 
