@@ -27,13 +27,13 @@ import time
 
 import torch
 
-from miles_core import routed_experts
 from miles_core.config import RunConfig
 from miles_core.data import TASKS
 from miles_core.engines.cpu.serving import ServingEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
-from miles_core.models import build_model, save_hf_dir
+from miles_core.models import build_model, moe, save_hf_dir
 from miles_core.rollout.rollout_fn import encode_prompt
+from miles_core.token_fields import declare_for_model
 from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
 
@@ -48,7 +48,7 @@ def rollout(model, tok, rows: int, new: int) -> TrainBatch:
         GenerateRequest(
             input_ids=encode_prompt(tok, p),
             sampling_params=SamplingParams(max_new_tokens=new, sampling_seed=i, temperature=1.0),
-            return_routed_experts=True,
+            return_fields=[moe.ROUTES.name],
         )
         for i, p in enumerate(prompts)
     ]
@@ -123,13 +123,13 @@ def main() -> None:
     model, tok = build_model(PRESET, seed=0)
     with tempfile.TemporaryDirectory(prefix="miles-bench-r3-") as tmp:
         model_dir = str(save_hf_dir(model, tok, tmp))
-        routed_experts.declare(model.config.to_dict())  # what the responses carry
+        declare_for_model([moe.PATH], model.config.to_dict())  # what the responses carry
         t0 = time.perf_counter()
         batch = rollout(model, tok, args.rows, args.new)
         print(
             f"rollout: {len(batch.tokens)} samples in {time.perf_counter() - t0:.1f} s", flush=True
         )
-        layers, top_k, _ = routed_experts.shape_of(model.config.to_dict())
+        layers, top_k = moe.routes_shape(model.config.to_dict())["shape"]
         tokens = sum(len(x) for x in batch.tokens)
         record_bytes = sum(a.nbytes for a in batch.token_fields["routed_experts"])
         variants = {

@@ -7,28 +7,35 @@ engine response to the trainer's micro-batch, with no per-field code anywhere on
 - `name`, `dtype` (a numpy dtype name) and `shape` (per token: `()` for a scalar, `(layers, k)`
   for routed experts): an array of the field is `[rows, *shape]` of that dtype;
 - `wire_key` and `encoding`: where the engine puts it in a `/generate` response's `meta_info`
-  (`list`: nested JSON lists; `base64`: the raw little-endian bytes, as SGLang sends
-  `routed_experts`);
+  (`list`: nested JSON lists; `base64`: the raw little-endian bytes, as SGLang sends an MoE
+  model's routes);
 - `align`: `response` — one row per response token (row i belongs to response token i);
   `sequence` — one row per input position but the last (`len(tokens) - 1` rows: row j was
   computed while the model processed token j, SGLang's layout for routed experts);
 - `fill`: the value of the rows a session adds between turns (observation / prompt tokens the
   engine did not generate; `response` fields only: a `sequence` field gets them from the next
   turn's prefill);
-- `pad`: the value of padding rows in a micro-batch.
+- `pad`: the value of padding rows in a micro-batch;
+- `request_flag`: the `/generate` request key that asks an engine for the field (empty: the
+  field does not come from the engine);
+- `from_model`: for a field whose shape depends on the model (routed experts: its MoE layers and
+  top_k), the overrides `for_model(hf_config)` applies; such a declaration is a template, bound
+  to the run's model when the run starts (`declare_for_model`).
 
 Joining is the same for every field (`join`): a continuation after a pause-abort appends its
 rows; a session turn appends `fill` rows for the appended tokens, then its own rows.
 
-Fields are registered by name (`FIELDS.register(name, field)`); a user's field is a module-level
-`TokenField` loaded by import path (`load_token_fields(["pkg.mod:FIELD"])`), which registers it.
+Fields are registered by name (`FIELDS.register(name, field)`); a run's are named by import path
+in `rollout.token_fields` (`load_token_fields` checks and registers them; a template is
+registered once bound to the model).
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -54,6 +61,11 @@ class TokenField:
     # another model is refused rather than trained on
     bounds: tuple[float, float] | None = None
     description: str = field(default="", compare=False)
+    request_flag: str = ""  # the engine request key that asks for it ("": not the engine's)
+    # a template's per-model overrides (shape, bounds) from the model's HF config (a dict)
+    from_model: Callable[[dict[str, Any]], dict[str, Any]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -75,6 +87,25 @@ class TokenField:
             raise ValueError(f"token field {self.name}: unknown align {self.align!r}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "wire_key", self.wire_key or self.name)
+        if self.bounds is not None:
+            object.__setattr__(self, "bounds", tuple(self.bounds))
+
+    # ------------------------------------------------------------------ declarations
+    def bound(self, **changes: Any) -> TokenField:
+        """This declaration with `changes`, no longer a template."""
+        return replace(self, from_model=None, **changes)
+
+    def for_model(self, hf_config: dict[str, Any]) -> TokenField:
+        """The declaration for a model (a template's shape and bounds from its HF config);
+        ValueError when the model cannot have the field."""
+        return self if self.from_model is None else self.bound(**self.from_model(hf_config))
+
+    def declaration(self) -> dict[str, Any]:
+        """This bound declaration as JSON values (how a run hands it to its servers and ranks)."""
+        if self.from_model is not None:
+            raise ValueError(f"token field {self.name} is a template: bind it to a model first")
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "from_model"}
+        return {**out, "shape": list(self.shape), "bounds": self.bounds and list(self.bounds)}
 
     # ------------------------------------------------------------------ arrays
     @property
@@ -160,9 +191,12 @@ def _b64(arr: np.ndarray) -> str:
 # ---------------------------------------------------------------------- registry
 def _declare(obj: Any, name: str) -> TokenField:
     """What registering a field checks: a TokenField under its own name, declared once (the same
-    declaration again is a no-op), its meta_info key no other field's."""
+    declaration again is a no-op), its meta_info key no other field's. A template (a field whose
+    shape the model sets) passes as it is: only its bound form is registered."""
     if not isinstance(obj, TokenField):
         raise ValueError(f"token field {name!r} is a {type(obj).__name__}, not a TokenField")
+    if obj.from_model is not None:
+        return obj
     if ":" not in name and obj.name != name:  # (an import path is declared under its name)
         raise ValueError(f"token field {obj.name!r} registered under another name, {name!r}")
     old = FIELDS.get(obj.name) if obj.name in FIELDS else None
@@ -195,15 +229,56 @@ def token_field(name: str) -> TokenField:
     return FIELDS.get(name)
 
 
+def _imported(path: str) -> TokenField:
+    if ":" not in path:
+        raise ValueError(f"token field {path!r}: expected an import path pkg.mod:NAME")
+    return FIELDS.get(path)  # imported and checked; a template is not registered
+
+
 def load_token_fields(paths: Iterable[str]) -> list[TokenField]:
-    """Imports each `pkg.mod:NAME` (a TokenField) and declares it under its name."""
+    """Imports each `pkg.mod:NAME` (a TokenField) and declares it under its name (a template
+    waits for the model: `declare_for_model`)."""
     out = []
     for path in paths:
-        if ":" not in path:
-            raise ValueError(f"token field {path!r}: expected an import path pkg.mod:NAME")
-        f = FIELDS.get(path)
-        out.append(FIELDS.register(getattr(f, "name", path), f))
+        f = _imported(path)
+        out.append(f if f.from_model is not None else FIELDS.register(f.name, f))
     return out
+
+
+def declare_for_model(paths: Iterable[str], hf_config: dict[str, Any]) -> list[TokenField]:
+    """Declares the fields at `paths` for a model (a template bound to its HF config, in place of
+    another model's declaration); ValueError naming the path when the model cannot have one."""
+    out = []
+    for path in paths:
+        try:
+            f = _imported(path).for_model(hf_config)
+        except ValueError as e:
+            raise ValueError(f"rollout.token_fields {path}: {e}") from None
+        out.append(_redeclare(f))
+    return out
+
+
+def declared_field(raw: str | dict[str, Any]) -> TokenField:
+    """Declares the field of a `TokenField.declaration` form (a JSON string or its dict); ValueError
+    when it is not one."""
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        f = TokenField(**data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not a token field declaration ({e}): {str(raw)[:200]}") from None
+    return _redeclare(f)
+
+
+def _redeclare(f: TokenField) -> TokenField:
+    """Declares `f` in place of a declaration of its name for another model."""
+    if f.name in FIELDS and FIELDS.get(f.name) != f:
+        FIELDS.unregister(f.name)
+    return FIELDS.register(f.name, f)
+
+
+def requested(paths: Iterable[str]) -> list[str]:
+    """The names of the fields at `paths` that an engine is asked for (a request flag)."""
+    return [f.name for f in map(_imported, paths) if f.request_flag]
 
 
 # ---------------------------------------------------------------------- generic helpers

@@ -87,9 +87,6 @@ class Sample:
             raise ValueError(f"sample {self.index}: status {self.status.value} but no reward")
 
 
-_LEGACY_FIELDS = ("routed_experts", "teacher_log_probs")
-
-
 def sample_to_json(sample: Sample, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """A Sample as JSON values (token fields as exact bytes); `skip` leaves fields out."""
     data = {
@@ -104,11 +101,9 @@ def sample_to_json(sample: Sample, skip: tuple[str, ...] = ()) -> dict[str, Any]
 def sample_from_json(data: dict[str, Any], **override: Any) -> Sample:
     """The Sample `sample_to_json` wrote (fields it skipped come from `override`)."""
     fields = dict(data, **override)
-    for legacy in _LEGACY_FIELDS:  # written by builds before token fields, always None there
-        if fields.pop(legacy, None) is not None:
-            raise ValueError(
-                f"sample {fields.get('index')}: {legacy} is now a declared token field"
-            )
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Sample)})
+    if unknown:  # e.g. a per-token array of an older build, now a declared token field
+        raise ValueError(f"sample {fields.get('index')}: unknown keys {', '.join(unknown)}")
     fields["status"] = Status(fields["status"])
     fields["token_fields"] = fields_from_json(fields.get("token_fields"))
     return Sample(**fields)

@@ -13,15 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from miles_core import routed_experts
 from miles_core.config import load_config
 from miles_core.engines.registry import ENGINES
-from miles_core.models import PRESETS, build_model, count_parameters, save_hf_dir
+from miles_core.models import PRESETS, build_model, count_parameters, moe, save_hf_dir
 from miles_core.models.builder import preset_config
 from miles_core.models.tokenizer import build_tokenizer
 from miles_core.run import runtime
 from miles_core.run.preflight import preflight
-from miles_core.token_fields import FIELDS, token_field
+from miles_core.token_fields import FIELDS, declare_for_model, token_field
 
 MOE = sorted(name for name, p in PRESETS.items() if p.is_moe)
 
@@ -172,11 +171,11 @@ def test_routed_experts_travel_in_sglangs_layout_and_a_misfit_is_refused():
     meta_info.routed_experts), built here byte by byte."""
     routes = np.arange(5 * 2 * 2, dtype=np.int64).reshape(5, 2, 2) % 8
     raw = base64.b64encode(struct.pack("<20i", *routes.reshape(-1).tolist())).decode()
-    assert routed_experts.encode(routes) == raw
-    back = routed_experts.decode(raw, 2, 2)
+    assert moe.encode(routes) == raw
+    back = moe.decode(raw, 2, 2)
     assert back.dtype == np.int32 and np.array_equal(back, routes)
     with pytest.raises(ValueError, match=r"not whole rows of \(3, 2\) int32"):
-        routed_experts.decode(raw, 3, 2)  # another model's layers
+        moe.decode(raw, 3, 2)  # another model's layers
 
 
 def _sequence_routes(model, ids: list[int]) -> np.ndarray:
@@ -191,22 +190,24 @@ def test_the_serving_engine_returns_the_routes_of_every_position_it_processed():
 
     model, tok = build_model("tiny-moe-shared", seed=1)
     engine = ServingEngine(model, tok, seed=0, max_running=4, scheduler="caller")
-    field = routed_experts.routed_experts_field(2, 2)
+    field = moe.routes_field(2, 2)
     prompt = [5, 6, 7, 8, 9, 10]
 
     def ask(ids: list[int], n: int, routes: bool = True) -> list:
         sp = SamplingParams(max_new_tokens=n, sampling_seed=3)
-        req = GenerateRequest(input_ids=ids, sampling_params=sp, return_routed_experts=routes)
+        req = GenerateRequest(
+            input_ids=ids, sampling_params=sp, return_fields=[moe.ROUTES.name] if routes else []
+        )
         return engine.generate([req, req.model_copy()])  # siblings: the second reuses the prefix
 
     first, sibling = ask(prompt, 4)
     assert sibling.meta_info.cached_tokens > 0
     for out in (first, sibling):
-        got = routed_experts.decode(out.meta_info.model_extra["routed_experts"], 2, 2)
+        got = moe.decode(out.meta_info.model_extra["routed_experts"], 2, 2)
         assert np.array_equal(got, _sequence_routes(model, prompt + out.output_ids))
     # a continuation (prompt + what was generated, as after a pause-abort) returns every row
     # again; joined as the per-token channel joins them, the rows are the whole trajectory's
-    head = routed_experts.decode(first.meta_info.model_extra["routed_experts"], 2, 2)
+    head = moe.decode(first.meta_info.model_extra["routed_experts"], 2, 2)
     more, _ = ask(prompt + first.output_ids, 3)
     whole = field.join(head, field.decode(more.meta_info.model_extra["routed_experts"]))
     ids = prompt + first.output_ids + more.output_ids
@@ -216,7 +217,7 @@ def test_the_serving_engine_returns_the_routes_of_every_position_it_processed():
     assert "routed_experts" not in plain.meta_info.model_extra
     dense = ServingEngine(*build_model("tiny", seed=1), seed=0, max_running=2, scheduler="caller")
     with pytest.raises(EngineRequestError, match="no mixture-of-experts layers"):
-        dense.validate(GenerateRequest(input_ids=prompt, return_routed_experts=True))
+        dense.validate(GenerateRequest(input_ids=prompt, return_fields=[moe.ROUTES.name]))
 
 
 @pytest.mark.slow
@@ -238,12 +239,12 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             "return_routed_experts": True,
         }
         out = httpx.post(f"{proc.url}/generate", json=body, timeout=60).json()
-        got = routed_experts.decode(out["meta_info"]["routed_experts"], 2, 2)
+        got = moe.decode(out["meta_info"]["routed_experts"], 2, 2)
         assert np.array_equal(got, _sequence_routes(model, prompt + out["output_ids"]))
         batch = {**body, "input_ids": [prompt, prompt[:2]], "return_routed_experts": [False, True]}
         outs = httpx.post(f"{proc.url}/generate", json=batch, timeout=60).json()
         assert "routed_experts" not in outs[0]["meta_info"]
-        assert routed_experts.decode(outs[1]["meta_info"]["routed_experts"], 2, 2).shape == (
+        assert moe.decode(outs[1]["meta_info"]["routed_experts"], 2, 2).shape == (
             2 + 3 - 1,
             2,
             2,
@@ -255,12 +256,16 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
         ):
             r = httpx.post(f"{proc.url}/generate", json=bad, timeout=60)
             assert 400 <= r.status_code < 500, (bad, r.status_code, r.text)
-        FIELDS.register("routed_experts", routed_experts.routed_experts_field(2, 2))
+        FIELDS.register("routed_experts", moe.routes_field(2, 2))
         client = HttpEngine(proc.url)
         try:
             sp = SamplingParams(max_new_tokens=3)
             [resp] = client.generate(
-                [GenerateRequest(input_ids=prompt, sampling_params=sp, return_routed_experts=True)]
+                [
+                    GenerateRequest(
+                        input_ids=prompt, sampling_params=sp, return_fields=[moe.ROUTES.name]
+                    )
+                ]
             )
             want = _sequence_routes(model, prompt + resp.output_ids)
             assert np.array_equal(resp.token_fields["routed_experts"], want)
@@ -271,7 +276,11 @@ def test_an_engine_server_returns_routed_experts_over_sglangs_http_api(tmp_path)
             # continued after a pause-abort: the prompt and what was generated, asked again
             ids = prompt + resp.output_ids
             [more] = client.generate(
-                [GenerateRequest(input_ids=ids, sampling_params=sp, return_routed_experts=True)]
+                [
+                    GenerateRequest(
+                        input_ids=ids, sampling_params=sp, return_fields=[moe.ROUTES.name]
+                    )
+                ]
             )
             field = token_field("routed_experts")
             rows = field.join(
@@ -296,7 +305,9 @@ def _three_session_turns(engine_url: str):
     from miles_core.tito import FAMILIES
     from miles_core.types import sample_from_json
 
-    with TestClient(create_app(engine_url, FAMILIES.get("tiny")(), routed_experts=True)) as c:
+    with TestClient(
+        create_app(engine_url, FAMILIES.get("tiny")(), request_fields=[moe.ROUTES.name])
+    ) as c:
         sid = c.post("/sessions", json={"rollout_id": "moe-1"}).json()["session_id"]
         messages = [{"role": "user", "content": "count"}]
         for k in range(3):
@@ -427,7 +438,7 @@ def test_with_routing_replay_the_trainer_routes_every_token_as_the_engine_did(tm
             f"checkpoint.root={tmp_path / 'ckpt'}",
         ],
     )
-    assert cfg.rollout.return_routed_experts  # asked of the engine by the trainer's settings
+    assert moe.PATH in cfg.rollout.token_fields  # asked of the engine by the trainer's settings
     model_dir = runtime.prepare_model_dir(cfg, tmp_path / "init")
     rt = runtime.RLRuntime(cfg, model_dir, None)
     seen: dict[str, list[torch.Tensor]] = {"ids": [], "experts": []}
@@ -477,11 +488,13 @@ def test_routing_replay_on_a_dense_model_or_an_engine_that_records_nothing_is_re
     with pytest.raises(ValueError) as e:
         preflight(dense)
     assert str(e.value) == (
-        "train.routing_replay: model.preset is a dense model (no mixture-of-experts layers): "
-        "there are no routes to record or replay"
+        f"rollout.token_fields {moe.PATH}: model.preset: routing replay records each token's "
+        "experts: the model has no mixture-of-experts layers (train.routing_replay and "
+        "train.check_routing_replay need an MoE model)"
     )
     embedded = load_config(None, [*base, "model.preset=tiny-moe", "rollout.engine=embedded"])
-    with pytest.raises(ValueError, match="rollout.engine embedded cannot run model.preset: routed"):
+    refused = "rollout.engine embedded cannot run model.preset: it does not fill token field "
+    with pytest.raises(ValueError, match=refused + "routed_experts"):
         preflight(embedded)
     assert not (tmp_path / "ckpt").exists()
 
@@ -501,7 +514,7 @@ def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_s
     prompt = [5, 6, 7, 8, 9]
     sp = SamplingParams(max_new_tokens=4, sampling_seed=1)
     [resp] = engine.generate(
-        [GenerateRequest(input_ids=prompt, sampling_params=sp, return_routed_experts=True)]
+        [GenerateRequest(input_ids=prompt, sampling_params=sp, return_fields=[moe.ROUTES.name])]
     )
     raw = resp.model_dump_json()
     small = preset_config("small-moe", len(tok), tok.pad_token_id, tok.eos_token_id)
@@ -512,14 +525,14 @@ def test_a_routing_record_that_does_not_fit_the_model_fails_its_sample_not_the_s
             (small.to_dict(), "routed_experts"),  # 4 MoE layers: rows of another size
             (other_experts, "outside [0, 4)"),  # indices this model does not have
         ]:
-            routed_experts.declare(config)
+            declare_for_model([moe.PATH], config)
             parsed = GenerateResponse.model_validate_json(raw)
             assert parsed.field_error and why in parsed.field_error, parsed.field_error
             assert parsed.token_fields == {} and parsed.output_ids == resp.output_ids
             [sample] = build_group(task, 0, 0, 1, 0, Example("x", None), prompt, [parsed]).samples
             assert sample.status == Status.FAILED and not any(sample.loss_mask)
             assert "per-token record was refused" in sample.metadata["error"]
-        routed_experts.declare(model.config.to_dict())  # the right model: it fits
+        declare_for_model([moe.PATH], model.config.to_dict())  # the right model: it fits
         assert GenerateResponse.model_validate_json(raw).field_error is None
     finally:
         FIELDS.unregister("routed_experts")
@@ -537,7 +550,7 @@ def test_replaying_the_routers_own_choice_reproduces_their_forward_and_gradients
     model, _ = build_model(preset, seed=2)
     ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
     _, natural = _hf_routes(model, ids)  # [B, T, L, k]
-    routed_experts.declare(model.config.to_dict())
+    declare_for_model([moe.PATH], model.config.to_dict())
     batch = TrainBatch(
         tokens=ids.tolist(),
         response_lengths=[3, 3],
@@ -581,7 +594,7 @@ def test_every_transport_pushes_moe_weights_bitwise_and_the_engine_routes_with_t
 
     model, tok = build_model("tiny-moe-shared", seed=1)
     model_dir = save_hf_dir(model, tok, tmp_path / "moe")
-    FIELDS.register("routed_experts", routed_experts.routed_experts_field(2, 2, 8))
+    FIELDS.register("routed_experts", moe.routes_field(2, 2, 8))
     gen = torch.Generator().manual_seed(0)
 
     def new_weights() -> dict[str, torch.Tensor]:
@@ -614,7 +627,7 @@ def test_every_transport_pushes_moe_weights_bitwise_and_the_engine_routes_with_t
             [resp] = engine.generate(
                 [
                     GenerateRequest(
-                        input_ids=[5, 6, 7, 8], sampling_params=sp, return_routed_experts=True
+                        input_ids=[5, 6, 7, 8], sampling_params=sp, return_fields=[moe.ROUTES.name]
                     )
                 ]
             )

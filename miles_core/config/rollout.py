@@ -56,14 +56,10 @@ class RolloutConfig(Strict):
     seed: int = 0
     token_fields: list[str] = Field(
         default_factory=list,
-        description="declared per-token fields the engine's responses carry to the trainer "
-        "(import paths pkg.mod:FIELD of miles_core.token_fields.TokenField objects)",
-    )
-    return_routed_experts: bool = Field(
-        False,
-        description="MoE models: ask the engine for the experts each token was routed to "
-        "(SGLang's return_routed_experts; samples carry them as the routed_experts field); "
-        "on by itself with train.routing_replay or train.check_routing_replay",
+        description="declared per-token fields the samples carry to the trainer (import paths "
+        "pkg.mod:FIELD of miles_core.token_fields.TokenField objects); the engine is asked for "
+        "those with a request flag. train.routing_replay and train.check_routing_replay add "
+        "the MoE routes field (miles_core.models.moe:ROUTES)",
     )
 
     @field_validator("engine")

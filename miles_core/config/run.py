@@ -18,6 +18,7 @@ from miles_core.config.sft import SFTConfig
 from miles_core.config.tracking import TrackingConfig
 from miles_core.config.train import TrainConfig
 from miles_core.config.weight_sync import WeightSyncConfig
+from miles_core.models import moe
 from miles_core.rollout.mode import MODES
 from miles_core.train.advantage import ADVANTAGES
 
@@ -77,8 +78,8 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
-        if t.routing_replay or t.check_routing_replay:
-            r.return_routed_experts = True  # what the trainer replays or checks against
+        if (t.routing_replay or t.check_routing_replay) and moe.PATH not in r.token_fields:
+            r.token_fields.append(moe.PATH)  # what the trainer replays or checks against
         if self.agent.function is not None:  # the agent section checks its own settings
             self._check_agentic()
             if self.agent.eval_episodes and self.data.path:

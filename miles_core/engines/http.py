@@ -23,6 +23,7 @@ from miles_core.engines.wire import GenerateRequest, GenerateResponse, version_n
 from miles_core.processes.auth import bearer
 from miles_core.processes.managed import ManagedProcess, ProcessUnavailable
 from miles_core.processes.ports import PortRange
+from miles_core.token_fields import token_field
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's session-affinity header
 
@@ -35,8 +36,8 @@ def generate_payload(req: GenerateRequest) -> dict:
         "return_logprob": True,
         "rid": req.rid,
     }
-    if req.return_routed_experts:
-        body["return_routed_experts"] = True
+    for name in req.return_fields:  # each field by its own request key
+        body[token_field(name).request_flag] = True
     return body
 
 
@@ -50,8 +51,8 @@ def batch_payload(requests: list[GenerateRequest]) -> dict:
     }
     if all(r.rid is not None for r in requests):
         body["rid"] = [r.rid for r in requests]
-    if any(r.return_routed_experts for r in requests):
-        body["return_routed_experts"] = [r.return_routed_experts for r in requests]
+    for name in dict.fromkeys(n for r in requests for n in r.return_fields):
+        body[token_field(name).request_flag] = [name in r.return_fields for r in requests]
     return body
 
 

@@ -69,12 +69,12 @@ class BuiltEngine:
 class EngineKind:
     """A rollout engine as a plug-in: `build(setup)` makes the run's engine; `routes`, the
     weight routes its engines take (the config checks the transport against them);
-    `check_model(hf_config_dict)`, why it cannot run a model (or None); `routed_experts`,
-    whether it answers return_routed_experts (MoE routing replay); `Options`, its settings
+    `check_model(hf_config_dict)`, why it cannot run a model (or None); `answers`, the request
+    flags of the token fields its engines fill (`TokenField.request_flag`); `Options`, its settings
     (`rollout.engine_options`)."""
 
     routes: frozenset[str] = SERVER_ROUTES
-    routed_experts: bool = False
+    answers: frozenset[str] = frozenset()
     Options: type[PluginOptions] = NoOptions
 
     @classmethod
@@ -92,14 +92,12 @@ class EngineKind:
         return cls.routes <= IN_PROCESS_ROUTES
 
     @classmethod
-    def refuses(cls, hf_config: dict[str, Any], routed_experts: bool = False) -> str | None:
-        """Why it cannot run a model of this HF config (a dict), or None; `routed_experts`: the
-        run asks it for each token's routed experts."""
-        if routed_experts and not cls.routed_experts:
-            return (
-                "routed experts were asked for (routing replay), and this engine does not "
-                "return them"
-            )
+    def refuses(cls, hf_config: dict[str, Any], fields: Any = ()) -> str | None:
+        """Why it cannot run a model of this HF config (a dict), or None; `fields`: the token
+        fields the run asks its engines for."""
+        for f in fields:
+            if f.request_flag not in cls.answers:
+                return f"it does not fill token field {f.name} ({f.request_flag})"
         return cls.check_model(hf_config)
 
 
@@ -115,7 +113,7 @@ def _engine_kind(obj: Any, name: str) -> type[EngineKind]:
         (EngineKind,),
         {
             "routes": frozenset(getattr(obj, "weight_routes", SERVER_ROUTES)),
-            "routed_experts": bool(getattr(obj, "routed_experts", False)),
+            "answers": frozenset(getattr(obj, "answers", ())),
             "build": classmethod(lambda cls, setup: obj(setup)),
         },
     )

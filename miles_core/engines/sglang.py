@@ -36,12 +36,11 @@ class SGLangLaunch:
     max_running_requests: int | None = None
     random_seed: int | None = None
     enable_memory_saver: bool = False  # needed for release/resume_memory_occupation (colocated)
-    enable_return_routed_experts: bool = False  # MoE routing replay (R3)
     skip_tokenizer_init: bool = True  # we send token ids and read output_ids
     # SGLang's --api-key (Authorization: Bearer on its routes); it takes the key only on its
     # command line, which `ps` shows
     api_key: str | None = None
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # e.g. what a token field needs
 
     def command(self) -> list[str]:
         args = [self.python, "-m", "sglang.launch_server"]
@@ -60,7 +59,7 @@ class SGLangLaunch:
         for name, value in values.items():
             if value is not None:
                 args += [flag(name), str(value)]
-        for name in ("enable_memory_saver", "enable_return_routed_experts", "skip_tokenizer_init"):
+        for name in ("enable_memory_saver", "skip_tokenizer_init"):
             if getattr(self, name):
                 args.append(flag(name))
         return args + list(self.extra_args)

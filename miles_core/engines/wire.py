@@ -43,8 +43,9 @@ class GenerateRequest(BaseModel):
     input_ids: list[int]
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = True
-    # MoE engines: meta_info.routed_experts, the experts of every input position (routed_experts.py)
-    return_routed_experts: bool = False
+    # declared token fields the response should carry in meta_info (token_fields.py), asked for
+    # by each field's request flag
+    return_fields: list[str] = Field(default_factory=list)
     rid: str | None = None
     routing_key: str | None = (
         None  # session affinity through the router (never sent as a body field)

@@ -14,6 +14,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from miles_core.models import moe
 from miles_core.models.families import family_config, init_extra
 from miles_core.models.presets import PRESETS
 from miles_core.models.tokenizer import build_tokenizer
@@ -32,19 +33,7 @@ ARCHITECTURE_FIELDS = (
     "max_position_embeddings",
     "rms_norm_eps",
     "rope_parameters",
-    # mixture of experts (absent, None, in a dense config)
-    "num_local_experts",
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "n_shared_experts",
-    "first_k_dense_replace",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "norm_topk_prob",
-    "routed_scaling_factor",
-    "n_group",
-    "topk_group",
+    *moe.CONFIG_KEYS,  # mixture of experts (absent, None, in a dense config)
     "use_qk_norm",
 )
 

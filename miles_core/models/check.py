@@ -16,6 +16,8 @@ import psutil
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from miles_core.models.moe import EXPERT_COUNT_KEYS
+
 # safetensors dtypes and their sizes in bytes
 DTYPE_BYTES = {
     "BOOL": 1,
@@ -77,7 +79,7 @@ def moe_sizes(cfg: dict) -> dict[str, int]:
     """A mixture-of-experts config's sizes ({} for a dense one): routed experts, one expert's
     width, shared experts, and the layers that stay dense (Qwen3-MoE's mlp_only_layers and
     decoder_sparse_step, GLM4-MoE's first_k_dense_replace)."""
-    experts = _count(cfg, "num_local_experts", "n_routed_experts", "num_experts")
+    experts = _count(cfg, *EXPERT_COUNT_KEYS)
     if not experts:
         return {}
     return {

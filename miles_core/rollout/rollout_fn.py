@@ -15,6 +15,7 @@ from miles_core.data.tasks import Example, Task
 from miles_core.engines.protocol import RolloutEngine
 from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingParams
 from miles_core.rollout.scoring import safe_score
+from miles_core.token_fields import requested
 from miles_core.types import FINISH_REASON_TO_STATUS, Sample, SampleGroup, Status
 
 
@@ -81,7 +82,7 @@ def group_requests(
             if seeded
             else sp,
             rid=f"{step}-{g}-{k}",
-            return_routed_experts=cfg.return_routed_experts,
+            return_fields=requested(cfg.token_fields),
         )
         for k in range(n)
     ]

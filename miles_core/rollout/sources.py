@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from miles_core.rollout.group_source import GroupSource
 from miles_core.rollout.mode import MODES
 from miles_core.rollout.producer import Launch, RolloutProducer, start_thread
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
+from miles_core.token_fields import load_token_fields, token_field
 
 
 class SyncRollouts:
@@ -161,8 +163,7 @@ class AgentSessions:
                 "--max-tokens",
                 str(agent.max_tokens),
                 *(() if budget is None else ("--token-budget", str(budget))),
-                *(f"--token-field={f}" for f in config.rollout.token_fields),
-                *_routed_experts_args(config),
+                *_token_field_args(config),
             ),
             port_range=config.network.ports,
             api_key=fleet.api_key,  # the run's key: its engine requires it too
@@ -306,15 +307,12 @@ def make_rollouts(
     return AsyncRollouts(config, fleet, tokenizer, task, prompts, engine_version)
 
 
-def _routed_experts_args(config) -> tuple[str, ...]:
-    """The session server's `--routed-experts LAYERS,TOP_K,EXPERTS` when the run records routes (the
-    field this process declared from the model, `routed_experts.declare`)."""
-    if not config.rollout.return_routed_experts:
-        return ()
-    from miles_core.routed_experts import FIELD_NAME
-    from miles_core.token_fields import token_field
-
-    f = token_field(FIELD_NAME)
-    layers, top_k = f.shape
-    experts = int(f.bounds[1]) if f.bounds else 0
-    return ("--routed-experts", f"{layers},{top_k}" + (f",{experts}" if experts else ""))
+def _token_field_args(config) -> tuple[str, ...]:
+    """The session server's `--token-field-json` for each of the run's token fields, as this
+    process declared them for the model (`token_fields.declare_for_model`)."""
+    names = [load_token_fields([p])[0].name for p in config.rollout.token_fields]
+    return tuple(
+        arg
+        for name in names
+        for arg in ("--token-field-json", json.dumps(token_field(name).declaration()))
+    )

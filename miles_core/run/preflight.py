@@ -174,7 +174,7 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
     """The starting model, read by header only: sizes, safetensors files, the memory the run
     needs against what the machine has (models/check.py)."""
     from miles_core.device import resolve_device
-    from miles_core.models.check import check_memory, check_model_dir, moe_sizes
+    from miles_core.models.check import check_memory, check_model_dir
 
     where = f"model.path {config.model.path!r}" if config.model.path else "model.preset"
     gpu_memory = None
@@ -193,22 +193,27 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
         check(config.train.model_dump(), model_config, where)
     from miles_core.engines.registry import ENGINES
 
-    # an engine may refuse a model its forward does not implement (the serving engine: Qwen3's
-    # attention only), or routes it cannot return
-    routes = config.rollout.return_routed_experts
-    reason = ENGINES.get(config.rollout.engine).refuses(model_config, routed_experts=routes)
+    # the run's token fields for this model (a template may refuse it: MoE routes of a dense
+    # model), and an engine may refuse a model its forward does not implement (the serving
+    # engine: Qwen3's attention only) or fields it does not fill
+    fields = [_field_for(path, model_config, where) for path in config.rollout.token_fields]
+    asked = [f for f in fields if f.request_flag]
+    reason = ENGINES.get(config.rollout.engine).refuses(model_config, asked)
     if reason is not None:
         raise ValueError(f"rollout.engine {config.rollout.engine} cannot run {where}: {reason}")
-    if routes and not moe_sizes(model_config):
-        asked = [
-            k for k in ("routing_replay", "check_routing_replay") if getattr(config.train, k)
-        ] or ["rollout.return_routed_experts"]
-        raise ValueError(
-            f"{', '.join(f'train.{k}' if '.' not in k else k for k in asked)}: {where} is a "
-            "dense model (no mixture-of-experts layers): there are no routes to record or replay"
-        )
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
+
+
+def _field_for(path: str, model_config: dict, where: str):
+    """Token field `path` for the run's model; ValueError naming it when the model cannot have
+    it."""
+    from miles_core.token_fields import load_token_fields
+
+    try:
+        return load_token_fields([path])[0].for_model(model_config)
+    except ValueError as e:
+        raise ValueError(f"rollout.token_fields {path}: {where}: {e}") from None
 
 
 def _check_unclaimed(config: RunConfig, names: list[str]) -> None:

@@ -20,7 +20,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from miles_core import routed_experts
 from miles_core.checkpoint.checkpointing import Checkpointing
 from miles_core.checkpoint.store import CheckpointStore, fetch_model_dir
 from miles_core.config import RunConfig
@@ -33,6 +32,7 @@ from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.sources import make_rollouts
 from miles_core.run.tracking import Tracker
 from miles_core.run.training import build_trainer, train_on_rollout
+from miles_core.token_fields import declare_for_model
 from miles_core.weights.sync import WeightSnapshot, WeightSync
 
 
@@ -67,8 +67,8 @@ class RLRuntime:
         self.source = PromptSource(rl_examples(config), seed=d.seed, shuffle=d.shuffle)
         model, self.tokenizer = load_hf_dir(model_dir)
         self.architecture = architecture_of(model.config)
-        if config.rollout.return_routed_experts:  # the per-token field the engine fills
-            routed_experts.declare(model.config.to_dict())
+        # the run's per-token fields, a template's shape from this model (MoE routes)
+        declare_for_model(config.rollout.token_fields, model.config.to_dict())
         self._rollout_step = 0  # the step `train` records in the ledger
         with contextlib.ExitStack() as started:  # unwound if any start below fails
             self.workdir = new_workdir()

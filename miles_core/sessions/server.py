@@ -50,12 +50,11 @@ from miles_core.engines.wire import GenerateRequest, GenerateResponse, SamplingP
 from miles_core.processes.auth import bearer, protect
 from miles_core.processes.http_limits import MAX_BODY_BYTES, BadJson, BodyLimit, parse_json
 from miles_core.processes.managed import KEEP_ALIVE_S
-from miles_core.routed_experts import FIELD_NAME, routed_experts_field
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
 from miles_core.sessions.trajectory import Trajectory
 from miles_core.tito import FAMILIES, TitoFamily
-from miles_core.token_fields import FIELDS, load_token_fields
+from miles_core.token_fields import declared_field, load_token_fields
 from miles_core.types import sample_to_json
 
 MAX_SESSIONS = 4096  # live sessions (a run keeps agent.concurrency of them open)
@@ -135,7 +134,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     token_budget: int | None = None,
-    routed_experts: bool = False,
+    request_fields: list[str] | None = None,
 ) -> FastAPI:
     """`token_budget`: a turn's prompt plus its new tokens at most this many ids (the new
     tokens are capped to what is left; a turn with nothing left answers 400
@@ -352,7 +351,7 @@ def create_app(
             input_ids=turn.ids,
             sampling_params=sampling,
             rid=f"{s.id}-{len(t.nodes)}",
-            return_routed_experts=routed_experts,  # each turn's rows join per turn
+            return_fields=list(request_fields or ()),  # each turn's rows join per turn
         )
         try:
             # behind a router, every turn of the session reaches one engine (its prefix there)
@@ -485,21 +484,13 @@ def main(argv: list[str] | None = None) -> None:
         help="a declared per-token field to record (import path pkg.mod:FIELD; repeatable)",
     )
     ap.add_argument(
-        "--routed-experts",
-        default=None,
-        metavar="LAYERS,TOP_K[,EXPERTS]",
-        help="MoE routing replay: ask the engine for every turn's routed experts, a model of "
-        "LAYERS MoE layers routing to TOP_K of EXPERTS experts",
+        "--token-field-json",
+        action="append",
+        default=[],
+        help="a per-token field declared for the run's model, as JSON (TokenField.declaration; "
+        "repeatable): what a run passes for the fields it records",
     )
     args = ap.parse_args(argv)
-    routed = None
-    if args.routed_experts is not None:
-        try:
-            routed = tuple(int(x) for x in args.routed_experts.split(","))
-            if len(routed) not in (2, 3) or min(routed) < 1:
-                raise ValueError
-        except ValueError:
-            ap.error("--routed-experts takes LAYERS,TOP_K[,EXPERTS] (positive integers)")
     if args.token_budget is not None and args.token_budget < 1:
         ap.error("--token-budget must be > 0")
     for flag in ("max_sessions", "max_session_ids", "session_ttl_s"):
@@ -510,9 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     watch_parent()  # started by a run: exit with it
     sock = bind_from_args(args, "session server")  # the port is reported before anything loads
     try:
-        load_token_fields(args.token_field)
-        if routed is not None:
-            FIELDS.register(FIELD_NAME, routed_experts_field(*routed))
+        fields = load_token_fields(args.token_field)
+        fields += [declared_field(raw) for raw in args.token_field_json]
         family = FAMILIES.get(args.family)()
         if not args.no_family_check:  # a wrong family would answer 200 with garbage
             check_engine_family(args.engine_url, family, args.family, api_key=args.api_key)
@@ -528,7 +518,8 @@ def main(argv: list[str] | None = None) -> None:
         max_session_ids=args.max_session_ids,
         api_key=args.api_key,
         token_budget=args.token_budget,
-        routed_experts=routed is not None,
+        # the engine fills the fields it is asked for by their request flags
+        request_fields=[f.name for f in fields if f.request_flag],
     )
     config = uvicorn.Config(
         app,

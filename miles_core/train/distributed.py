@@ -66,8 +66,11 @@ def announce(name: str, payload: Any) -> None:
 
 def announce_init(backend: str, kwargs: dict[str, Any]) -> None:
     """Rank 0 building a backend: followers build the same one (its import path) with the same
-    keyword arguments."""
-    announce("init", {"backend": backend, "kwargs": kwargs})
+    keyword arguments, and declare the per-token fields rank 0 has (its batches carry them)."""
+    from miles_core.token_fields import FIELDS
+
+    fields = [f.declaration() for f in FIELDS.values()]
+    announce("init", {"backend": backend, "kwargs": kwargs, "token_fields": fields})
 
 
 def receive() -> tuple[str, Any]:
@@ -87,6 +90,10 @@ def follow() -> None:
             _teardown()
             return
         if name == "init":
+            from miles_core.token_fields import declared_field
+
+            for f in payload.get("token_fields", ()):
+                declared_field(f)
             backend = BACKENDS.get(payload["backend"])(**payload["kwargs"])
         elif name == "close":
             backend = None

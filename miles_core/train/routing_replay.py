@@ -1,5 +1,5 @@
 """Routing replay (R3): the trainer's routers take the experts the engine routed each token to at
-rollout (`routed_experts`, a per-token field), and a checker counts how often the trainer's own
+rollout (`models/moe.py: ROUTES`, a per-token field), and a checker counts how often the trainer's own
 choice differs. Stages need no cursor: the same routes serve every forward of a micro-batch
 (the old-log-prob pass, the training pass and any recomputation of it).
 
@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from miles_core.engines.cpu.moe import is_moe_layer
-from miles_core.routed_experts import FIELD_NAME
+from miles_core.models import moe
+from miles_core.models.moe import ROUTES
 from miles_core.train.forward import MicroBatch
 
 # how a family turns its router's logits into the weights of given experts; by router class
@@ -76,12 +77,12 @@ class RouteReplay:
     def micro_batch(self, mb: MicroBatch) -> Iterator[None]:
         """The routers replay (and check against) `mb`'s recorded routes in this block."""
         fields = mb.padded.fields
-        if FIELD_NAME not in fields:
+        if ROUTES.name not in fields:
             raise ValueError(
-                "routing replay: the micro-batch carries no routed_experts (the engine did not "
-                "return them: rollout.return_routed_experts)"
+                f"routing replay: the micro-batch carries no {ROUTES.name} (the engine did not "
+                f"return them: rollout.token_fields needs {moe.PATH})"
             )
-        routes = fields[FIELD_NAME]  # [B, T, L, k], sequence-aligned: row j = input position j
+        routes = fields[ROUTES.name]  # [B, T, L, k], sequence-aligned: row j = input position j
         b, t = mb.padded.input_ids.shape
         if routes.shape[:2] != (b, t) or routes.shape[2] != self.layers:
             raise ValueError(

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core import routed_experts
 from miles_core.engines.cpu.server import (
     AbortBody,
     CheckerBody,
@@ -27,6 +26,8 @@ from miles_core.engines.cpu.server import (
 )
 from miles_core.engines.http import batch_payload, generate_payload
 from miles_core.engines.wire import GenerateRequest, SamplingParams
+from miles_core.models import moe
+from miles_core.token_fields import FIELDS
 
 API = json.loads((Path(__file__).with_name("sglang_api.json")).read_text())
 STRUCTS = API["structs"]
@@ -58,13 +59,19 @@ def test_the_generate_payload_uses_sglang_field_names():
     assert payload["rid"] == ["r1", "r2"] and payload["input_ids"] == [[1, 2, 3]] * 2
     for params in payload["sampling_params"]:
         assert set(params) <= set(API["sampling_params"])
-    # MoE routing replay: the request flag is SGLang's GenerateReqInput field, in both forms
-    routed = req.model_copy(update={"return_routed_experts": True})
-    assert routed_experts.REQUEST_FLAG in STRUCTS["GenerateReqInput"]
-    assert generate_payload(routed)[routed_experts.REQUEST_FLAG] is True
-    batch = batch_payload([req, routed])
-    assert set(batch) <= set(STRUCTS["GenerateReqInput"])
-    assert batch[routed_experts.REQUEST_FLAG] == [False, True]
+    # MoE routing replay: the routes field's request flag is SGLang's GenerateReqInput field, in
+    # both forms
+    flag = moe.ROUTES.request_flag
+    FIELDS.register(moe.ROUTES.name, moe.routes_field(2, 2))
+    try:
+        routed = req.model_copy(update={"return_fields": [moe.ROUTES.name]})
+        assert flag in STRUCTS["GenerateReqInput"]
+        assert generate_payload(routed)[flag] is True
+        batch = batch_payload([req, routed])
+        assert set(batch) <= set(STRUCTS["GenerateReqInput"])
+        assert batch[flag] == [False, True]
+    finally:
+        FIELDS.unregister(moe.ROUTES.name)
 
 
 @pytest.mark.parametrize(
@@ -163,7 +170,7 @@ def test_sglang_launch_flags_are_sglang_server_args():
         max_running_requests=128,
         random_seed=1,
         enable_memory_saver=True,
-        enable_return_routed_experts=True,
+        extra_args=["--enable-return-routed-experts"],  # MoE routes (models/moe.py)
     )
     cmd = launch.command()
     assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]

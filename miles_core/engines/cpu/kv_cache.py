@@ -8,7 +8,7 @@ the slot over, or copy the prefix, instead of recomputing it (see `slots.py`).
 A mixture-of-experts model's cache also keeps, per slot and position, the experts each MoE layer
 routed that position to (`routes`: [slots, max_len, MoE layers, top_k] int32): it moves with the
 keys and values (copies, swaps), so a request that reuses a cached prefix still has the routes
-of every position it holds (what `return_routed_experts` returns).
+of every position it holds (what the routes field returns: `models/moe.py`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from miles_core.engines.cpu.loading import PackedWeightsDiffer
 from miles_core.engines.cpu.serving import PAUSE_MODES, ServingEngine
 from miles_core.engines.protocol import SERVER_ROUTES
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
+from miles_core.models.moe import ROUTES
 from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.processes.managed import KEEP_ALIVE_S
 from miles_core.processes.roots import AllowedRoots
@@ -510,8 +511,9 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
             raise EngineRequestError(
                 f"sampling_params.{'.'.join(map(str, first['loc']))}: {first['msg']}"
             ) from None
+        fields = [ROUTES.name] if want_routes else []  # SGLang's flag for the routes field
         req = GenerateRequest(
-            input_ids=ids, sampling_params=sampling, rid=rid, return_routed_experts=want_routes
+            input_ids=ids, sampling_params=sampling, rid=rid, return_fields=fields
         )
         engine.validate(req)
         out.append(req)

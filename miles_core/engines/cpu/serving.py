@@ -40,8 +40,8 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
-from miles_core.routed_experts import WIRE_KEY
-from miles_core.routed_experts import encode as encode_routes
+from miles_core.models.moe import ROUTES
+from miles_core.models.moe import encode as encode_routes
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
@@ -211,7 +211,7 @@ class ServingEngine:
             raise EngineRequestError(
                 "the KV cache is released; resume memory occupation (tags: kv_cache) first"
             )
-        if req.return_routed_experts and self.runner.routes_shape is None:
+        if ROUTES.name in req.return_fields and self.runner.routes_shape is None:
             raise EngineRequestError(
                 "return_routed_experts: this model has no mixture-of-experts layers"
             )
@@ -617,14 +617,14 @@ class ServingEngine:
         if r.slot is None or r.kv_len != n:
             return {}
         routes = self.runner.routes_of(r.slot.index, n)
-        return {} if routes is None else {WIRE_KEY: encode_routes(routes.numpy())}
+        return {} if routes is None else {ROUTES.wire_key: encode_routes(routes.numpy())}
 
     def _finish(self, r: _Request, reason: FinishReason) -> None:
         """Called with the step lock held."""
         if r.done.is_set():
             return
         r.finish = reason
-        extra = self._routed_experts(r) if r.req.return_routed_experts else {}
+        extra = self._routed_experts(r) if ROUTES.name in r.req.return_fields else {}
         self._leave_slot(r)
         if r in self._running:
             self._running.remove(r)

@@ -17,6 +17,7 @@ from miles_core.engines.registry import (
     EngineSetup,
     Supervision,
 )
+from miles_core.models.moe import ROUTES
 
 
 class ServerOptions(ServingOptions):
@@ -63,7 +64,7 @@ class ServerOptions(ServingOptions):
 @ENGINES.register("server")
 class Server(EngineKind):
     routes = SERVER_ROUTES
-    routed_experts = True
+    answers = frozenset({ROUTES.request_flag})  # our engine records MoE routes
     Options = ServerOptions
 
     @classmethod

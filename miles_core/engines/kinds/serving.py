@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from miles_core.engines.protocol import IN_PROCESS_ROUTES
 from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, EngineSetup
+from miles_core.models.moe import ROUTES
 from miles_core.plugins import PluginOptions
 
 
@@ -47,7 +48,7 @@ def refuses_model(hf_config: dict[str, Any]) -> str | None:
 @ENGINES.register("serving")
 class Serving(EngineKind):
     routes = IN_PROCESS_ROUTES
-    routed_experts = True
+    answers = frozenset({ROUTES.request_flag})  # our engine records MoE routes
     Options = ServingOptions
 
     @classmethod

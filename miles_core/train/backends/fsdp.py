@@ -34,7 +34,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from miles_core import routed_experts
 from miles_core.device import resolve_device
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
@@ -98,7 +97,6 @@ class FSDPBackend(SPMDCalls):
         self.routing = None  # MoE routing replay / its checker (routing_replay.py)
         if optim.get("routing_replay") or optim.get("check_routing_replay"):
             # the policy's routers only (after the reference copy, which routes by itself)
-            routed_experts.declare(model.config.to_dict())  # also on ranks > 0
             self.routing = RouterReplay(
                 model, bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
             )

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from miles_core import routed_experts
 from miles_core.device import resolve_device
 from miles_core.train import distributed as spmd
 from miles_core.train.backends.megatron import convert
@@ -150,7 +149,6 @@ class MegatronBackend(SPMDCalls):
         if replay or check:  # the policy's routers (the reference's route by themselves)
             from miles_core.train.backends.megatron.routing_replay import MegatronRouterReplay
 
-            routed_experts.declare(hf)  # also on ranks > 0
             self.routing = MegatronRouterReplay(model, self.shapes, replay, check)
         if self.stage.first and self.hf_config.pad_token_id is not None:
             model.embedding.word_embeddings.register_forward_hook(self._no_pad_gradient)
