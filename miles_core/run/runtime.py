@@ -222,24 +222,12 @@ class RLRuntime:
         return self.fleet.supervisor
 
     @property
-    def transport(self):
-        return self.weights.transport
-
-    @property
     def policy_version(self) -> int:
         return self.weights.policy_version
 
     @property
-    def engine_version(self) -> int:
-        return self.weights.engine_version
-
-    @property
     def producer(self):
         return self.rollouts.producer
-
-    @property
-    def agent_rollout(self):
-        return self.rollouts.agent_rollout
 
     @property
     def session_process(self):
@@ -248,10 +236,6 @@ class RLRuntime:
     @property
     def store(self) -> CheckpointStore:
         return self.checkpoints.store
-
-    @property
-    def ledger(self):
-        return self.checkpoints.ledger
 
     @property
     def start_step(self) -> int:
