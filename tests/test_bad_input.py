@@ -56,6 +56,15 @@ SERVER = ["rollout.engine=server", "weight_sync.transport=shared_memory"]
             "rollout mode 'sync' takes no options; rollout.mode_options has max_staleness",
         ),
         (["rollout.mode=lockstep"], "unknown rollout mode 'lockstep' in rollout.mode; known: "),
+        (["rollout.engine=sglang"], r"give python \(launch SGLang\) or url \(attach"),
+        (
+            [
+                "rollout.engine=sglang",
+                "rollout.engine_options.url=http://127.0.0.1:30000",
+                "weight_sync.transport=shared_memory",
+            ],
+            "rollout.engine: sglang needs weight_sync.transport broadcast | disk | p2p",
+        ),
         (
             ["rollout.engine=serving", "rollout.engine_options.dtype=float16"],
             "rollout.engine_options.dtype",

@@ -237,3 +237,24 @@ def test_an_sglang_server_that_was_never_updated_reports_version_zero():
         weight_version="default",
     )
     assert meta.version == 0
+
+
+def test_the_sglang_engine_refuses_a_launch_without_its_interpreter(tmp_path):
+    """`rollout.engine: sglang` launches SGLang from its own environment; a wrong interpreter is a
+    clear error before anything starts (and nothing is left running)."""
+    from miles_core.config import RolloutConfig
+    from miles_core.engines.registry import ENGINES, EngineSetup
+
+    kind = ENGINES.get("sglang")
+    python = str(tmp_path / "no-env" / "bin" / "python")
+    setup = EngineSetup(
+        RolloutConfig(),
+        None,
+        None,
+        tmp_path,
+        0,
+        tmp_path,
+        options=kind.Options(python=python),
+    )
+    with pytest.raises(FileNotFoundError, match=f"SGLang interpreter '{python}' not found"):
+        kind.build(setup)
