@@ -75,6 +75,7 @@ def _options_note(field) -> str:
 def plugin_options_reference() -> list[str]:
     """One table per built-in plug-in that has options, under the key that holds them."""
     from miles_core.engines.registry import ENGINES
+    from miles_core.eval.mode import EVAL_MODES
     from miles_core.plugins import NoOptions
     from miles_core.rollout.mode import MODES
     from miles_core.train.advantage import ADVANTAGES
@@ -89,7 +90,7 @@ def plugin_options_reference() -> list[str]:
         "that have some:"
     )
     out.append("")
-    for registry in (ENGINES, MODES, TRANSPORTS, BACKENDS, LOSSES, ADVANTAGES):
+    for registry in (ENGINES, MODES, TRANSPORTS, BACKENDS, LOSSES, ADVANTAGES, EVAL_MODES):
         for name in registry.names():
             options = getattr(registry.get(name), "Options", NoOptions)
             if options is NoOptions:

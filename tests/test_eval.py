@@ -209,7 +209,12 @@ def test_external_mode_scores_checkpoints_through_the_service(tmp_path):
     ckpt = tmp_path / "ckpt"
     service = EvalServiceProcess(log_path=tmp_path / "service.log", checkpoint_roots=[str(ckpt)])
     with service:
-        cfg = _config(tmp_path, "external", "eval.mode=external", f"eval.url={service.evaluations}")
+        cfg = _config(
+            tmp_path,
+            "external",
+            "eval.mode=external",
+            f"eval.mode_options.url={service.evaluations}",
+        )
         rt = _runtime(cfg, tmp_path)
         try:
             steps, evals = _train(rt)
@@ -229,11 +234,11 @@ def test_failing_or_hanging_evaluations_never_stop_training(tmp_path, broken_ser
     cases = {
         "hangs": (
             "eval.mode=external",
-            f"eval.url={hanging}",
+            f"eval.mode_options.url={hanging}",
             "eval.timeout_s=2",
-            "eval.poll_s=0.2",
+            "eval.mode_options.poll_s=0.2",
         ),
-        "http500": ("eval.mode=external", f"eval.url={failing}"),
+        "http500": ("eval.mode=external", f"eval.mode_options.url={failing}"),
         # the engine refuses the evaluation's requests: longer than the model's context
         "raises": ("eval.mode=shared", "eval.max_new_tokens=100000"),
     }
@@ -256,8 +261,15 @@ def test_failing_or_hanging_evaluations_never_stop_training(tmp_path, broken_ser
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["eval.mode=external"], "eval.url and eval.mode: external go together"),
-        (["eval.url=http://127.0.0.1:1/e"], "eval.url and eval.mode: external go together"),
+        (["eval.mode=external"], r"eval.mode_options.url\n +Field required"),
+        (
+            ["eval.mode_options.url=http://127.0.0.1:1/e"],
+            "evaluation mode 'none' takes no options; eval.mode_options has url",
+        ),
+        (
+            ["eval.mode=shared", "eval.mode_options.max_in_flight=3"],
+            "evaluation mode 'shared' takes no options",
+        ),
         (
             ["eval.mode=dedicated", "eval.every=3", "checkpoint.interval=2"],
             "must be a multiple of checkpoint.interval",

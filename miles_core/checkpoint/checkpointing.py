@@ -31,7 +31,7 @@ class Checkpointing:
         tracker,
         fleet: EngineFleet,
         weights: WeightSync,
-        rollouts,  # rollout/sources.py: SyncRollouts (or a subclass)
+        rollouts,  # rollout/sources.py: RolloutSource
         prompts,  # PromptSource
         tokenizer,
         architecture: dict,

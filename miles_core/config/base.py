@@ -3,6 +3,7 @@ engine question several sections ask."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import (
@@ -12,6 +13,7 @@ from pydantic import (
     SerializeAsAny,
     ValidationInfo,
     WithJsonSchema,
+    field_validator,
 )
 
 from miles_core.plugins import NoOptions, PluginOptions, Registry
@@ -43,6 +45,24 @@ def options_field(key: str) -> Any:
         default_factory=dict,
         validate_default=True,
         description=f"settings of the chosen {key}, as its Options class declares them",
+    )
+
+
+def plugin_validators(key: str, registry: Callable[[], Registry]) -> tuple[Any, Any]:
+    """The two validators of plug-in key `key` and its `<key>_options`, for a section's body
+    (`_engine, _engine_options = plugin_validators("engine", lambda: ENGINES)`): the name is a
+    registered one or an import path (the registry's error names the known ones), the options
+    are the plug-in's. `registry` is called when validating (a registry may import torch)."""
+
+    def known(cls, name: str) -> str:
+        return registry().check(name)
+
+    def options(cls, raw: Any, info: ValidationInfo) -> PluginOptions:
+        return plugin_options(registry(), raw, info)
+
+    return (
+        field_validator(key)(classmethod(known)),
+        field_validator(f"{key}_options", mode="before")(classmethod(options)),
     )
 
 

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pydantic import Field
 
-from pydantic import Field, model_validator
+from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
 
-from miles_core.config.base import Strict
+
+def _modes():
+    from miles_core.eval.mode import EVAL_MODES
+
+    return EVAL_MODES
 
 
 class EvalConfig(Strict):
     """Evaluation of the policy on fixed prompts of data.task while training runs."""
 
-    mode: Literal["none", "shared", "dedicated", "external"] = Field(
+    mode: str = Field(
         "none",
-        description="shared: pause the producer and evaluate on the rollout engine between "
-        "steps; dedicated: a separate engine server loaded from the version's checkpoint, "
-        "training keeps going; external: POST the checkpoint URI and version to eval.url and "
+        description="a module of miles_core/eval/modes/ or 'package.module:Mode'. shared: pause "
+        "the producer and evaluate on the rollout engine between steps; dedicated: a separate "
+        "engine server loaded from the version's checkpoint, training keeps going; external: "
+        "POST the checkpoint URI and version to an evaluation service (mode_options.url) and "
         "poll for the result; none: no evaluation",
     )
+    mode_options: PluginOptionsField = options_field("mode")
     every: int = Field(
         0,
         ge=0,
@@ -33,16 +39,5 @@ class EvalConfig(Strict):
     timeout_s: float = Field(
         300.0, gt=0, description="an evaluation running longer is logged as failed (eval/errors)"
     )
-    max_in_flight: int = Field(
-        2, ge=1, description="dedicated/external: more pending evaluations are skipped (logged)"
-    )
-    url: str | None = Field(
-        None, description="external: the evaluation service (POST {url}, GET {url}/{id})"
-    )
-    poll_s: float = Field(1.0, gt=0, description="external: seconds between polls")
 
-    @model_validator(mode="after")
-    def _url_for_external(self) -> EvalConfig:
-        if (self.mode == "external") != bool(self.url):
-            raise ValueError("eval.url and eval.mode: external go together")
-        return self
+    _mode, _mode_options = plugin_validators("mode", lambda: _modes())

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from miles_core.config.base import (
     PluginOptionsField,
     Strict,
     in_trainer_process,
     options_field,
-    plugin_options,
+    plugin_validators,
 )
 from miles_core.engines.registry import ENGINES
-from miles_core.plugins import PluginOptions
 from miles_core.rollout.mode import MODES
 
 
@@ -62,25 +61,8 @@ class RolloutConfig(Strict):
         "the MoE routes field (miles_core.models.moe:ROUTES)",
     )
 
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, v: str) -> str:
-        return ENGINES.check(v)  # ValueError naming the registered engines
-
-    @field_validator("engine_options", mode="before")
-    @classmethod
-    def _engine_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
-        return plugin_options(ENGINES, v, info)
-
-    @field_validator("mode")
-    @classmethod
-    def _known_mode(cls, v: str) -> str:
-        return MODES.check(v)
-
-    @field_validator("mode_options", mode="before")
-    @classmethod
-    def _mode_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
-        return plugin_options(MODES, v, info)
+    _engine, _engine_options = plugin_validators("engine", lambda: ENGINES)
+    _mode, _mode_options = plugin_validators("mode", lambda: MODES)
 
     @field_validator("token_fields")
     @classmethod

@@ -142,13 +142,16 @@ class RunConfig(Strict):
 
     def _check_eval(self) -> None:
         e, interval = self.eval, self.checkpoint.interval
-        if e.mode == "none":
+        from miles_core.eval.mode import EVAL_MODES
+
+        mode = EVAL_MODES.get(e.mode)
+        if not mode.enabled:
             return
         if self.agent.function is not None:
             raise ValueError(
                 "eval.mode is for task runs; agentic runs evaluate with agent.eval_episodes"
             )
-        if e.mode in ("dedicated", "external") and e.every:
+        if mode.background and e.every:
             if not interval or e.every % interval:
                 raise ValueError(
                     f"eval.mode {e.mode} evaluates saved checkpoints: eval.every ({e.every}) "

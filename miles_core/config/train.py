@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_options
-from miles_core.plugins import PluginOptions
+from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
+
+
+def _registry(name: str):
+    """A trainer registry, imported when a config is validated (the trainer's modules load
+    torch)."""
+    from miles_core.train.advantage import ADVANTAGES
+    from miles_core.train.backend import BACKENDS
+    from miles_core.train.loss import LOSSES
+
+    return {"BACKENDS": BACKENDS, "LOSSES": LOSSES, "ADVANTAGES": ADVANTAGES}[name]
 
 
 class ParallelConfig(Strict):
@@ -137,47 +146,11 @@ class TrainConfig(OptimConfig):
                 )
         return self
 
-    @field_validator("backend")
-    @classmethod
-    def _known_backend(cls, v: str) -> str:
-        from miles_core.train.backend import BACKENDS
-
-        return BACKENDS.check(v)  # ValueError naming the registered backends
-
-    @field_validator("backend_options", mode="before")
-    @classmethod
-    def _backend_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
-        from miles_core.train.backend import BACKENDS
-
-        return plugin_options(BACKENDS, v, info)
-
-    @field_validator("advantage_estimator")
-    @classmethod
-    def _known_estimator(cls, v: str) -> str:
-        from miles_core.train.advantage import ADVANTAGES
-
-        return ADVANTAGES.check(v)
-
-    @field_validator("advantage_estimator_options", mode="before")
-    @classmethod
-    def _estimator_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
-        from miles_core.train.advantage import ADVANTAGES
-
-        return plugin_options(ADVANTAGES, v, info)
-
-    @field_validator("loss_options", mode="before")
-    @classmethod
-    def _loss_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
-        from miles_core.train.loss import LOSSES
-
-        return plugin_options(LOSSES, v, info)
-
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        from miles_core.train.loss import LOSSES
-
-        return LOSSES.check(v)
+    _backend, _backend_options = plugin_validators("backend", lambda: _registry("BACKENDS"))
+    _loss, _loss_options = plugin_validators("loss", lambda: _registry("LOSSES"))
+    _advantages, _advantages_options = plugin_validators(
+        "advantage_estimator", lambda: _registry("ADVANTAGES")
+    )
 
     @field_validator("device")
     @classmethod

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 
-from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_options
-from miles_core.plugins import PluginOptions
+from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
 from miles_core.weights.transport import TRANSPORTS
 
 
@@ -30,12 +29,4 @@ class WeightSyncConfig(Strict):
         "mismatch that train.loss_options.off_policy corrects and train_rollout_* metrics show)",
     )
 
-    @field_validator("transport")
-    @classmethod
-    def _known_transport(cls, v: str) -> str:
-        return TRANSPORTS.check(v)  # ValueError naming the registered transports
-
-    @field_validator("transport_options", mode="before")
-    @classmethod
-    def _transport_options(cls, v: Any, info: ValidationInfo) -> PluginOptions:
-        return plugin_options(TRANSPORTS, v, info)
+    _transport, _transport_options = plugin_validators("transport", lambda: TRANSPORTS)

@@ -128,7 +128,8 @@ class BackgroundEvaluator(SharedEvaluator):
                 self._pending += 1
         if busy:
             self.fail(
-                job, f"skipped: {self.max_in_flight} evaluations pending (eval.max_in_flight)"
+                job,
+                f"skipped: {self.max_in_flight} evaluations pending (eval.mode_options.max_in_flight)",
             )
             return
         self._jobs.put(job)

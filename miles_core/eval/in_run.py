@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from miles_core.eval.evaluators import BackgroundEvaluator, EvalJob, EvalOutcome, SharedEvaluator
+from miles_core.eval.mode import EVAL_MODES
 from miles_core.eval.scoring import EvalSpec
 
 log = logging.getLogger("miles.eval")
@@ -38,57 +39,44 @@ class RunEvaluation:
         self.tracker = tracker
         self.hold = hold
         self.current_version = current_version
-        self.mode = "shared" if config.agent.function is not None else config.eval.mode
-        self.every = config.agent.eval_every if config.agent.function else config.eval.every
+        agentic = config.agent.function is not None  # agent.eval_episodes: on the engine
+        self.mode = "shared" if agentic else config.eval.mode
+        self.kind = EVAL_MODES.get(self.mode)
+        options = self.kind.Options() if agentic else config.eval.mode_options
+        self.every = config.agent.eval_every if agentic else config.eval.every
         self.checkpoints: dict[int, tuple[str, str | None, str | None]] = {}
-        e = config.eval
-        timeout = e.timeout_s
-        if self.mode == "shared":
+        timeout = config.eval.timeout_s
+        self._runner = None
+        if not self.kind.background:
 
             def run_shared(job: EvalJob, deadline: float):
                 with self.hold():  # async producers admit no new group meanwhile
                     return shared_score()
 
             self.evaluator: Any = SharedEvaluator(run_shared, timeout, current_version)
-            self._runner = None
         else:
-            spec = EvalSpec.from_run(config)
-            if self.mode == "dedicated":
-                from miles_core.eval.dedicated import DedicatedRunner
-
-                self._runner = DedicatedRunner(
-                    spec, config.checkpoint.storage_options, port_range=config.network.ports
-                )
-            else:
-                from miles_core.eval.external import ExternalRunner
-
-                assert e.url is not None
-                from miles_core.processes.auth import env_key
-
-                # a service the run did not start: the configured key, not the run's own
-                key = config.network.api_key or env_key()
-                self._runner = ExternalRunner(e.url, spec, e.poll_s, api_key=key)
+            self._runner = self.kind.runner(config, options, EvalSpec.from_run(config))
             self.evaluator = BackgroundEvaluator(
-                self._runner, timeout, e.max_in_flight, self.mode, current_version
+                self._runner, timeout, options.max_in_flight, self.mode, current_version
             )
 
     @property
     def background(self) -> bool:
         """Evaluations run beside training (dedicated, external), not on the rollout engine
         between steps (shared)."""
-        return self._runner is not None
+        return self.kind.background
 
     @staticmethod
     def wanted(config) -> bool:
         if config.agent.function is not None:
             return config.agent.eval_episodes > 0
-        return config.eval.mode != "none"
+        return EVAL_MODES.get(config.eval.mode).enabled
 
     def due(self, version: int) -> bool:
         """The starting policy (shared only: the others score checkpoints), every `every`
         versions, and the last."""
         if version == 0:
-            return self.mode == "shared"
+            return not self.kind.background
         last = self.config.train.num_steps
         return version == last or bool(self.every and version % self.every == 0)
 
@@ -100,7 +88,7 @@ class RunEvaluation:
     def submit(self, version: int, sha256: str | None = None) -> None:
         uri, model_version, saved_sha = self.checkpoints.get(version, (None, None, None))
         job = EvalJob(version, saved_sha or sha256, uri, model_version)
-        if self.mode != "shared" and uri is None:
+        if self.kind.background and uri is None:
             reason = f"no checkpoint of policy version {version} to evaluate (its save failed?)"
             self.evaluator.fail(job, reason)
             return

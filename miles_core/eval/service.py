@@ -202,7 +202,7 @@ def create_app(
 
 
 class EvalServiceProcess(ManagedProcess):
-    """The service as a subprocess on 127.0.0.1, stopped by PID; `eval.url` is `.evaluations`.
+    """The service as a subprocess on 127.0.0.1, stopped by PID; `eval.mode_options.url` is `.evaluations`.
     `checkpoint_roots`, `tasks`: as `--checkpoint-roots`, `--tasks`; `args`: further flags."""
 
     what = "evaluation service"

@@ -1,4 +1,4 @@
-"""Where a run's rollouts come from, one class per way of producing them:
+"""Where a run's rollouts come from: a `RolloutSource`, one class per way of producing them:
 
     SyncRollouts     rollout.mode sync: each step generates its groups on the engine, then trains
     AsyncRollouts    one_step_off / fully_async: a `RolloutProducer` keeps the engine server busy
@@ -29,8 +29,10 @@ from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.token_fields import load_token_fields, token_field
 
 
-class SyncRollouts:
-    """Generate, then train: the step's prompts on the engine, one call."""
+class RolloutSource:
+    """What the run asks of its rollouts, whatever the mode: the step's groups (`take`), a
+    shared-mode evaluation on the engine (`score`), holding admission while one runs, the push
+    hooks, and what a checkpoint keeps of it (`snapshot`, `data_state`, `restore`)."""
 
     producer: RolloutProducer | None = None
     ahead = False  # whether a producer generates ahead of the trainer (the run gets a rollout loop)
@@ -45,9 +47,7 @@ class SyncRollouts:
         self.prompts = prompts
 
     def take(self, step: int) -> RolloutResult:
-        r = self.config.rollout
-        batch = self.prompts.next_batch(r.prompts_per_step)
-        return generate_groups(self.fleet.engine, self.tokenizer, self.task, batch, r, step)
+        raise NotImplementedError
 
     def score(self) -> dict[str, float]:
         """eval/* metrics of the fixed eval prompts of data.task on the rollout engine."""
@@ -78,7 +78,16 @@ class SyncRollouts:
         pass
 
 
-class AsyncRollouts(SyncRollouts):
+class SyncRollouts(RolloutSource):
+    """Generate, then train: the step's prompts on the engine, one call."""
+
+    def take(self, step: int) -> RolloutResult:
+        r = self.config.rollout
+        batch = self.prompts.next_batch(r.prompts_per_step)
+        return generate_groups(self.fleet.engine, self.tokenizer, self.task, batch, r, step)
+
+
+class AsyncRollouts(RolloutSource):
     """A producer generates ahead of the trainer; `engine_version` says what the engines serve."""
 
     ahead = True
@@ -204,7 +213,7 @@ class AgentSessions:
         self.process.stop()
 
 
-class AgenticRollouts(SyncRollouts):
+class AgenticRollouts(RolloutSource):
     """Agent episodes recorded by a session server in front of the engine server, a step's
     groups at a time (sync mode)."""
 
@@ -296,7 +305,7 @@ def make_rollouts(
     prompts: PromptSource,
     engine_version: Callable[[], int],
     workdir: Path,
-) -> SyncRollouts:
+) -> RolloutSource:
     """The rollout source of the config: agentic or not, sync or async."""
     ahead = MODES.get(config.rollout.mode).ahead
     if config.agent.function is not None:

@@ -8,16 +8,14 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from miles_core.engines.kinds.serving import ServingOptions, refuses_model
+from miles_core.engines.kinds.serving import Serving, ServingOptions
 from miles_core.engines.protocol import SERVER_ROUTES, RolloutEngine
 from miles_core.engines.registry import (
     ENGINES,
     BuiltEngine,
-    EngineKind,
     EngineSetup,
     Supervision,
 )
-from miles_core.models.moe import ROUTES
 
 
 class ServerOptions(ServingOptions):
@@ -62,14 +60,11 @@ class ServerOptions(ServingOptions):
 
 
 @ENGINES.register("server")
-class Server(EngineKind):
-    routes = SERVER_ROUTES
-    answers = frozenset({ROUTES.request_flag})  # our engine records MoE routes
-    Options = ServerOptions
+class Server(Serving):
+    """The serving engine (its model check, the fields it fills) in processes of its own."""
 
-    @classmethod
-    def check_model(cls, hf_config: dict[str, Any]) -> str | None:
-        return refuses_model(hf_config)
+    routes = SERVER_ROUTES
+    Options = ServerOptions
 
     @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:
