@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict
 
 T = TypeVar("T")
 
-__all__ = ["NoOptions", "PluginOptions", "Registry", "import_object"]
+__all__ = ["NoOptions", "PluginOptions", "Registry", "import_object", "subclass_of"]
 
 
 class PluginOptions(BaseModel):
@@ -43,6 +43,18 @@ class PluginOptions(BaseModel):
 
 class NoOptions(PluginOptions):
     """The options of a plug-in that takes none."""
+
+
+def subclass_of(base: type, kind: str) -> Callable[[Any, str], Any]:
+    """A registry's `load` hook that takes only subclasses of `base` (a ValueError naming the
+    `kind` and the entry otherwise)."""
+
+    def load(obj: Any, name: str) -> Any:
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            raise ValueError(f"{kind} {name!r} is not a {base.__name__} subclass: {obj!r}")
+        return obj
+
+    return load
 
 
 def _where(e: BaseException) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from miles_core.plugins import NoOptions, PluginOptions, Registry
+from miles_core.plugins import NoOptions, PluginOptions, Registry, subclass_of
 
 
 class BackgroundOptions(PluginOptions):
@@ -35,16 +35,10 @@ class EvalMode:
         raise NotImplementedError
 
 
-def _mode(obj: Any, name: str) -> type[EvalMode]:
-    if not (isinstance(obj, type) and issubclass(obj, EvalMode)):
-        raise ValueError(f"evaluation mode {name!r} is not an EvalMode subclass: {obj!r}")
-    return obj
-
-
 EVAL_MODES: Registry[type[EvalMode]] = Registry(
     "evaluation mode",
     "eval.mode",
     package="miles_core.eval.modes",
     example="package.module:Mode",
-    load=_mode,
+    load=subclass_of(EvalMode, "evaluation mode"),
 )

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from miles_core.plugins import NoOptions, PluginOptions, Registry
+from miles_core.plugins import NoOptions, PluginOptions, Registry, subclass_of
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,10 @@ class RolloutMode:
         return False
 
 
-def _mode(obj: Any, name: str) -> type[RolloutMode]:
-    if not (isinstance(obj, type) and issubclass(obj, RolloutMode)):
-        raise ValueError(f"rollout mode {name!r} is not a RolloutMode subclass: {obj!r}")
-    return obj
-
-
 MODES: Registry[type[RolloutMode]] = Registry(
     "rollout mode",
     "rollout.mode",
     package="miles_core.rollout.modes",
     example="package.module:Mode",
-    load=_mode,
+    load=subclass_of(RolloutMode, "rollout mode"),
 )
