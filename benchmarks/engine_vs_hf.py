@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 import miles_core  # noqa: F401
 from miles_core.engines.cpu.embedded import EmbeddedEngine
-from miles_core.engines.cpu.runner import Qwen3Runner
 from miles_core.engines.cpu.serving import ServingEngine
 from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import build_model, save_hf_dir
+from miles_core.models.qwen3.runner import Qwen3Runner
 
 BATCH, PROMPT, NEW = 32, 16, 64
 DTYPES = ("float32", "bfloat16")

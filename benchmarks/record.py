@@ -47,7 +47,7 @@ def machine_info() -> dict[str, Any]:
         # the vector ISA torch's CPU kernels use (AVX2, AVX512, ...) and whether oneDNN has bf16
         # GEMMs: the same core count gives 2× apart figures on another ISA
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        from miles_core.engines.cpu.runner import bf16_gemms_native
+        from miles_core.device import bf16_gemms_native
 
         info["cpu_bf16_gemms"] = bf16_gemms_native(torch.device("cpu"))
         if torch.cuda.is_available():

@@ -40,3 +40,10 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
 def dist_backend(device: torch.device | str) -> str:
     """The torch.distributed backend for collectives on tensors of `device`."""
     return "nccl" if resolve_device(device).type == "cuda" else "gloo"
+
+
+def bf16_gemms_native(device: torch.device) -> bool:
+    """Whether bf16 GEMMs run natively on `device` (CUDA; a CPU whose oneDNN has bf16 kernels)."""
+    if device.type != "cpu":
+        return True
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -170,8 +170,8 @@ def test_temperature_zero_is_greedy_and_bad_sampling_params_are_refused(engine, 
 def test_a_config_the_runner_lacks_falls_back_to_the_model_modules(tiny):
     from transformers import Qwen3ForCausalLM
 
-    from miles_core.engines.cpu.runner import Qwen3Runner
-    from miles_core.engines.cpu.runner_forward import RunnerForward
+    from miles_core.models.qwen3.runner import Qwen3Runner
+    from miles_core.models.qwen3.runner_forward import RunnerForward
 
     model, tok = tiny
     assert isinstance(EmbeddedEngine(model, tok).forward, RunnerForward)

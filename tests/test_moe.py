@@ -34,6 +34,29 @@ def _forget_routed_experts():
         FIELDS.unregister("routed_experts")
 
 
+def test_every_preset_builds_its_family_and_a_type_without_one_is_refused_by_name():
+    """A preset's config is its family's (`models/<model_type>/`), of the model class the family
+    names; a model type no folder holds has no serving runner, and the reason says why."""
+    from types import SimpleNamespace
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from miles_core.models.family import MODEL_FAMILIES, runner_refuses
+
+    assert MODEL_FAMILIES.names() == ["glm4_moe", "qwen3", "qwen3_moe"]
+    tok = build_tokenizer()
+    for name, preset in PRESETS.items():
+        family = MODEL_FAMILIES.get(preset.family)
+        config = preset_config(name, len(tok), tok.pad_token_id, tok.eos_token_id)
+        assert config.model_type == family.name, name
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family.name] == family.hf_class, name
+        assert runner_refuses(config) is None, name
+    assert runner_refuses(SimpleNamespace(model_type="llama")) == (
+        "model_type 'llama' has no model family here (models/<family>/; the embedded engine "
+        "runs any model transformers loads)"
+    )
+
+
 def test_moe_presets_route_every_token_on_their_moe_layers_and_reload_offline(tmp_path):
     assert MOE == ["small-moe", "tiny-moe", "tiny-moe-shared"]
     tok = build_tokenizer()
@@ -151,7 +174,7 @@ def _hf_routes(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
 def test_the_serving_runner_computes_the_hf_forward_and_routes_of_moe_models(preset):
-    from miles_core.engines.cpu.runner import Qwen3Runner
+    from miles_core.models.qwen3.runner import Qwen3Runner
 
     model, _ = build_model(preset, seed=1)
     runner = Qwen3Runner(model, slots=2, max_len=64)

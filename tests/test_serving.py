@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_engine import BAD_REQUESTS
 
-from miles_core.engines.cpu import runner as runner_mod
 from miles_core.engines.cpu.serving import ServingEngine
 from miles_core.engines.cpu.slots import SlotState, SlotTable, common_prefix
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
+from miles_core.models.qwen3 import runner as runner_mod
 from miles_core.rollout.rollout_fn import encode_prompt, engine_load
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles_core.config import RunConfig
+from miles_core.config.train import TrainConfig
 from miles_core.rollout.buffer_state import BUFFER_FILE, buffered_groups, check_buffer
 from miles_core.rollout.mode import MODES
 
@@ -55,7 +56,8 @@ def shape_changes(saved: dict[str, Any] | None, config: RunConfig) -> list[str]:
 
 def check_backend_resumable(saved: dict[str, Any] | None, config: RunConfig, step: int) -> None:
     """Raises ValueError when checkpoint `step` was saved by another trainer backend."""
-    before = _get(saved or {}, "train.backend") or "fsdp"
+    # a checkpoint from before the key existed was saved by the default backend
+    before = _get(saved or {}, "train.backend") or TrainConfig.model_fields["backend"].default
     if before != config.train.backend:
         raise ValueError(
             f"--resume: checkpoint step {step} was saved by train.backend {before}, this run "

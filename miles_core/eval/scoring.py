@@ -58,11 +58,11 @@ class EvalSpec:
     def examples(self, task: Task) -> list[tuple[int, Example]]:
         return list(enumerate(task.generate(self.prompts, seed=self.seed)))
 
-    def rollout_config(self, engine_kind: str = "server") -> RolloutConfig:
-        """Requests seeded one by one (an engine that samples a whole batch from its one
-        generator, the embedded one, ignores the seeds)."""
+    def rollout_config(self) -> RolloutConfig:
+        """The sampling of the evaluation's requests, seeded one by one (an engine that samples
+        a whole batch from one generator ignores the seeds). Only the sampling fields are read:
+        the engine is the one `score_policy` is given."""
         return RolloutConfig(
-            engine=engine_kind,
             prompts_per_step=self.prompts,
             n_samples_per_prompt=1,
             max_new_tokens=self.max_new_tokens,

@@ -1,4 +1,4 @@
-"""Build, save and load tiny causal LMs (Qwen3, and the MoE families of `families.py`) as
+"""Build, save and load tiny causal LMs (a preset of a model family, `models/<family>/`) as
 ordinary Hugging Face directories."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from miles_core.models import moe
-from miles_core.models.families import family_config, init_extra
+from miles_core.models.family import MODEL_FAMILIES
 from miles_core.models.presets import PRESETS
 from miles_core.models.tokenizer import build_tokenizer
 
@@ -45,7 +45,23 @@ def preset_config(
     weights: the same seed gives the same weights at any context)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
-    return family_config(PRESETS[preset], vocab_size, pad_token_id, eos_token_id, context)
+    p = PRESETS[preset]
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads,
+        num_key_value_heads=p.num_key_value_heads,
+        max_position_embeddings=context or p.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        attention_dropout=0.0,
+        dtype="float32",
+    )
+    return MODEL_FAMILIES.get(p.family).hf_config(p, common)
 
 
 def build_model(
@@ -57,7 +73,7 @@ def build_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        init_extra(model, seed)
+        MODEL_FAMILIES.get(PRESETS[preset].family).init_extra(model, seed)
     model.eval()
     return model, tok
 

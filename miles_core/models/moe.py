@@ -38,6 +38,11 @@ CONFIG_KEYS = (
 PATH = "miles_core.models.moe:ROUTES"  # how a config names the field (rollout.token_fields)
 
 
+def is_moe_layer(mlp: Any) -> bool:
+    """Whether an HF decoder layer's MLP is a mixture of experts (a router `gate`, `experts`)."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
 def routes_shape(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The routes field's per-token shape (MoE layers, top_k) and bounds [0, experts) for a
     model's HF config (a dict); ValueError for a dense model."""

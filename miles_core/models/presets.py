@@ -1,6 +1,7 @@
 """Tiny presets for CPU runs (random init, seeded): dense Qwen3, and mixture-of-experts shapes.
 
-A preset names its family (`families.py`: which HF architecture it builds) and sizes. MoE
+A preset names its model family (`models/<family>/`: which HF architecture it builds) and sizes;
+every family gets the same attention shape, tied embeddings and the run's tokenizer ids. MoE
 presets add the routed experts (`num_experts`, `top_k`, `moe_intermediate_size`), and for the
 DeepSeek/GLM style a shared expert beside them (`shared_experts`) with the first
 `dense_layers` layers dense."""

@@ -195,7 +195,7 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
 
     # the run's token fields for this model (a template may refuse it: MoE routes of a dense
     # model), and an engine may refuse a model its forward does not implement (the serving
-    # engine: Qwen3's attention only) or fields it does not fill
+    # engine: its model family's runner) or fields it does not fill
     fields = [_field_for(path, model_config, where) for path in config.rollout.token_fields]
     asked = [f for f in fields if f.request_flag]
     reason = ENGINES.get(config.rollout.engine).refuses(model_config, asked)

@@ -14,7 +14,8 @@ Outside `micro_batch` (and for a reference model, never hooked) routers route by
 
 `RouterReplay` hooks the HF MoE modules (the FSDP2 backend): the `mlp.gate` of each layer with
 experts, in layer order; a replayed router still returns the weights its family's rule gives the
-chosen experts from its live scores (`WEIGHT_RULES`), so it still gets gradients. Megatron's
+chosen experts from its live scores (its model family's `route_weights`), so it still gets
+gradients. Megatron's
 routers: `miles_core.train.backends.megatron.routing_replay`.
 """
 
@@ -26,12 +27,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from miles_core.engines.cpu.moe import is_moe_layer
 from miles_core.models import moe
-from miles_core.models.moe import ROUTES
+from miles_core.models.family import family_of
+from miles_core.models.moe import ROUTES, is_moe_layer
 from miles_core.train.forward import MicroBatch
 
-# how a family turns its router's logits into the weights of given experts; by router class
+# how a family turns its router's logits into the weights of given experts
 WeightRule = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -110,29 +111,6 @@ class RouteReplay:
         return out if self.check else {}
 
 
-def _softmax_rule(router: torch.nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE (Qwen2-MoE, Mixtral): softmax over experts, the top-k renormalised if asked."""
-    w = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, idx)
-    if getattr(router, "norm_topk_prob", False):
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w.to(logits.dtype)
-
-
-def _sigmoid_rule(router: torch.nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """GLM4-MoE / DeepSeek-V3: sigmoid scores (the correction bias only chooses, never
-    weighs), renormalised if asked, times the routed scaling factor."""
-    w = logits.float().sigmoid().gather(1, idx)
-    if getattr(router, "norm_topk_prob", False):
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * router.routed_scaling_factor
-
-
-WEIGHT_RULES: dict[str, WeightRule] = {
-    "Qwen3MoeTopKRouter": _softmax_rule,
-    "Glm4MoeTopkRouter": _sigmoid_rule,
-}
-
-
 def routers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE routers of an HF model, in layer order."""
     return [layer.mlp.gate for layer in model.model.layers if is_moe_layer(layer.mlp)]
@@ -144,19 +122,18 @@ class RouterReplay(RouteReplay):
     def __init__(self, model: torch.nn.Module, replay: bool, check: bool):
         self.routers = routers_of(model)
         super().__init__(len(self.routers), replay, check)
-        for router in self.routers:
-            name = type(router).__name__
-            if replay and name not in WEIGHT_RULES:
-                raise ValueError(
-                    f"routing replay: no weight rule for the router {name} "
-                    f"(known: {', '.join(sorted(WEIGHT_RULES))})"
-                )
+        model_type = getattr(model.config, "model_type", None)
+        family = family_of(model_type)
+        rule: WeightRule | None = family.route_weights if family else None
+        if replay and self.routers and rule is None:
+            raise ValueError(
+                f"routing replay: the model family {model_type!r} has no route_weights "
+                "(how its routers weigh the experts they chose: miles_core/models/README.md)"
+            )
         for layer, router in enumerate(self.routers):
-            router.forward = types.MethodType(self._wrap(layer, router.forward), router)
+            router.forward = types.MethodType(self._wrap(layer, router.forward, rule), router)
 
-    def _wrap(self, layer: int, natural_forward):
-        rule = WEIGHT_RULES.get(type(self.routers[layer]).__name__)
-
+    def _wrap(self, layer: int, natural_forward, rule: WeightRule | None):
         def forward(router, hidden):
             logits, weights, natural = natural_forward(hidden)
             idx = self.choose(layer, natural)

@@ -4,12 +4,12 @@ A generate call prefills each distinct prompt once (a GRPO group's samples share
 one token per row per step. Two forwards do that:
 
     hf      the model's own modules with a `DynamicCache` (any causal LM transformers loads)
-    runner  the serving engine's lean forward (`runner.py`) over a slot KV cache: fewer, fused
-            ops per step, from packed copies of the weights (Qwen3 models)
+    fast    the model family's own (Qwen3's: the serving engine's lean forward over a slot KV
+            cache, fewer and fused ops per step from packed copies of the weights)
 
-`batch_forward_for(model)` takes the fast forward registered for the model's class
-(`FAST_FORWARDS`, keyed by class name such as `Qwen3ForCausalLM`; an entry may be an import path
-`pkg.mod:factory`), else `hf`. A wrapped model (e.g. a peft adapter) has another class name and
+`batch_forward_for(model)` takes the fast forward of the model's family (`models/<family>/`:
+`ModelFamily.fast_forward`, an import path `pkg.mod:factory`, used for the family's own model
+class `hf_class`), else `hf`. A wrapped model (e.g. a peft adapter) has another class name and
 gets `hf`, and so does a config the fast forward would not compute exactly (its factory raises
 `ForwardUnsupported`). The forward holds whatever it derives from the weights, so the engine
 tells it when they change (`invalidate`) and asks it to prove its copies equal the model's
@@ -23,7 +23,8 @@ from typing import Protocol
 
 import torch
 
-from miles_core.plugins import Registry
+from miles_core.models.family import family_of
+from miles_core.plugins import import_object
 
 
 class BatchForward(Protocol):
@@ -54,17 +55,15 @@ class ForwardUnsupported(ValueError):
 
 BatchForwardFactory = Callable[[torch.nn.Module], BatchForward]
 
-FAST_FORWARDS: Registry[BatchForwardFactory] = Registry("embedded engine forward")
-FAST_FORWARDS.register("Qwen3ForCausalLM", "miles_core.engines.cpu.runner_forward:RunnerForward")
-
 
 def batch_forward_for(model: torch.nn.Module, pad_id: int, fast: bool = True) -> BatchForward:
-    """The fast forward registered for the model's class, else (or with `fast=False`) `hf`
-    (which left-pads prompts with `pad_id`)."""
-    name = type(model).__name__
-    if fast and name in FAST_FORWARDS:
+    """The fast forward of the model's family, else (or with `fast=False`) `hf` (which
+    left-pads prompts with `pad_id`)."""
+    family = family_of(getattr(model.config, "model_type", None))
+    if fast and family and family.fast_forward and type(model).__name__ == family.hf_class:
+        factory: BatchForwardFactory = import_object(family.fast_forward, "fast forward")
         try:
-            return FAST_FORWARDS.get(name)(model)
+            return factory(model)
         except ForwardUnsupported:  # this config has a feature the fast forward lacks
             pass
     from miles_core.engines.cpu.hf_forward import HFForward

@@ -3,7 +3,7 @@
 Each distinct prompt is prefilled once; every decode step then feeds one token per row, samples
 all rows at once, and records the log-prob of each sampled token. Output ids are returned as
 generated; nothing is re-tokenized. The model runs through a `BatchForward` (batch_forward.py):
-the serving engine's lean forward for Qwen3 models, the model's own modules otherwise
+the model family's fast forward where it has one, the model's own modules otherwise
 (`fast=False` forces those).
 """
 

@@ -27,7 +27,6 @@ import torch
 
 from miles_core.device import resolve_device
 from miles_core.engines.cpu.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
-from miles_core.engines.cpu.runner import Qwen3Runner
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slots import Slot, SlotState, SlotTable
 from miles_core.engines.cpu.threads import StepThreads
@@ -40,6 +39,7 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
+from miles_core.models.family import serving_runner
 from miles_core.models.moe import ROUTES
 from miles_core.models.moe import encode as encode_routes
 
@@ -130,7 +130,9 @@ class ServingEngine:
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
         self.dtype = dtype
-        self.runner = Qwen3Runner(model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype])
+        self.runner = serving_runner(
+            model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
+        )
         if self.runner.emulate_bf16:
             log.warning(
                 "this CPU has no bf16 GEMMs (oneDNN needs AVX512-BF16/AMX or avx_ne_convert): "

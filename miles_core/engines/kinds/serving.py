@@ -37,12 +37,12 @@ class ServingOptions(PluginOptions):
 
 
 def refuses_model(hf_config: dict[str, Any]) -> str | None:
-    """The serving engine's forward (`engines/cpu/runner.py`) runs dense Qwen3 only."""
+    """Why the serving engine's forward (its model family's runner) would not run this model."""
     from types import SimpleNamespace
 
-    from miles_core.engines.cpu.runner import unsupported
+    from miles_core.models.family import runner_refuses
 
-    return unsupported(SimpleNamespace(**hf_config))
+    return runner_refuses(SimpleNamespace(**hf_config))
 
 
 @ENGINES.register("serving")

@@ -1,4 +1,4 @@
-"""HF (Qwen3) ↔ Megatron `GPTModel` weights, both directions, and how each Megatron tensor splits
+"""HF ↔ Megatron `GPTModel` weights, both directions, and how each Megatron tensor splits
 over tensor-parallel ranks. Conversion is a permutation of values (no arithmetic), so a round trip
 is bitwise.
 
@@ -15,19 +15,43 @@ Megatron's layouts, per decoder layer:
   `final_layernorm`): replicated.
 
 Names here are global (`decoder.layers.<i>` with i over the whole model); a pipeline stage holds
-layers [offset, offset + layers/pp) under local indices (`stage_name` / `global_name`).
+layers [offset, offset + layers/pp) under local indices (`stage_name` / `global_name`). Which HF
+tensor each one holds is the model family's (`HFNames`, from `ModelFamily.megatron_names`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from miles_core.models.check import moe_layer_indices, moe_sizes
 from miles_core.train.backends.megatron.architecture import check_architecture
+
+
+@dataclass(frozen=True)
+class HFNames:
+    """A model family's HF tensor names (`ModelFamily.megatron_names`) for each Megatron tensor;
+    per-layer names are relative to `model.layers.<i>.`."""
+
+    layer: dict[str, str]  # one HF tensor ↔ one Megatron tensor (`mlp.` ones: dense layers)
+    qkv: tuple[str, str, str]  # q, k, v: fused into `QKV`
+    fc1: tuple[str, str]  # gate, up: fused into `FC1`
+    top: dict[str, str]  # outside the layers: embedding, final norm, output layer
+    moe: dict[str, str] = field(default_factory=dict)  # an MoE layer's router, shared fc2, ...
+    shared_fc1: tuple[str, ...] = ()  # the shared experts' gate, up: fused into `SHARED_FC1`
+    experts: dict[str, str] = field(default_factory=dict)  # HF fused [E, ...] → local expert's
+
+    @property
+    def expert_bias(self) -> bool:
+        """Whether the router has a correction bias (it chooses experts, never weighs them)."""
+        return "mlp.router.expert_bias" in self.moe.values()
+
+
+def back(names: dict[str, str]) -> dict[str, str]:
+    return {v: k for k, v in names.items()}
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,7 @@ class Shapes:
     vocab: int
     layers: int
     tied: bool
+    names: HFNames  # the family's HF tensor names
     # mixture of experts (none in a dense model): routed experts, the layers that have them,
     # shared experts (GLM4-MoE: 0 or 1 fused MLP), the router's correction bias
     experts: int = 0
@@ -53,7 +78,7 @@ class Shapes:
     def of(cls, hf: Any) -> Shapes:
         """From an HF config (object or dict); refuses an architecture it cannot convert."""
         d = hf if isinstance(hf, dict) else hf.to_dict()
-        check_architecture(d)
+        names = check_architecture(d).megatron_names()
         heads = int(d["num_attention_heads"])
         layers = int(d["num_hidden_layers"])
         moe = moe_sizes(d)
@@ -66,10 +91,11 @@ class Shapes:
             vocab=int(d["vocab_size"]),
             layers=layers,
             tied=bool(d.get("tie_word_embeddings", False)),
+            names=names,
             experts=moe.get("experts", 0),
             moe_layers=frozenset(moe_layer_indices(d)) if moe else frozenset(),
             shared_experts=moe.get("shared", 0),
-            expert_bias=d.get("model_type") == "glm4_moe",
+            expert_bias=names.expert_bias,
             top_k=int(d.get("num_experts_per_tok") or 0) if moe else 0,
             expert_ffn=moe.get("expert_size", 0),
         )
@@ -83,40 +109,8 @@ class Shapes:
         return sorted(self.moe_layers).index(layer)
 
 
-# one HF tensor ↔ one Megatron tensor, per layer
-_LAYER = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
-    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
-    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-}
-_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-_TOP = {
-    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
-    "model.norm.weight": "decoder.final_layernorm.weight",
-    "lm_head.weight": "output_layer.weight",
-}
-# an MoE layer's MLP: the router (and its correction bias), the shared experts (one fused MLP),
-# and each routed expert e, a slice [e] of HF's fused 3-D expert tensors
-_MOE = {
-    "mlp.gate.weight": "mlp.router.weight",
-    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
-    "mlp.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
-}
-_SHARED_FC1 = ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")
 SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
-_EXPERTS = {
-    "mlp.experts.gate_up_proj": "linear_fc1.weight",
-    "mlp.experts.down_proj": "linear_fc2.weight",
-}
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
-_MOE_BACK = {v: k for k, v in _MOE.items()}
-_EXPERTS_BACK = {v: k for k, v in _EXPERTS.items()}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
 _MC_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")  # split on dim 1
@@ -179,30 +173,32 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Te
     pipeline's last stage takes the embedding)."""
     hf = fuse_saved_experts(hf)
     out: dict[str, torch.Tensor] = {}
-    known = set(_TOP)
+    names = s.names
+    known = set(names.top)
     for i in range(s.layers):
         p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        dense = {k: v for k, v in _LAYER.items() if i not in s.moe_layers or "mlp." not in k}
+        moe = i in s.moe_layers
+        dense = {h: mc for h, mc in names.layer.items() if not moe or "mlp." not in h}
         for h, mc in dense.items():
             out[m + mc] = hf[p + h]
-        out[m + QKV] = fuse_qkv(*(hf[p + n] for n in _QKV), s.groups)
-        known |= {p + n for n in (*dense, *_QKV)}
-        if i not in s.moe_layers:
-            out[m + FC1] = torch.cat([hf[p + n] for n in _FC1])
-            known |= {p + n for n in _FC1}
+        out[m + QKV] = fuse_qkv(*(hf[p + h] for h in names.qkv), s.groups)
+        known |= {p + h for h in (*dense, *names.qkv)}
+        if not moe:
+            out[m + FC1] = torch.cat([hf[p + h] for h in names.fc1])
+            known |= {p + h for h in names.fc1}
             continue
-        for h, mc in _MOE.items():
+        for h, mc in names.moe.items():
             if p + h in hf:
                 out[m + mc] = hf[p + h]
                 known.add(p + h)
         if s.shared_experts:
-            out[m + SHARED_FC1] = torch.cat([hf[p + n] for n in _SHARED_FC1])
-            known |= {p + n for n in _SHARED_FC1}
-        for h, mc in _EXPERTS.items():
+            out[m + SHARED_FC1] = torch.cat([hf[p + h] for h in names.shared_fc1])
+            known |= {p + h for h in names.shared_fc1}
+        for h, mc in names.experts.items():
             for e, t in enumerate(hf[p + h]):
                 out[f"{m}mlp.experts.local_experts.{e}.{mc}"] = t
             known.add(p + h)
-    for h, mc in _TOP.items():
+    for h, mc in names.top.items():
         if h == "lm_head.weight" and s.tied:
             continue
         out[mc] = hf[h]
@@ -241,30 +237,29 @@ def expert_of(name: str) -> int | None:
 def hf_names(name: str, s: Shapes) -> list[str]:
     """The HF tensors Megatron tensor `name` (global) holds, in order (tied `output_layer`:
     none, it is the embedding)."""
+    names = s.names
     m = _MC_LAYER.fullmatch(name)
     if m is None:
         if name == "output_layer.weight" and s.tied:
             return []
-        hf = _TOP_BACK.get(name)
+        hf = back(names.top).get(name)
         if hf is None:
             raise ValueError(f"unknown Megatron weight {name!r}")
         return [hf]
     p = f"model.layers.{m.group(1)}."
     rest = m.group(2)
-    if rest == QKV:
-        return [p + n for n in _QKV]
-    if rest == FC1:
-        return [p + n for n in _FC1]
-    if rest == SHARED_FC1:
-        return [p + n for n in _SHARED_FC1]
-    if rest in _MOE_BACK:
-        return [p + _MOE_BACK[rest]]
+    fused = {QKV: names.qkv, FC1: names.fc1, SHARED_FC1: names.shared_fc1}
+    if rest in fused:
+        return [p + h for h in fused[rest]]
     expert = _EXPERT.fullmatch(rest)
     if expert is not None:  # one slice ([e]) of the fused HF tensor
-        return [p + _EXPERTS_BACK[expert.group(2)]]
-    if rest not in _LAYER_BACK:
+        rest = expert.group(2)
+        single = back(names.experts)
+    else:
+        single = back(names.moe) | back(names.layer)
+    if rest not in single:
         raise ValueError(f"unknown Megatron weight {name!r}")
-    return [p + _LAYER_BACK[rest]]
+    return [p + single[rest]]
 
 
 def to_hf(
@@ -397,18 +392,17 @@ def hf_pieces(name: str, s: Shapes, tp: int, rank: int) -> list[tuple[str, int, 
     (hf name, dim, start, length), in `to_hf`'s order (p2p placement plans)."""
     dim = tp_dim(name)
     rest = _MC_LAYER.fullmatch(name)
-    layer = rest.group(1) if rest else None
     rest = rest.group(2) if rest else name
     if name == "output_layer.weight" and s.tied:
         return []
     if rest == QKV:
-        p = f"model.layers.{layer}."
+        q, k, v = hf_names(name, s)
         q_rows = s.heads // tp * s.head_dim
         kv_rows = s.groups // tp * s.head_dim
         return [
-            (p + _QKV[0], 0, rank * q_rows, q_rows),
-            (p + _QKV[1], 0, rank * kv_rows, kv_rows),
-            (p + _QKV[2], 0, rank * kv_rows, kv_rows),
+            (q, 0, rank * q_rows, q_rows),
+            (k, 0, rank * kv_rows, kv_rows),
+            (v, 0, rank * kv_rows, kv_rows),
         ]
     names = hf_names(name, s)
     e = expert_of(name)

@@ -1,15 +1,14 @@
-"""The Megatron `GPTModel` of an HF (Qwen3) config, for this rank's pipeline stage: RMSNorm, gated
-SiLU MLP, RoPE, q/k RMSNorm, grouped-query attention, no biases, tied or untied embeddings,
-built from megatron-core's own modules (the local layer spec: no TransformerEngine).
+"""The Megatron `GPTModel` of an HF config, for this rank's pipeline stage: the decoder of the
+model families with a Megatron conversion (RMSNorm, gated SiLU MLP, RoPE, q/k RMSNorm,
+grouped-query attention, no biases, tied or untied embeddings), built from megatron-core's own
+modules (the local layer spec: no TransformerEngine).
 
-Mixture-of-experts families (Qwen3-MoE, GLM4-MoE) get MoE layers where HF has them
-(`moe_layer_freq`), routed as HF routes: softmax top-k renormalised (Qwen3-MoE; without
-`norm_topk_prob` the softmax over all experts, Megatron's pre-softmax) or sigmoid scores chosen
-with the correction bias and renormalised, times the scaling factor (GLM4-MoE; the bias is not
-updated by load statistics: HF's is a fixed buffer). No load-balancing loss, no token
-dropping, the allgather dispatcher (the one that runs on gloo), experts split over `ep`
-data-parallel ranks, never over tensor-parallel ones, and Megatron's router-replay hook on the
-policy's routers (`routing_replay.py`)."""
+Mixture-of-experts families get MoE layers where HF has them (`moe_layer_freq`), routed as HF
+routes: the family's `megatron_router` settings (softmax or sigmoid scores, a correction bias,
+renormalisation, a scaling factor). No load-balancing loss, no token dropping, the allgather
+dispatcher (the one that runs on gloo), experts split over `ep` data-parallel ranks, never over
+tensor-parallel ones, and Megatron's router-replay hook on the policy's routers
+(`routing_replay.py`)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles_core.train.backends.megatron.architecture import rope_theta
+from miles_core.train.backends.megatron.architecture import check_architecture, rope_theta
 from miles_core.train.backends.megatron.convert import Shapes
 
 
@@ -27,7 +26,6 @@ def moe_settings(hf: dict[str, Any], layout, replay_hook: bool) -> dict[str, Any
     s = Shapes.of(hf)
     if not s.experts:
         return {}
-    sigmoid = hf.get("model_type") == "glm4_moe"
     out: dict[str, Any] = dict(
         num_moe_experts=s.experts,
         moe_router_topk=s.top_k,
@@ -42,18 +40,7 @@ def moe_settings(hf: dict[str, Any], layout, replay_hook: bool) -> dict[str, Any
         expert_tensor_parallel_size=1,
         moe_enable_routing_replay=replay_hook,
     )
-    if sigmoid:
-        out.update(
-            moe_router_score_function="sigmoid",
-            moe_router_enable_expert_bias=True,
-            moe_router_bias_update_rate=0.0,
-            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-        )
-    else:
-        out.update(
-            moe_router_score_function="softmax",
-            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
-        )
+    out.update(check_architecture(hf).megatron_router(hf))  # the family's routing rule
     if s.shared_experts:
         out["moe_shared_expert_intermediate_size"] = s.shared_experts * s.expert_ffn
     return out

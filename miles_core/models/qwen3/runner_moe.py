@@ -15,10 +15,6 @@ from __future__ import annotations
 import torch
 
 
-def is_moe_layer(mlp: torch.nn.Module) -> bool:
-    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
-
-
 class MoEBlock:
     def __init__(self, mlp: torch.nn.Module, post_norm: torch.Tensor):
         self.mlp = mlp

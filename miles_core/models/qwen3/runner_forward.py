@@ -14,12 +14,13 @@ import torch
 
 from miles_core.engines.cpu.batch_forward import ForwardUnsupported
 from miles_core.engines.cpu.kv_cache import SlotKVCache
-from miles_core.engines.cpu.runner import Qwen3Runner, unsupported
+from miles_core.models.family import runner_refuses
+from miles_core.models.qwen3.runner import Qwen3Runner
 
 
 class RunnerForward:
     def __init__(self, model: torch.nn.Module):
-        reason = unsupported(model.config)
+        reason = runner_refuses(model.config)
         if reason is not None:
             raise ForwardUnsupported(reason)
         self.runner = Qwen3Runner(model, slots=0)

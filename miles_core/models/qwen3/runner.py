@@ -34,8 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles_core.device import bf16_gemms_native
 from miles_core.engines.cpu.kv_cache import SlotKVCache
-from miles_core.engines.cpu.moe import MoEBlock, is_moe_layer
+from miles_core.models.family import runner_refuses
+from miles_core.models.moe import is_moe_layer
+from miles_core.models.qwen3.runner_moe import MoEBlock
 
 # fp32 weights up to this many elements stay plain tensors (F.linear) instead of oneDNN packs: a
 # packed GEMM costs ≈10 µs more per call at these sizes (1 thread, 32 rows: 192×64 11.7 against
@@ -61,50 +64,6 @@ class _Weights:
     lm_head: torch.Tensor  # final-norm weight folded in
 
 
-RUNNER_MODEL_TYPES = ("qwen3", "qwen3_moe", "glm4_moe")
-
-
-def unsupported(config) -> str | None:
-    """Why the runner would not compute this config's forward exactly (None: it does). It
-    implements Qwen3's attention (q/k RMSNorm, full causal attention with default full RoPE, no
-    attention bias) and SiLU MLPs, dense or mixture-of-experts (qwen3_moe, glm4_moe).
-    `config`: an HF config, or any object with its fields as attributes."""
-    model_type = getattr(config, "model_type", "qwen3")
-    if model_type not in RUNNER_MODEL_TYPES:
-        return (
-            f"model_type {model_type!r} (the runner implements {', '.join(RUNNER_MODEL_TYPES)}; "
-            "the embedded engine runs any model transformers loads)"
-        )
-    rope_params = getattr(config, "rope_parameters", None) or {}
-    if model_type == "glm4_moe":
-        if not getattr(config, "use_qk_norm", False):
-            return "glm4_moe without use_qk_norm (the runner's attention normalises q and k)"
-        if rope_params.get("partial_rotary_factor", 1.0) != 1.0:
-            return (
-                f"partial_rotary_factor {rope_params['partial_rotary_factor']} (the runner "
-                "rotates every dimension)"
-            )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        return f"rope_type {rope.get('rope_type')!r} (the runner implements 'default')"
-    if getattr(config, "use_sliding_window", False) or any(
-        t != "full_attention" for t in getattr(config, "layer_types", None) or []
-    ):
-        return "sliding-window attention layers (the runner implements full attention)"
-    if getattr(config, "attention_bias", False):
-        return "attention_bias (the runner's projections have no bias)"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (the runner implements silu)"
-    return None
-
-
-def bf16_gemms_native(device: torch.device) -> bool:
-    """Whether bf16 GEMMs run natively on `device` (CUDA; a CPU whose oneDNN has bf16 kernels)."""
-    if device.type != "cpu":
-        return True
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two (possibly oneDNN-packed) weights."""
     a = a.to_dense() if a.is_mkldnn else a
@@ -123,7 +82,7 @@ class Qwen3Runner:
         dtype: torch.dtype = torch.float32,
     ):
         cfg = model.config
-        reason = unsupported(cfg)
+        reason = runner_refuses(cfg)
         if reason is not None:
             raise ValueError(f"the serving engine's runner cannot run this model: {reason}")
         self.model = model
