@@ -102,6 +102,14 @@ class RunConfig(Strict):
             )
         self._check_transport_fits_engine()
         self._check_eval()
+        if t.true_on_policy:
+            from miles_core.true_on_policy.contract import TRUE_ON_POLICY
+
+            refused = TRUE_ON_POLICY.settings_refused(self)
+            if refused:
+                raise ValueError(
+                    f"train.true_on_policy ({TRUE_ON_POLICY.name}): {'; '.join(refused)}"
+                )
         if self.data.exclude_sft and self.sft is None:
             raise ValueError(
                 "data.exclude_sft leaves the SFT warm start's examples out of the RL prompts: "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -120,12 +120,27 @@ class TrainConfig(OptimConfig):
         "each token to at rollout, in the old-log-prob and the training forward; the router "
         "still computes its scores and gets gradients",
     )
+    true_on_policy: bool = Field(
+        False,
+        description="the engine and the trainer run one batch-invariant forward "
+        "(miles_core/true_on_policy/), so train/train_rollout_logprob_abs_diff is exactly 0; "
+        "turns train.share_prompts off unless it is set",
+    )
     check_routing_replay: bool = Field(
         False,
         description="MoE models: compare, per token and MoE layer, the experts the trainer's "
         "router would pick with the engine's (train/routing_mismatch_fraction); without "
         "routing_replay it measures how often rollout and training route apart",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _true_on_policy_defaults(cls, data: Any) -> Any:
+        """The mode's forward has no shared-prompt path: off unless the config sets it (then
+        the contract refuses it, naming it)."""
+        if isinstance(data, dict) and data.get("true_on_policy") and "share_prompts" not in data:
+            data = {**data, "share_prompts": False}
+        return data
 
     @model_validator(mode="after")
     def _micro_batches_divide(self) -> TrainConfig:

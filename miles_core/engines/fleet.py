@@ -64,6 +64,7 @@ class EngineFleet:
             r.engine_options,
             r.prompts_per_step * r.n_samples_per_prompt * in_flight,
             mode.ahead,
+            config.train.true_on_policy,
         )
         built = ENGINES.get(r.engine).build(setup)
         self.config = config

@@ -30,6 +30,7 @@ class EngineSetup:
     options: Any = None  # the engine's Options (rollout.engine_options)
     max_in_flight: int = 0  # most requests in flight at once (default: one rollout batch)
     beside_trainer: bool = False  # generates while the trainer trains (else they take turns)
+    true_on_policy: bool = False  # generate with the invariant forward (train.true_on_policy)
 
     @property
     def batch(self) -> int:
@@ -76,6 +77,7 @@ class EngineKind:
     routes: frozenset[str] = SERVER_ROUTES
     answers: frozenset[str] = frozenset()
     Options: type[PluginOptions] = NoOptions
+    true_on_policy = False  # it can generate with the invariant forward (`true_on_policy/`)
 
     @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:

@@ -13,6 +13,8 @@ What a family provides, each part optional but the first:
 - `chat_template`: the TITO family (`chat_templates/`) its chat turns render with.
 - CPU engine: `runner_refuses` / `runner` (the serving engine's lean forward over a slot KV
   cache) and `fast_forward` (the embedded engine's `BatchForward` factory, an import path).
+- True on-policy: `invariant_refuses` / `invariant`, the forward whose numbers do not depend on
+  the batch (`true_on_policy/`), run by the engines and the trainer alike.
 - Routing replay: `route_weights`, how its routers weigh the experts they chose.
 - Megatron: `megatron_refuses`, `megatron_names` (its HF tensor names for each Megatron
   tensor) and `megatron_router` (the `TransformerConfig` router settings).
@@ -62,6 +64,18 @@ class ModelFamily:
     def runner(self, model: torch.nn.Module, **kwargs: Any) -> Any:
         """The serving engine's runner over `model` (`slots`, `max_len`, `dtype`)."""
         raise ValueError(self.runner_refuses(model.config) or "no serving runner")
+
+    # ------------------------------------------------------------------ true on-policy
+    def invariant_refuses(self, config: Any) -> str | None:
+        """Why `invariant` would not compute this config's forward (None: it does); pure
+        Python, like `runner_refuses`."""
+        return f"model_type {self.name!r} has no invariant forward"
+
+    def invariant(self, model: torch.nn.Module) -> Any:
+        """The forward of `train.true_on_policy` over `model`'s parameters (an
+        `InvariantModel`, `true_on_policy/forward.py`): the same bits for a token whatever the
+        batch, decoded over a KV cache or inside a full forward."""
+        raise ValueError(self.invariant_refuses(model.config) or "no invariant forward")
 
     # ------------------------------------------------------------------ routing replay
     route_weights: ClassVar[Any] = None  # (router, logits, chosen [N, k]) -> weights [N, k]

@@ -201,6 +201,12 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
     reason = ENGINES.get(config.rollout.engine).refuses(model_config, asked)
     if reason is not None:
         raise ValueError(f"rollout.engine {config.rollout.engine} cannot run {where}: {reason}")
+    if config.train.true_on_policy:
+        from miles_core.true_on_policy.contract import TRUE_ON_POLICY
+
+        reason = TRUE_ON_POLICY.model_refused(model_config)
+        if reason is not None:
+            raise ValueError(f"train.true_on_policy cannot run {where}: {reason}")
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
 

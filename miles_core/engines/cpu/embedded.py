@@ -4,7 +4,8 @@ Each distinct prompt is prefilled once; every decode step then feeds one token p
 all rows at once, and records the log-prob of each sampled token. Output ids are returned as
 generated; nothing is re-tokenized. The model runs through a `BatchForward` (batch_forward.py):
 the model family's fast forward where it has one, the model's own modules otherwise
-(`fast=False` forces those).
+(`fast=False` forces those); with `true_on_policy`, the family's invariant forward and the
+trainer's log-softmax (`true_on_policy/`), so its log-probs are the trainer's bits.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
+from miles_core.models.family import family_of
+from miles_core.true_on_policy.forward import InvariantBatchForward
 
 
 class EmbeddedEngine:
@@ -40,6 +43,7 @@ class EmbeddedEngine:
         max_batch_size: int = 512,
         adapt_threads: bool = False,
         fast: bool = True,
+        true_on_policy: bool = False,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -51,7 +55,14 @@ class EmbeddedEngine:
         self._version = 0
         self._lock = threading.Lock()
         self._params = dict(model.named_parameters())
-        self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
+        self.true_on_policy = true_on_policy
+        if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
+            family = family_of(model.config.model_type)
+            if family is None:
+                raise ValueError(f"no model family for {model.config.model_type!r}")
+            self.forward = InvariantBatchForward(family.invariant(self.model))
+        else:
+            self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}
         # per-step thread counts (threads.py), when no trainer computes beside `generate`
         cpu = next(model.parameters()).device.type == "cpu"
@@ -146,7 +157,7 @@ class EmbeddedEngine:
                     logits = self.forward.decode(tokens)
                 uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
                 tokens, token_lp = sample_next(
-                    logits, temperature, top_k, top_p, uniforms, truncate
+                    logits, temperature, top_k, top_p, uniforms, truncate, self.true_on_policy
                 )
             self._load["steps"] += 1
             self._load["running_sum"] += sum(f is None for f in finish)

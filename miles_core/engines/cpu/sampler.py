@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from miles_core.true_on_policy import ops
+
 
 def sample_next(
     logits: torch.Tensor,
@@ -20,11 +22,16 @@ def sample_next(
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
     truncate: bool | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V], uniforms [B] in [0, 1) → (token ids [B], log-probs of those tokens [B]).
-    `truncate`: whether any row has top-k or top-p (None: read it from the tensors)."""
+    `truncate`: whether any row has top-k or top-p (None: read it from the tensors);
+    `invariant`: log-probs by the trainer's own function (`true_on_policy/ops.py`)."""
     scaled = logits.float() / temperature.unsqueeze(1)
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    if invariant:
+        logprobs = ops.tempered_log_softmax(logits, temperature)
+    else:
+        logprobs = torch.log_softmax(scaled, dim=-1)
     filtered = logprobs
     if truncate is None:
         truncate = bool((top_k > 0).any()) or bool((top_p < 1.0).any())

@@ -10,6 +10,7 @@ from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, Engine
 @ENGINES.register("embedded")
 class Embedded(EngineKind):
     routes = IN_PROCESS_ROUTES
+    true_on_policy = True
 
     @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:
@@ -17,6 +18,10 @@ class Embedded(EngineKind):
 
         # taking turns with the trainer, the engine owns the process: it picks its threads
         engine = EmbeddedEngine(
-            setup.model, setup.tokenizer, seed=setup.seed, adapt_threads=not setup.beside_trainer
+            setup.model,
+            setup.tokenizer,
+            seed=setup.seed,
+            adapt_threads=not setup.beside_trainer,
+            true_on_policy=setup.true_on_policy,
         )
         return BuiltEngine(engine)

@@ -5,6 +5,7 @@ serve them too:
 - `runner.py`: the serving engine's lean forward over a slot KV cache (`runner_moe.py` runs an
   MoE layer's MLP on the family's own HF router and experts);
 - `runner_forward.py`: the embedded engine's `BatchForward` on that runner;
+- `invariant.py`: the forward of `train.true_on_policy`, from the invariant kernels;
 - `megatron.py`: the HF tensor names of each Megatron tensor (what the backend refuses is
   `megatron_refuses` below).
 
@@ -53,6 +54,21 @@ class Qwen3(ModelFamily):
         from miles_core.models.qwen3.runner import Qwen3Runner
 
         return Qwen3Runner(model, **kwargs)
+
+    def invariant_refuses(self, config):
+        from miles_core.models.moe import EXPERT_COUNT_KEYS
+
+        if any(getattr(config, k, None) for k in EXPERT_COUNT_KEYS):
+            return "mixture-of-experts layers (the invariant forward is dense Qwen3's)"
+        return attention_refuses(config)
+
+    def invariant(self, model):
+        from miles_core.models.qwen3.invariant import InvariantQwen3
+
+        reason = self.invariant_refuses(model.config)
+        if reason is not None:
+            raise ValueError(f"no invariant forward for this model: {reason}")
+        return InvariantQwen3(model)
 
     def megatron_refuses(self, hf):
         bad = []

@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from miles_core.device import resolve_device
+from miles_core.models.family import family_of
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.backend import BACKENDS
@@ -45,6 +46,7 @@ from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.routing_replay import RouterReplay
 from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
+from miles_core.true_on_policy import ops
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
 
 
@@ -58,6 +60,11 @@ def has_dropout(config) -> bool:
 
 @BACKENDS.register("fsdp")
 class FSDPBackend(SPMDCalls):
+    @staticmethod
+    def true_on_policy_refuses(train: dict[str, Any]) -> str | None:
+        """Every layout runs the invariant forward: each rank's rows are computed alone."""
+        return None
+
     def __init__(
         self,
         model_dir: str,
@@ -100,6 +107,12 @@ class FSDPBackend(SPMDCalls):
             self.routing = RouterReplay(
                 model, bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
             )
+        self.true_on_policy = bool(optim.get("true_on_policy"))
+        if self.true_on_policy:  # the engines' forward, layer by layer (true_on_policy/)
+            family = family_of(model.config.model_type)
+            if family is None:
+                raise ValueError(f"no model family for {model.config.model_type!r}")
+            family.invariant(model).install()
         if on_cuda:
             model.to(self.device)
         if self.world > 1 or on_cuda:
@@ -173,6 +186,9 @@ class FSDPBackend(SPMDCalls):
             logits = model(input_ids=padded.input_ids).logits
             idx = padded.targets_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
             resp_logits = logits.gather(1, idx)
+        if self.true_on_policy and model is self.model:  # the engines' log-softmax
+            lp = ops.tempered_log_softmax(resp_logits, mb.temperature)
+            return lp.gather(-1, padded.targets.unsqueeze(-1)).squeeze(-1), resp_logits
         return token_log_probs(resp_logits, padded.targets, mb.temperature), resp_logits
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -1,0 +1,57 @@
+"""What `train.true_on_policy` requires of a run, stated once and checked before it starts.
+
+The mode holds when every number between a token's decode and the trainer's recompute of it
+comes from the invariant forward (`ops.py`, the model family's `invariant`): the model family
+must have one for the model's config, the engine and the trainer backend must run it, and no
+setting may route a forward around it. Each plug-in says for itself whether it can
+(`EngineKind.true_on_policy`; a backend's `true_on_policy_refuses(train settings)`), so a new one
+joins without an edit here. Later capabilities (quantised rollouts, LoRA) add their conditions to
+`settings_refused` instead of bypassing it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrueOnPolicyContract:
+    name: str = "invariant-fp32-v1"  # float32 weights, activations, KV cache and log-probs
+
+    def settings_refused(self, config: Any) -> list[str]:
+        """What of the run's settings (a `RunConfig`) breaks the contract, each naming its
+        setting; [] when they meet it."""
+        from miles_core.engines.registry import ENGINES
+        from miles_core.train.backend import BACKENDS
+
+        r, t = config.rollout, config.train
+        bad = []
+        if not ENGINES.get(r.engine).true_on_policy:
+            bad.append(f"rollout.engine {r.engine} does not run the invariant forward")
+        refuses = getattr(BACKENDS.get(t.backend), "true_on_policy_refuses", None)
+        reason = refuses(t.model_dump()) if refuses else "it has no invariant forward"
+        if reason:
+            bad.append(f"train.backend {t.backend}: {reason}")
+        if t.share_prompts:
+            bad.append(
+                "train.share_prompts: the shared-prompt forward attends over a prompt's keys "
+                "computed apart from its rows; set it false (the mode's default)"
+            )
+        if t.device == "cuda":
+            bad.append("train.device cuda: the invariant kernels are checked on CPU only")
+        return bad
+
+    def model_refused(self, hf_config: dict[str, Any]) -> str | None:
+        """Why the model (its HF config, a dict) has no invariant forward, or None."""
+        from miles_core.models.family import family_of
+
+        model_type = hf_config.get("model_type")
+        family = family_of(model_type)
+        if family is None:
+            return f"model_type {model_type!r} has no model family (models/<family>/)"
+        return family.invariant_refuses(SimpleNamespace(**hf_config))
+
+
+TRUE_ON_POLICY = TrueOnPolicyContract()

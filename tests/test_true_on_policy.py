@@ -1,0 +1,166 @@
+"""True on-policy: each invariant kernel gives a row the same bits alone and inside any batch, a
+decode over t keys equals row t of the full forward, the model's engine-side and trainer-side
+forwards agree bitwise, and a run logs a train/rollout log-prob gap of exactly 0 at every step
+(and a non-zero one without the mode: the metric is measured, not assumed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_core.config import load_config
+from miles_core.engines.cpu.kv_cache import SlotKVCache
+from miles_core.models import build_model
+from miles_core.models.family import MODEL_FAMILIES
+from miles_core.run import runtime
+from miles_core.run.preflight import preflight
+from miles_core.true_on_policy import ops
+
+F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _rows(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 16, 8), (7, 16, 40), (300, 64, 192), (1030, 256, 384)])
+def test_dot_gives_each_row_the_same_bits_alone_and_in_any_batch(m, k, n):
+    x, w = _rows(m, k), _rows(n, k, seed=1)
+    full = ops.dot(x, w)
+    for i in sorted({0, m // 2, m - 1}):
+        assert torch.equal(ops.dot(x[i : i + 1], w), full[i : i + 1])
+    assert torch.equal(ops.dot(x[m // 3 :], w), full[m // 3 :])
+    # the same products summed: within K·eps of the GEMM
+    assert torch.allclose(full, x @ w.T, rtol=0, atol=k * F32_EPS * (x.abs() @ w.abs().T).max())
+
+
+def test_elementwise_kernels_give_an_element_the_same_bits_wherever_it_sits():
+    x = _rows(1, 100_003)[0] * 20
+    for fn, ref in [(ops.exp, torch.exp), (ops.silu, F.silu)]:
+        whole = fn(x)
+        for part in (slice(5, 17), slice(-3, None), slice(40_000, 70_001)):
+            assert torch.equal(fn(x[part]), whole[part])
+        near = x.abs() < 80  # within range of float32 normals
+        assert torch.allclose(whole[near], ref(x[near]), rtol=4 * F32_EPS, atol=0)
+    logits = _rows(513, 301) * 5
+    lsm = ops.log_softmax(logits)
+    assert torch.equal(ops.log_softmax(logits[7:8]), lsm[7:8])
+    assert torch.allclose(lsm, torch.log_softmax(logits, -1), rtol=0, atol=301 * F32_EPS * 10)
+
+
+def test_attention_decoding_over_t_keys_equals_row_t_of_the_full_forward():
+    b, h, t, hd = 3, 4, 70, 16
+    q, k, v = (
+        torch.randn(b, h, t, hd, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+    n = ops.padded_keys(t)
+    pad = (0, 0, 0, n - t)
+    causal = torch.arange(n) <= torch.arange(t)[:, None]
+    full = ops.attention(q, F.pad(k, pad), F.pad(v, pad), causal.expand(b, t, n), 0.25)
+    for i in (0, 5, 63, 64, t - 1):
+        keys = ops.padded_keys(i + 1)
+        kk = F.pad(k[:, :, : i + 1], (0, 0, 0, keys - i - 1))
+        vv = F.pad(v[:, :, : i + 1], (0, 0, 0, keys - i - 1))
+        allowed = (torch.arange(keys) <= i).expand(b, 1, keys)
+        assert torch.equal(
+            ops.attention(q[:, :, i : i + 1], kk, vv, allowed, 0.25), full[:, :, i : i + 1]
+        )
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    assert torch.allclose(full, ref, rtol=0, atol=t * F32_EPS * 10)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model("tiny", seed=0, context=128)
+
+
+def test_the_model_decodes_each_token_with_the_bits_of_the_trainers_forward(tiny_model):
+    """Prefill then one token per step over a slot KV cache (rows in other slots, one row
+    alone) equals the full forward of the finished sequences; the trainer's forward (`install`,
+    with gradients) is that forward, and all of it is Qwen3's (within eps of HF's)."""
+    model, _ = tiny_model
+    inv = MODEL_FAMILIES.get("qwen3").invariant(model)
+    cfg = model.config
+    b, t, p = 3, 40, 12
+    ids = torch.randint(3, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = inv.logits(ids, torch.arange(t).expand(b, t))
+        hf = model(input_ids=ids).logits
+        cache = SlotKVCache(cfg.num_hidden_layers, 4, inv.kv_heads, inv.length, inv.head_dim)
+        slots = [2, 0, 1]
+        assert torch.equal(
+            inv.logits(ids[:, :p], torch.arange(p).expand(b, p), cache.kv, slots), full[:, :p]
+        )
+        for i in range(p, t):
+            step = inv.logits(ids[:, i : i + 1], torch.full((b, 1), i), cache.kv, slots)
+            assert torch.equal(step[:, 0], full[:, i]), i
+        alone = SlotKVCache(cfg.num_hidden_layers, 1, inv.kv_heads, inv.length, inv.head_dim)
+        assert torch.equal(inv.logits(ids[1:2], torch.arange(t)[None], alone.kv, [0]), full[1:2])
+    assert torch.allclose(full, hf, rtol=0, atol=1e-5)
+    trainer, _ = build_model("tiny", seed=0, context=128)
+    MODEL_FAMILIES.get("qwen3").invariant(trainer).install()
+    out = trainer(input_ids=ids).logits
+    assert torch.equal(out.detach(), full)
+    out.logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.parameters())
+
+
+def _config(tmp_path, *sets):
+    return load_config(
+        None,
+        [
+            "model.preset=tiny",
+            "data.task=say_a",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.lr=3e-3",
+            f"checkpoint.root={tmp_path / 'ckpt'}",
+            *sets,
+        ],
+    )
+
+
+@pytest.mark.parametrize("mode", [True, False], ids=["true_on_policy", "default"])
+def test_a_run_logs_a_zero_gap_at_every_step_only_in_the_mode(tmp_path, mode):
+    cfg = _config(tmp_path, f"train.true_on_policy={str(mode).lower()}")
+    rt = runtime.RLRuntime(cfg, runtime.prepare_model_dir(cfg, tmp_path / "init"), None)
+    try:
+        gaps = []
+        for step in range(3):
+            metrics = rt.train(rt.rollout(step))
+            gaps.append(metrics["train/train_rollout_logprob_abs_diff"])
+            rt.update_weights()
+    finally:
+        rt.close()
+    if mode:
+        assert gaps == [0.0, 0.0, 0.0]
+    else:
+        assert all(0 < g < 1e-4 for g in gaps), gaps
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (
+            ["rollout.engine=serving", "weight_sync.transport=colocated"],
+            "rollout.engine serving does not run the invariant forward",
+        ),
+        (["train.share_prompts=true"], "train.share_prompts: the shared-prompt forward"),
+        (["train.backend=megatron"], "train.backend megatron: it has no invariant forward"),
+    ],
+    ids=["engine", "share_prompts", "backend"],
+)
+def test_a_setting_the_contract_excludes_is_refused_at_config_time(tmp_path, sets, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, "train.true_on_policy=true", *sets)
+
+
+def test_a_model_family_without_an_invariant_forward_is_refused_before_start(tmp_path):
+    cfg = _config(tmp_path, "train.true_on_policy=true", "model.preset=tiny-moe")
+    with pytest.raises(ValueError, match="train.true_on_policy cannot run .*mixture-of-experts"):
+        preflight(cfg)
+    assert not (tmp_path / "ckpt").exists()
