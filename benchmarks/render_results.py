@@ -512,6 +512,44 @@ def routing_replay(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def true_on_policy(r: dict[str, Any]) -> list[str]:
+    rows = []
+    for preset, m in r["presets"].items():
+        t, s, g = m["tokens_per_s"], m["step_s"], m["logprob_gap"]
+        rows.append(
+            [
+                preset,
+                _num(t["plain"], ".0f"),
+                _num(t["invariant"], ".0f"),
+                _ratio(t["plain"], t["invariant"]),
+                _num(s["plain"], ".3f"),
+                _num(s["invariant"], ".3f"),
+                _ratio(s["invariant"], s["plain"]),
+                _num(g["plain"], ".2e"),
+                _num(g["invariant"], ".2e"),
+            ]
+        )
+    out = _table(
+        [
+            "preset",
+            "engine tok/s",
+            "with the mode",
+            "engine cost ×",
+            "train step s",
+            "with the mode",
+            "train cost ×",
+            "log-prob gap",
+            "with the mode",
+        ],
+        rows,
+    )
+    return out + [
+        "",
+        f"{r['rows']} rows of up to {r['max_new_tokens']} new tokens; goal: the mode costs "
+        "≤ 1.25× engine and train time.",
+    ]
+
+
 def _generic(r: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
 
@@ -589,6 +627,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "trainer_backends": trainer_backends,
     "routing_replay": routing_replay,
     "routing_replay_megatron": routing_replay,
+    "true_on_policy": true_on_policy,
     "session_load": session_load,
     "vs_trl": vs_trl,
     "time_to_result": time_to_result,

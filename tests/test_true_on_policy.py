@@ -24,15 +24,29 @@ def _rows(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 16, 8), (7, 16, 40), (300, 64, 192), (1030, 256, 384)])
+@pytest.mark.parametrize(
+    "m, k, n", [(1, 16, 8), (7, 16, 40), (300, 64, 192), (700, 100, 37), (64, 1536, 512)]
+)
 def test_dot_gives_each_row_the_same_bits_alone_and_in_any_batch(m, k, n):
+    """Alone, as a misaligned view, in another batch and under another thread count."""
     x, w = _rows(m, k), _rows(n, k, seed=1)
     full = ops.dot(x, w)
-    for i in sorted({0, m // 2, m - 1}):
-        assert torch.equal(ops.dot(x[i : i + 1], w), full[i : i + 1])
-    assert torch.equal(ops.dot(x[m // 3 :], w), full[m // 3 :])
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for i in sorted({0, m // 2, m - 1}):
+                assert torch.equal(ops.dot(x[i : i + 1], w), full[i : i + 1])
+            assert torch.equal(ops.dot(x[m // 3 :], w), full[m // 3 :])
+            assert torch.equal(ops.dot(x[m // 3 :].clone(), w), full[m // 3 :])
+    finally:
+        torch.set_num_threads(threads)
     # the same products summed: within K·eps of the GEMM
     assert torch.allclose(full, x @ w.T, rtol=0, atol=k * F32_EPS * (x.abs() @ w.abs().T).max())
+    r = min(m, 8)
+    q, keys = _rows(6 * r, k).view(2, 3, r, k), _rows(6 * n, k, seed=2).view(2, 3, n, k)
+    batched = ops.dot(q, keys)  # attention's form: each row of q against its own keys
+    assert torch.equal(ops.dot(q[:, :, -1:], keys), batched[:, :, -1:])
 
 
 def test_elementwise_kernels_give_an_element_the_same_bits_wherever_it_sits():
@@ -124,9 +138,33 @@ def _config(tmp_path, *sets):
     )
 
 
-@pytest.mark.parametrize("mode", [True, False], ids=["true_on_policy", "default"])
-def test_a_run_logs_a_zero_gap_at_every_step_only_in_the_mode(tmp_path, mode):
-    cfg = _config(tmp_path, f"train.true_on_policy={str(mode).lower()}")
+ENGINES_AND_MODES = {
+    "embedded": [],
+    "serving": ["rollout.engine=serving", "weight_sync.transport=colocated"],
+    # an engine server and a producer; staleness 0, so every sample is the trainer's version's
+    "server-fully_async": [
+        "rollout.engine=server",
+        "rollout.engine_options.threads=1",
+        "weight_sync.transport=shared_memory",
+        "rollout.mode=fully_async",
+        "rollout.mode_options.max_staleness=0",
+    ],
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES_AND_MODES)
+def test_a_run_logs_a_zero_train_rollout_gap_at_every_step(tmp_path, engine):
+    assert _gaps(tmp_path, "train.true_on_policy=true", *ENGINES_AND_MODES[engine]) == [0.0] * 3
+
+
+def test_without_the_mode_the_gap_is_measured_and_not_zero(tmp_path):
+    gaps = _gaps(tmp_path)
+    assert all(0 < g < 1e-4 for g in gaps), gaps
+
+
+def _gaps(tmp_path, *sets) -> list[float]:
+    """`train/train_rollout_logprob_abs_diff` of three steps of a tiny say_a run."""
+    cfg = _config(tmp_path, *sets)
     rt = runtime.RLRuntime(cfg, runtime.prepare_model_dir(cfg, tmp_path / "init"), None)
     try:
         gaps = []
@@ -136,18 +174,19 @@ def test_a_run_logs_a_zero_gap_at_every_step_only_in_the_mode(tmp_path, mode):
             rt.update_weights()
     finally:
         rt.close()
-    if mode:
-        assert gaps == [0.0, 0.0, 0.0]
-    else:
-        assert all(0 < g < 1e-4 for g in gaps), gaps
+    return gaps
 
 
 @pytest.mark.parametrize(
     "sets, message",
     [
         (
-            ["rollout.engine=serving", "weight_sync.transport=colocated"],
-            "rollout.engine serving does not run the invariant forward",
+            [
+                "rollout.engine=serving",
+                "weight_sync.transport=colocated",
+                "rollout.engine_options.dtype=bfloat16",
+            ],
+            "rollout.engine serving: rollout.engine_options.dtype bfloat16: the invariant forward is float32",
         ),
         (["train.share_prompts=true"], "train.share_prompts: the shared-prompt forward"),
         (["train.backend=megatron"], "train.backend megatron: it has no invariant forward"),

@@ -77,7 +77,6 @@ class EngineKind:
     routes: frozenset[str] = SERVER_ROUTES
     answers: frozenset[str] = frozenset()
     Options: type[PluginOptions] = NoOptions
-    true_on_policy = False  # it can generate with the invariant forward (`true_on_policy/`)
 
     @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:
@@ -86,6 +85,12 @@ class EngineKind:
     @classmethod
     def check_model(cls, hf_config: dict[str, Any]) -> str | None:
         return None
+
+    @classmethod
+    def true_on_policy_refuses(cls, options: Any) -> str | None:
+        """Why its engines cannot generate with the invariant forward of `train.true_on_policy`
+        under these options (`rollout.engine_options`); None: they can."""
+        return "it does not run the invariant forward"
 
     @classmethod
     def in_trainer_process(cls) -> bool:

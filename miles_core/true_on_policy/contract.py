@@ -3,10 +3,10 @@
 The mode holds when every number between a token's decode and the trainer's recompute of it
 comes from the invariant forward (`ops.py`, the model family's `invariant`): the model family
 must have one for the model's config, the engine and the trainer backend must run it, and no
-setting may route a forward around it. Each plug-in says for itself whether it can
-(`EngineKind.true_on_policy`; a backend's `true_on_policy_refuses(train settings)`), so a new one
-joins without an edit here. Later capabilities (quantised rollouts, LoRA) add their conditions to
-`settings_refused` instead of bypassing it.
+setting may route a forward around it. Each plug-in says for itself whether it can (an engine
+kind's `true_on_policy_refuses(options)`, a backend's `true_on_policy_refuses(train settings)`),
+so a new one joins without an edit here. Later capabilities (quantised rollouts, LoRA) add
+their conditions to `settings_refused` instead of bypassing it.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class TrueOnPolicyContract:
 
         r, t = config.rollout, config.train
         bad = []
-        if not ENGINES.get(r.engine).true_on_policy:
-            bad.append(f"rollout.engine {r.engine} does not run the invariant forward")
+        reason = ENGINES.get(r.engine).true_on_policy_refuses(r.engine_options)
+        if reason:
+            bad.append(f"rollout.engine {r.engine}: {reason}")
         refuses = getattr(BACKENDS.get(t.backend), "true_on_policy_refuses", None)
         reason = refuses(t.model_dump()) if refuses else "it has no invariant forward"
         if reason:

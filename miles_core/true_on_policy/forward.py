@@ -10,15 +10,13 @@ it it attends to the call's own (sequences starting at position 0, the trainer's
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-from miles_core.engines.cpu.kv_cache import SlotKVCache
-
 
 class InvariantModel(Protocol):
-    length: int  # keys are laid out over this many positions (the model's context)
+    length: int  # the most positions it computes (the model's context)
     layers: int
     kv_heads: int
     head_dim: int
@@ -36,65 +34,40 @@ class InvariantModel(Protocol):
 
 
 class InvariantBatchForward:
-    """`BatchForward` (`engines/cpu/batch_forward.py`) on an invariant forward: row i of a batch
-    owns slot i of a slot KV cache; each distinct prompt is prefilled once, in its first row's
-    slot, and copied to the other rows that extend it; decode feeds one token per row at that
-    row's own position. Nothing is derived from the weights."""
+    """`BatchForward` (`engines/cpu/batch_forward.py`) on an invariant forward, through the
+    serving engine's invariant runner (`runner.py`): row i of a batch owns slot i; each distinct
+    prompt is prefilled once, in its first row's slot, and copied to the other rows that extend
+    it; decode feeds one token per row at that row's own position."""
 
-    def __init__(self, inv: InvariantModel):
-        self.inv = inv
-        self.cache: SlotKVCache | None = None
+    def __init__(self, runner: Any):  # an `InvariantRunner`
+        self.runner = runner
         self._positions: list[int] = []
         self._length = 0
 
     def prefill(self, prompts: list[list[int]], row_prompt: list[int], length: int) -> torch.Tensor:
         rows = len(row_prompt)
-        cache = self._reserve(rows)
+        if self.runner.cache.slots < rows:  # kept for later batches that fit
+            self.runner = type(self.runner)(self.runner.inv, slots=rows)
         first: dict[int, int] = {}
         for row, p in enumerate(row_prompt):
             first.setdefault(p, row)
-        width = max(len(p) for p in prompts)
-        device = cache.kv[0].device
-        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, device=device)
-        positions = torch.arange(width, device=device).expand(len(prompts), width)
-        slots = [first[p] for p in range(len(prompts))]
-        logits = self.inv.logits(ids, positions, cache.kv, slots)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=device)
-        logits = logits[torch.arange(len(prompts), device=device), last]
+        logits = self.runner.prefill(
+            [first[p] for p in range(len(prompts))], [0] * len(prompts), prompts
+        )
         for row, p in enumerate(row_prompt):
             if first[p] != row:
-                cache.copy_prefix(first[p], row, len(prompts[p]))
+                self.runner.cache.copy_prefix(first[p], row, len(prompts[p]))
         self._positions = [len(prompts[p]) for p in row_prompt]
         self._length = length
-        return logits[torch.tensor(row_prompt, device=device)]
+        return logits[torch.tensor(row_prompt, device=logits.device)]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         # a row past its own limit has finished: fed at its last position, its output unused
-        last = min(self._length, self.inv.length) - 1
-        positions = torch.tensor([[min(p, last)] for p in self._positions])
-        cache = self.cache
-        assert cache is not None
-        rows = list(range(len(self._positions)))
-        logits = self.inv.logits(tokens.view(-1, 1), positions, cache.kv, rows)
+        last = min(self._length, self.runner.max_len) - 1
+        positions = [min(p, last) for p in self._positions]
+        logits = self.runner.decode(list(range(len(positions))), positions, tokens.tolist())
         self._positions = [p + 1 for p in self._positions]
-        return logits[:, 0]
-
-    def _reserve(self, rows: int) -> SlotKVCache:
-        """A cache of at least `rows` slots, each the model's whole context (kept for later
-        batches that fit)."""
-        if self.cache is None or self.cache.slots < rows:
-            device = next(self.inv.model.parameters()).device
-            self.cache = SlotKVCache(
-                self.inv.layers,
-                rows,
-                self.inv.kv_heads,
-                self.inv.length,
-                self.inv.head_dim,
-                device=device,
-            )
-        return self.cache
+        return logits
 
     def invalidate(self) -> None:
         """Nothing derived from the weights."""

@@ -27,8 +27,8 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
-from miles_core.models.family import family_of
 from miles_core.true_on_policy.forward import InvariantBatchForward
+from miles_core.true_on_policy.runner import invariant_runner
 
 
 class EmbeddedEngine:
@@ -57,10 +57,7 @@ class EmbeddedEngine:
         self._params = dict(model.named_parameters())
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
-            family = family_of(model.config.model_type)
-            if family is None:
-                raise ValueError(f"no model family for {model.config.model_type!r}")
-            self.forward = InvariantBatchForward(family.invariant(self.model))
+            self.forward = InvariantBatchForward(invariant_runner(self.model, slots=0))
         else:
             self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}

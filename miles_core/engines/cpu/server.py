@@ -235,6 +235,7 @@ def create_app(
             "context_length": engine.max_context,
             "dtype": engine.dtype,
             "gemm_dtype": str(engine.runner.gemm_dtype).removeprefix("torch."),
+            "true_on_policy": engine.true_on_policy,
             "device": str(engine.device),
             "paused": engine.paused,
             "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),
@@ -559,6 +560,12 @@ def main(argv: list[str] | None = None) -> None:
         help="where weights and the KV cache live (auto: cuda when available)",
     )
     ap.add_argument(
+        "--true-on-policy",
+        action="store_true",
+        help="generate with the model family's invariant forward and the trainer's log-softmax "
+        "(train.true_on_policy: log-probs bitwise the trainer's)",
+    )
+    ap.add_argument(
         "--weight-roots",
         nargs="*",
         action="extend",
@@ -601,6 +608,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         scheduler="main",
         device=args.device,
+        true_on_policy=args.true_on_policy,
     )
     app = create_app(engine, args.model, weight_roots, args.weight_load_timeout)
     app = protect(app, args.api_key)  # every route but /health

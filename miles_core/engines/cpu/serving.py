@@ -42,6 +42,7 @@ from miles_core.engines.wire import (
 from miles_core.models.family import serving_runner
 from miles_core.models.moe import ROUTES
 from miles_core.models.moe import encode as encode_routes
+from miles_core.true_on_policy.runner import invariant_runner
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
@@ -118,6 +119,7 @@ class ServingEngine:
         scheduler: str = "thread",
         device: str | torch.device = "cpu",
         adapt_threads: bool | None = None,
+        true_on_policy: bool = False,
     ):
         # auto | cpu | cuda: weights, packed copies and the KV cache live there; sampling
         # uniforms are drawn on the CPU either way (the same random stream on every device)
@@ -130,9 +132,15 @@ class ServingEngine:
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
         self.dtype = dtype
-        self.runner = serving_runner(
-            model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
-        )
+        self.true_on_policy = true_on_policy
+        if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
+            if dtype != "float32":
+                raise ValueError("true on-policy generation computes in float32, not " + dtype)
+            self.runner = invariant_runner(model, slots=slots, max_len=max_len)
+        else:
+            self.runner = serving_runner(
+                model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
+            )
         if self.runner.emulate_bf16:
             log.warning(
                 "this CPU has no bf16 GEMMs (oneDNN needs AVX512-BF16/AMX or avx_ne_convert): "
@@ -578,7 +586,9 @@ class ServingEngine:
                 if r.generator is not None:
                     values[i] = self._next_uniform(r)
             drawn = torch.tensor(values, dtype=torch.float64)
-        tokens, lps = sample_next(logits, temperature, top_k, top_p, drawn.to(dev), truncate)
+        tokens, lps = sample_next(
+            logits, temperature, top_k, top_p, drawn.to(dev), truncate, self.true_on_policy
+        )
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
             r.output.append(t)
             r.logprobs.append(lp)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from miles_core.engines.protocol import IN_PROCESS_ROUTES
 from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, EngineSetup
 
@@ -10,7 +12,10 @@ from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, Engine
 @ENGINES.register("embedded")
 class Embedded(EngineKind):
     routes = IN_PROCESS_ROUTES
-    true_on_policy = True
+
+    @classmethod
+    def true_on_policy_refuses(cls, options: Any) -> str | None:
+        return None
 
     @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:

@@ -75,6 +75,8 @@ class Server(Serving):
         args += ["--dtype", o.dtype, "--device", o.device]
         if o.threads:
             args += ["--threads", str(o.threads)]
+        if s.true_on_policy:
+            args += ["--true-on-policy"]
         supervision = Supervision(o.health_interval_s, o.health_timeout_s, o.max_engine_restarts)
         servers: list[tuple[Any, RolloutEngine]] = []
         router = None

@@ -56,6 +56,14 @@ class Serving(EngineKind):
         return refuses_model(hf_config)
 
     @classmethod
+    def true_on_policy_refuses(cls, options: Any) -> str | None:
+        if options.dtype != "float32":
+            return f"rollout.engine_options.dtype {options.dtype}: the invariant forward is float32"
+        if options.device == "cuda":
+            return "rollout.engine_options.device cuda: the invariant kernels are checked on CPU"
+        return None
+
+    @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:
         from miles_core.engines.cpu.serving import ServingEngine
 
@@ -69,5 +77,6 @@ class Serving(EngineKind):
             scheduler="caller",
             device=o.device,
             adapt_threads=not setup.beside_trainer,
+            true_on_policy=setup.true_on_policy,
         )
         return BuiltEngine(engine)
