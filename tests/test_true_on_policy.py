@@ -140,6 +140,7 @@ def _config(tmp_path, *sets):
 
 ENGINES_AND_MODES = {
     "embedded": [],
+    "embedded-megatron": ["train.backend=megatron"],
     "serving": ["rollout.engine=serving", "weight_sync.transport=colocated"],
     # an engine server and a producer; staleness 0, so every sample is the trainer's version's
     "server-fully_async": [
@@ -189,7 +190,10 @@ def _gaps(tmp_path, *sets) -> list[float]:
             "rollout.engine serving: rollout.engine_options.dtype bfloat16: the invariant forward is float32",
         ),
         (["train.share_prompts=true"], "train.share_prompts: the shared-prompt forward"),
-        (["train.backend=megatron"], "train.backend megatron: it has no invariant forward"),
+        (
+            ["train.backend=megatron", "train.world_size=2", "train.parallel.tp=2"],
+            r"train.backend megatron: train.parallel.tp=2: the invariant forward runs at tp = pp",
+        ),
     ],
     ids=["engine", "share_prompts", "backend"],
 )

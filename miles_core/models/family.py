@@ -77,6 +77,11 @@ class ModelFamily:
         batch, decoded over a KV cache or inside a full forward."""
         raise ValueError(self.invariant_refuses(model.config) or "no invariant forward")
 
+    def megatron_invariant(self, model: torch.nn.Module, hf: dict[str, Any]) -> Any:
+        """`invariant` over a Megatron `GPTModel` of this family (one tensor-parallel and
+        pipeline rank), whose forward `install` then routes through it."""
+        raise ValueError(f"model family {self.name!r} has no invariant forward for Megatron")
+
     # ------------------------------------------------------------------ routing replay
     route_weights: ClassVar[Any] = None  # (router, logits, chosen [N, k]) -> weights [N, k]
 
@@ -99,8 +104,7 @@ def _instance(obj: Any, name: str) -> ModelFamily:
         obj = obj()
     if not isinstance(obj, ModelFamily):
         raise ValueError(f"model family {name!r} is not a ModelFamily: {obj!r}")
-    if obj.name != name:
-        obj.name = name
+    obj.name = name  # the registered name is the HF model_type it answers to
     return obj
 
 

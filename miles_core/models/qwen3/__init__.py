@@ -14,6 +14,7 @@ The checks here are pure Python over the config's fields (they run at config tim
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from miles_core.models.family import MODEL_FAMILIES, ModelFamily
@@ -69,6 +70,14 @@ class Qwen3(ModelFamily):
         if reason is not None:
             raise ValueError(f"no invariant forward for this model: {reason}")
         return InvariantQwen3(model)
+
+    def megatron_invariant(self, model, hf):
+        from miles_core.models.qwen3.invariant import MegatronInvariantQwen3
+
+        reason = self.invariant_refuses(types.SimpleNamespace(**hf))
+        if reason is not None:
+            raise ValueError(f"no invariant forward for this model: {reason}")
+        return MegatronInvariantQwen3(model, hf)
 
     def megatron_refuses(self, hf):
         bad = []

@@ -1,18 +1,24 @@
-"""Qwen3's forward from the invariant kernels (`true_on_policy/ops.py`), over the HF modules' own
+"""Qwen3's forward from the invariant kernels (`true_on_policy/ops.py`), over a model's own
 parameters: the one forward of `train.true_on_policy`, run by the engines (one token per row
-over a KV cache) and by the trainer (whole sequences, with gradients).
+over a KV cache) and by the trainers (whole sequences, with gradients).
 
 Keys and values live at their absolute positions: the engine's slot KV cache
 (`engines/cpu/kv_cache.py`) stores a sequence's position p at row p, and the trainer's keys of a
 sequence starting at 0 are in that order already. A query at position p attends to rows [0, p],
 summed over fixed chunks of positions (`ops.attention`), so its attention output is the same
-whether it is decoded alone or computed inside a full forward, and every other op is per row. Logits, then, are the same bits for a token decoded by an engine and for the same
-token in the trainer's forward of the finished sequence, whatever the batch.
+whether it is decoded alone or computed inside a full forward, and every other op is per row.
+Logits, then, are the same bits for a token decoded by an engine and for the same token in the
+trainer's forward of the finished sequence, whatever the batch.
+
+The weights come from the HF modules (`InvariantQwen3`: the engines, FSDP2) or from Megatron's
+`GPTModel` (`MegatronInvariantQwen3`: its fused q/k/v and gate/up tensors read as the same
+matrices, one tensor-parallel rank holding them whole).
 """
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,9 +27,24 @@ import torch.nn.functional as F
 from miles_core.true_on_policy import ops
 
 
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
 class InvariantQwen3:
-    def __init__(self, model: torch.nn.Module):
-        cfg = model.config
+    def __init__(self, model: torch.nn.Module, cfg: Any = None):
+        cfg = cfg if cfg is not None else model.config
         self.model = model
         self.layers = int(cfg.num_hidden_layers)
         self.heads = int(cfg.num_attention_heads)
@@ -35,6 +56,33 @@ class InvariantQwen3:
         theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         self.cos, self.sin = ops.rope_table(self.length, self.head_dim, theta)
         self.scale = self.head_dim**-0.5
+
+    # ------------------------------------------------------------------ where the weights are
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        return list(self.model.model.layers)
+
+    def weights(self, layer: torch.nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return LayerWeights(
+            layer.input_layernorm.weight,
+            attn.q_proj.weight,
+            attn.k_proj.weight,
+            attn.v_proj.weight,
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_proj.weight,
+            mlp.up_proj.weight,
+            mlp.down_proj.weight,
+        )
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids).float()  # a lookup: exact
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final norm weight, output layer weight)."""
+        return self.model.model.norm.weight, self.model.lm_head.weight
 
     # ------------------------------------------------------------------ one decoder layer
     def layer(
@@ -48,13 +96,13 @@ class InvariantQwen3:
         KV tensor [slots, L, 2·kv_heads, hd], the slot of each row): this call's keys are
         written at their positions and the slot's rows are attended to; None: the call's own
         keys, row r at position r (a full forward of sequences starting at 0)."""
-        attn, b, t = layer.self_attn, h.shape[0], h.shape[1]
-        x = ops.rms_norm(h, layer.input_layernorm.weight, self.eps)
-        q = ops.dot(x, attn.q_proj.weight).view(b, t, self.heads, self.head_dim)
-        k = ops.dot(x, attn.k_proj.weight).view(b, t, self.kv_heads, self.head_dim)
-        v = ops.dot(x, attn.v_proj.weight).view(b, t, self.kv_heads, self.head_dim)
-        q = ops.rms_norm(q, attn.q_norm.weight, self.eps).transpose(1, 2)
-        k = ops.rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2)
+        w, b, t = self.weights(layer), h.shape[0], h.shape[1]
+        x = ops.rms_norm(h, w.input_norm, self.eps)
+        q = ops.dot(x, w.q).view(b, t, self.heads, self.head_dim)
+        k = ops.dot(x, w.k).view(b, t, self.kv_heads, self.head_dim)
+        v = ops.dot(x, w.v).view(b, t, self.kv_heads, self.head_dim)
+        q = ops.rms_norm(q, w.q_norm, self.eps).transpose(1, 2)
+        k = ops.rms_norm(k, w.k_norm, self.eps).transpose(1, 2)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
         v = v.transpose(1, 2)
@@ -78,19 +126,15 @@ class InvariantQwen3:
         allowed = torch.arange(n, device=h.device) <= positions.unsqueeze(-1)
         o = ops.attention(q, keys, values, allowed, self.scale)
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        h = h + ops.dot(o, attn.o_proj.weight)
-        x = ops.rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-        mlp = layer.mlp
-        gated = ops.silu(ops.dot(x, mlp.gate_proj.weight)) * ops.dot(x, mlp.up_proj.weight)
-        return h + ops.dot(gated, mlp.down_proj.weight)
+        h = h + ops.dot(o, w.o)
+        x = ops.rms_norm(h, w.post_norm, self.eps)
+        gated = ops.silu(ops.dot(x, w.gate)) * ops.dot(x, w.up)
+        return h + ops.dot(gated, w.down)
 
     # ------------------------------------------------------------------ the whole model
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens.weight[ids].float()
-
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        h = ops.rms_norm(h, self.model.model.norm.weight, self.eps)
-        return ops.dot(h, self.model.lm_head.weight)
+        norm, out = self.head_weights()
+        return ops.dot(ops.rms_norm(h, norm, self.eps), out)
 
     def logits(
         self,
@@ -102,7 +146,7 @@ class InvariantQwen3:
         """Logits [B, T, V] of `ids` at `positions` ([B, T]); with a slot KV cache (`kv`: one
         tensor per layer, `slots`: each row's), the keys of earlier positions come from it."""
         h = self.embed(ids)
-        for i, layer in enumerate(self.model.model.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             h = self.layer(layer, h, positions, None if kv is None else (kv[i], slots))
         return self.head(h)
 
@@ -113,17 +157,66 @@ class InvariantQwen3:
         a module, so wrappers acting around a layer's forward (FSDP2's unshard and gradient
         hooks) work as before."""
         inv = self
-        for layer in self.model.model.layers:
+        for layer in self.decoder_layers():
             layer.forward = types.MethodType(
                 lambda module, h, positions: inv.layer(module, h, positions), layer
             )
 
-        def forward(model, input_ids: torch.Tensor, **_: Any) -> types.SimpleNamespace:
+        def forward(model, input_ids: torch.Tensor, **_: Any) -> Any:
             b, t = input_ids.shape
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
             h = inv.embed(input_ids)
-            for layer in model.model.layers:
+            for layer in inv.decoder_layers():
                 h = layer(h, positions)
-            return types.SimpleNamespace(logits=inv.head(h))
+            return inv.wrap(inv.head(h))
 
         self.model.forward = types.MethodType(forward, self.model)
+
+    def wrap(self, logits: torch.Tensor) -> Any:
+        """What the model's forward returns (HF: an output with `.logits`)."""
+        return types.SimpleNamespace(logits=logits)
+
+
+class MegatronInvariantQwen3(InvariantQwen3):
+    """The same forward over a Megatron `GPTModel` of one tensor-parallel and pipeline rank: q, k
+    and v are row slices of `linear_qkv` (interleaved by query group), gate and up the halves
+    of `linear_fc1`; its forward returns the logits tensor, as `GPTModel`'s does."""
+
+    def __init__(self, model: torch.nn.Module, hf_config: dict[str, Any]):
+        super().__init__(model, types.SimpleNamespace(**hf_config))
+
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        return list(self.model.decoder.layers)
+
+    def weights(self, layer: torch.nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attention, layer.mlp
+        qkv = attn.linear_qkv.weight
+        per_q = self.heads // self.kv_heads * self.head_dim
+        grouped = qkv.view(self.kv_heads, per_q + 2 * self.head_dim, qkv.shape[-1])
+        q, k, v = grouped.split([per_q, self.head_dim, self.head_dim], dim=1)
+        gate, up = mlp.linear_fc1.weight.chunk(2)
+        return LayerWeights(
+            layer.input_layernorm.weight,
+            q.reshape(-1, qkv.shape[-1]),
+            k.reshape(-1, qkv.shape[-1]),
+            v.reshape(-1, qkv.shape[-1]),
+            attn.q_layernorm.weight,
+            attn.k_layernorm.weight,
+            attn.linear_proj.weight,
+            layer.pre_mlp_layernorm.weight,
+            gate,
+            up,
+            mlp.linear_fc2.weight,
+        )
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embedding.word_embeddings(ids).float()
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self.model.decoder.final_layernorm.weight,
+            self.model.shared_embedding_or_output_weight(),
+        )
+
+    def wrap(self, logits: torch.Tensor) -> Any:
+        return logits

@@ -37,6 +37,7 @@ from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.loss_terms import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.spmd_calls import SPMDCalls
+from miles_core.true_on_policy import ops
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dtype_name
 
 MEGATRON_DIR = "megatron"  # the distributed checkpoint beside the HF export
@@ -152,6 +153,9 @@ class MegatronBackend(SPMDCalls):
             self.routing = MegatronRouterReplay(model, self.shapes, replay, check)
         if self.stage.first and self.hf_config.pad_token_id is not None:
             model.embedding.word_embeddings.register_forward_hook(self._no_pad_gradient)
+        self.true_on_policy = bool(optim.get("true_on_policy"))
+        if self.true_on_policy:  # the engines' forward (true_on_policy/), over these tensors
+            check_architecture(hf).megatron_invariant(model, hf).install()
         self.model = model
         self.ddp = DistributedDataParallel(
             config=model.config,
@@ -162,6 +166,17 @@ class MegatronBackend(SPMDCalls):
         )
         self.params = [p for p in self.ddp.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.params, optim, total_steps)
+
+    @staticmethod
+    def true_on_policy_refuses(train: dict[str, Any]) -> str | None:
+        """The invariant forward holds a layer's tensors whole: one tensor-parallel, pipeline
+        and context-parallel rank (data parallel ranks each compute their own rows)."""
+        p = train.get("parallel") or {}
+        split = {k: p.get(k, 1) for k in ("tp", "pp", "cp") if p.get(k, 1) != 1}
+        if split:
+            sizes = ", ".join(f"train.parallel.{k}={v}" for k, v in split.items())
+            return f"{sizes}: the invariant forward runs at tp = pp = cp = 1"
+        return None
 
     @staticmethod
     def check_model(settings: dict[str, Any], hf: dict[str, Any], where: str) -> None:
@@ -254,7 +269,9 @@ class MegatronBackend(SPMDCalls):
         with self.routing.micro_batch(mb):
             return model(input_ids=ids, position_ids=positions, attention_mask=causal)
 
-    def _outputs(self, logits: torch.Tensor, mb: MicroBatch, needs: LossNeeds, ref) -> TokenOutputs:
+    def _outputs(
+        self, logits: torch.Tensor, mb: MicroBatch, needs: LossNeeds, ref, policy: bool = True
+    ) -> TokenOutputs:
         """Per-token log-probs (and entropy) of the response positions: their vocabulary shards
         gathered over the tensor-parallel group (backward: each rank its shard), padding dropped."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -265,7 +282,11 @@ class MegatronBackend(SPMDCalls):
         if self.layout.tp > 1:
             resp = gather_from_tensor_model_parallel_region(resp)
         resp = resp[..., : self.shapes.vocab]
-        lp = token_log_probs(resp, padded.targets, mb.temperature)
+        if policy and self.true_on_policy:  # the engines' log-softmax
+            lp = ops.tempered_log_softmax(resp, mb.temperature)
+            lp = lp.gather(-1, padded.targets.unsqueeze(-1)).squeeze(-1)
+        else:
+            lp = token_log_probs(resp, padded.targets, mb.temperature)
         entropy = None
         if needs.entropy != "none":
             entropy = entropy_from_logits(
@@ -286,7 +307,7 @@ class MegatronBackend(SPMDCalls):
                 )
 
             def keep_ref(i: int, logits: torch.Tensor) -> None:
-                refs[i] = self._outputs(logits, mbs[i], LossNeeds(), None).log_probs
+                refs[i] = self._outputs(logits, mbs[i], LossNeeds(), None, policy=False).log_probs
 
             with torch.no_grad():
                 run_pipeline(
