@@ -77,6 +77,8 @@ class ModelFamily:
         batch, decoded over a KV cache or inside a full forward."""
         raise ValueError(self.invariant_refuses(model.config) or "no invariant forward")
 
+    invariant_route: ClassVar[Any] = None  # MoE: (router, logits) -> (experts [N, k], weights)
+
     def megatron_invariant(self, model: torch.nn.Module, hf: dict[str, Any]) -> Any:
         """`invariant` over a Megatron `GPTModel` of this family (one tensor-parallel and
         pipeline rank), whose forward `install` then routes through it."""

@@ -24,6 +24,7 @@ class TrueOnPolicyContract:
         """What of the run's settings (a `RunConfig`) breaks the contract, each naming its
         setting; [] when they meet it."""
         from miles_core.engines.registry import ENGINES
+        from miles_core.models import moe
         from miles_core.train.backend import BACKENDS
 
         r, t = config.rollout, config.train
@@ -39,6 +40,12 @@ class TrueOnPolicyContract:
             bad.append(
                 "train.share_prompts: the shared-prompt forward attends over a prompt's keys "
                 "computed apart from its rows; set it false (the mode's default)"
+            )
+        if t.routing_replay or t.check_routing_replay or moe.PATH in r.token_fields:
+            bad.append(
+                "train.routing_replay / check_routing_replay (rollout.token_fields routes): the "
+                "invariant forward routes every token as the engine did, from the same bits; "
+                "no record is kept to replay or check"
             )
         if t.device == "cuda":
             bad.append("train.device cuda: the invariant kernels are checked on CPU only")

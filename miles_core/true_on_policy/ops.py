@@ -12,7 +12,8 @@ What makes an op on CPU depend on its batch, and what these kernels do instead:
 - Elementwise transcendental functions (`exp`, `log`, `sigmoid`) run vectorised (SLEEF) in the
   body of a loop and scalar (libm) in its tail, and where a loop's tail falls depends on the
   tensor's size and the thread split. `exp` and `log` here are built from IEEE `+ - * /`, which
-  every path rounds the same, plus exact bit manipulation.
+  every path rounds the same, plus exact bit manipulation, and `sigmoid`, `silu` and the
+  softmaxes from them.
 - A softmax over a row of keys sums over the row's length: `attention` sums over fixed chunks
   of absolute positions, in order, masked positions exact zeros, so a row of t keys and the
   same row inside a T-key forward give the same sums.
@@ -187,6 +188,43 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor
     t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
     t = t.reshape(*t.shape, *([1] * (logits.dim() - t.dim())))
     return log_softmax(logits.float() / t.expand(*logits.shape[:-1], 1))
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        e, total = _exp_sum(x.float(), None)
+        out = e / total
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        return out * (grad - (grad * out).sum(-1, keepdim=True))
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim (float32), invariant per row (a router's over its experts)."""
+    return _Softmax.apply(x)
+
+
+class _Sigmoid(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        out = 1.0 / (1.0 + _exp_values(-x.float()))
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (out,) = ctx.saved_tensors
+        return grad * out * (1 - out)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^−x), elementwise, the same bits wherever an element sits."""
+    return _Sigmoid.apply(x)
 
 
 class _Silu(torch.autograd.Function):

@@ -71,6 +71,24 @@ class Glm4Moe(Qwen3):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * router.routed_scaling_factor
 
+    def invariant_refuses(self, config):
+        if int(getattr(config, "n_group", None) or 1) != 1:
+            return f"group-limited routing (n_group {config.n_group})"
+        return super().invariant_refuses(config)
+
+    @staticmethod
+    def invariant_route(router, logits):
+        """Sigmoid scores from the invariant kernels; the top-k of score plus correction bias,
+        weighed by their scores, renormalised if asked, times the routed scaling factor."""
+        from miles_core.true_on_policy import ops
+
+        scores = ops.sigmoid(logits)
+        chosen = (scores + router.e_score_correction_bias).topk(router.top_k, dim=-1)[1]
+        w = scores.gather(1, chosen)
+        if getattr(router, "norm_topk_prob", False):
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, w * router.routed_scaling_factor
+
     def megatron_refuses(self, hf):
         bad = []
         rope = hf.get("rope_parameters") or {}

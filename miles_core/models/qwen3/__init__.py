@@ -57,11 +57,7 @@ class Qwen3(ModelFamily):
         return Qwen3Runner(model, **kwargs)
 
     def invariant_refuses(self, config):
-        from miles_core.models.moe import EXPERT_COUNT_KEYS
-
-        if any(getattr(config, k, None) for k in EXPERT_COUNT_KEYS):
-            return "mixture-of-experts layers (the invariant forward is dense Qwen3's)"
-        return attention_refuses(config)
+        return self.runner_refuses(config)  # the same decoder as the runner's
 
     def invariant(self, model):
         from miles_core.models.qwen3.invariant import InvariantQwen3
@@ -72,9 +68,12 @@ class Qwen3(ModelFamily):
         return InvariantQwen3(model)
 
     def megatron_invariant(self, model, hf):
+        from miles_core.models.check import moe_sizes
         from miles_core.models.qwen3.invariant import MegatronInvariantQwen3
 
         reason = self.invariant_refuses(types.SimpleNamespace(**hf))
+        if moe_sizes(hf):
+            reason = "mixture-of-experts layers (Megatron's invariant forward is dense)"
         if reason is not None:
             raise ValueError(f"no invariant forward for this model: {reason}")
         return MegatronInvariantQwen3(model, hf)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_core.models.family import family_of
+from miles_core.models.moe import is_moe_layer
 from miles_core.true_on_policy import ops
 
 
@@ -37,9 +39,18 @@ class LayerWeights:
     k_norm: torch.Tensor
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | None  # a dense MLP's (None: a mixture of experts, `mlp`)
+    up: torch.Tensor | None
+    down: torch.Tensor | None
+    mlp: torch.nn.Module | None = None
+
+
+def _mlp_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+
+def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    return ops.dot(ops.silu(ops.dot(x, gate)) * ops.dot(x, up), down)
 
 
 class InvariantQwen3:
@@ -56,6 +67,7 @@ class InvariantQwen3:
         theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         self.cos, self.sin = ops.rope_table(self.length, self.head_dim, theta)
         self.scale = self.head_dim**-0.5
+        self.family = family_of(getattr(cfg, "model_type", None))  # an MoE's routing rule
 
     # ------------------------------------------------------------------ where the weights are
     def decoder_layers(self) -> list[torch.nn.Module]:
@@ -63,6 +75,7 @@ class InvariantQwen3:
 
     def weights(self, layer: torch.nn.Module) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
+        dense = (None,) * 3 if is_moe_layer(mlp) else _mlp_weights(mlp)
         return LayerWeights(
             layer.input_layernorm.weight,
             attn.q_proj.weight,
@@ -72,9 +85,8 @@ class InvariantQwen3:
             attn.k_norm.weight,
             attn.o_proj.weight,
             layer.post_attention_layernorm.weight,
-            mlp.gate_proj.weight,
-            mlp.up_proj.weight,
-            mlp.down_proj.weight,
+            *dense,
+            mlp=mlp if is_moe_layer(mlp) else None,
         )
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -128,8 +140,34 @@ class InvariantQwen3:
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         h = h + ops.dot(o, w.o)
         x = ops.rms_norm(h, w.post_norm, self.eps)
-        gated = ops.silu(ops.dot(x, w.gate)) * ops.dot(x, w.up)
-        return h + ops.dot(gated, w.down)
+        if w.mlp is not None:
+            return h + self.experts(w.mlp, x)
+        return h + _swiglu(x, w.gate, w.up, w.down)
+
+    def experts(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A mixture-of-experts MLP (HF's modules: a router `gate`, fused `experts`, maybe
+        `shared_experts`): the router's logits by `dot`, the experts chosen and weighed by the
+        family's `invariant_route`, each chosen expert run on its rows by `dot`, and the
+        weighted outputs added slot by slot in order, so a row's result is its own."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        logits = ops.dot(rows, mlp.gate.weight)
+        chosen, weights = self.family.invariant_route(mlp.gate, logits)
+        gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+        width = down.shape[-1]
+        out = torch.zeros_like(rows)
+        for slot in range(chosen.shape[1]):
+            y = torch.zeros_like(rows)
+            for e in chosen[:, slot].unique().tolist():
+                at = (chosen[:, slot] == e).nonzero().squeeze(1)
+                fused = gate_up[e]
+                part = _swiglu(rows[at], fused[:width], fused[width:], down[e])
+                y = y.index_copy(0, at, part)
+            out = out + weights[:, slot : slot + 1] * y
+        shared = getattr(mlp, "shared_experts", None)
+        if shared is not None:
+            out = out + _swiglu(rows, *_mlp_weights(shared))
+        return out.view(shape)
 
     # ------------------------------------------------------------------ the whole model
     def head(self, h: torch.Tensor) -> torch.Tensor:

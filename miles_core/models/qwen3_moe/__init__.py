@@ -39,6 +39,17 @@ class Qwen3Moe(Qwen3):
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(logits.dtype)
 
+    @staticmethod
+    def invariant_route(router, logits):
+        """The experts a row chooses and their weights, from the invariant kernels: softmax over
+        the experts, the top-k, renormalised if asked."""
+        from miles_core.true_on_policy import ops
+
+        top, chosen = ops.softmax(logits).topk(router.top_k, dim=-1)
+        if getattr(router, "norm_topk_prob", False):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return chosen, top
+
     def megatron_router(self, hf):
         # without norm_topk_prob: the softmax over all experts (Megatron's pre-softmax)
         return dict(
