@@ -18,8 +18,9 @@ What makes an op on CPU depend on its batch, and what these kernels do instead:
   of absolute positions, in order, masked positions exact zeros, so a row of t keys and the
   same row inside a T-key forward give the same sums.
 
-Each op is an autograd function: the forward invariant, the backward the usual formula (gradients
-need not be invariant).
+An op with a forward of its own (`dot`, `exp`, the softmaxes, `sigmoid`, `silu`) is an autograd
+function whose backward is the usual formula (gradients need not be invariant); the rest are
+compositions of those and of exact ops.
 """
 
 from __future__ import annotations
