@@ -5,10 +5,10 @@ decode, its batched prefill and the trainer's full forward compute the same bits
 What makes an op on CPU depend on its batch, and what these kernels do instead:
 
 - GEMMs (MKL, oneDNN) pick kernels and K blockings by shape, so one row's dot products change
-  with M. `dot` by a weight (a linear layer) runs each row as its own 1×K by K×N product, in
-  batched calls of one fixed shape; by a batched operand (attention) it computes every output
-  as a product, then a sum over the contiguous last dim, which ATen reduces serially per output
-  in an order that depends on the reduced length alone.
+  with M. `dot` by a weight (a linear layer) runs GEMMs of one fixed shape, `ROW_BLOCK` rows
+  each; by a batched operand (attention) it computes every output as a product, then a sum
+  over the contiguous last dim, which ATen reduces serially per output in an order that
+  depends on the reduced length alone.
 - Elementwise transcendental functions (`exp`, `log`, `sigmoid`) run vectorised (SLEEF) in the
   body of a loop and scalar (libm) in its tail, and where a loop's tail falls depends on the
   tensor's size and the thread split. `exp` and `log` here are built from IEEE `+ - * /`, which
@@ -31,7 +31,7 @@ import torch
 PIECE_ELEMENTS = 1 << 22
 # attention sums over keys in chunks of this many absolute positions
 KEY_CHUNK = 64
-# a linear layer runs its rows in batched 1-row products of this many rows per call
+# a linear layer runs its rows in GEMMs of this many rows each
 ROW_BLOCK = 32
 
 _LOG2E = 1.4426950408889634
@@ -42,20 +42,18 @@ _EXP_MAX = 88.0
 
 
 def _rows_times(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """a [..., K] @ wᵀ (w [N, K]) one row at a time: every row is its own 1×K by K×N product,
-    in batched calls of one fixed shape (`ROW_BLOCK` rows, the last block zero-padded), so the
-    library runs the same computation for a row whatever the batch around it."""
+    """a [..., K] @ wᵀ (w [N, K]) in blocks of `ROW_BLOCK` rows (the last zero-padded), one GEMM
+    of one fixed shape per block: the library makes the same choices for every call, and a
+    row's outputs are its own K-long dot products, reduced in the kernel's fixed order whatever
+    rows share its block."""
     k, n = w.shape[1], w.shape[0]
     rows = a.reshape(-1, k)
     count = rows.shape[0]
     pad = -count % ROW_BLOCK
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, k)])
-    wt = w.t().unsqueeze(0).expand(ROW_BLOCK, k, n)
-    blocks = [
-        torch.bmm(rows[r : r + ROW_BLOCK].unsqueeze(1), wt)
-        for r in range(0, rows.shape[0], ROW_BLOCK)
-    ]
+    wt = w.t()
+    blocks = [rows[r : r + ROW_BLOCK] @ wt for r in range(0, rows.shape[0], ROW_BLOCK)]
     return torch.cat(blocks)[:count].view(*a.shape[:-1], n)
 
 
