@@ -18,6 +18,7 @@ import torch
 from miles_core.engines.cpu.batch_forward import batch_forward_for
 from miles_core.engines.cpu.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
 from miles_core.engines.cpu.sampler import sample_next
+from miles_core.engines.cpu.slot_forward import SlotBatchForward
 from miles_core.engines.cpu.threads import StepThreads
 from miles_core.engines.protocol import TENSOR
 from miles_core.engines.wire import (
@@ -27,7 +28,6 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
-from miles_core.true_on_policy.forward import InvariantBatchForward
 from miles_core.true_on_policy.runner import invariant_runner
 
 
@@ -57,7 +57,7 @@ class EmbeddedEngine:
         self._params = dict(model.named_parameters())
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
-            self.forward = InvariantBatchForward(invariant_runner(self.model, slots=0))
+            self.forward = SlotBatchForward(invariant_runner(self.model, slots=0))
         else:
             self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}

@@ -39,6 +39,14 @@ class SlotKVCache:
         self.max_len = max_len
         self.allocate()
 
+    def resized(self, slots: int, max_len: int) -> SlotKVCache:
+        """An empty cache like this one with `slots` slots of `max_len` positions."""
+        _, _, kv2, head_dim = self._shape
+        routes = None if self._routes_shape is None else self._routes_shape[2:]
+        return SlotKVCache(
+            self._layers, slots, kv2 // 2, max_len, head_dim, self._dtype, self._device, routes
+        )
+
     def _tensors(self) -> list[torch.Tensor]:
         """Everything indexed [slot, position]: the KV of every layer, and the routes."""
         return self.kv if self.routes is None else [*self.kv, self.routes]

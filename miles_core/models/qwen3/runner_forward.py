@@ -1,75 +1,20 @@
-"""`BatchForward` on the serving engine's lean forward (`runner.py`): the embedded engine's fast
-path for Qwen3 models.
-
-Row i of a batch owns slot i of a slot KV cache sized to the largest batch and length seen so far. Each
-distinct prompt is prefilled into the slot of its first row, and its keys and values are copied
-into the slots of the other rows that extend it (one indexed copy per layer). Decode feeds one
-token per row at that row's own position, so no row is padded. The runner's packed weights are
-rebuilt lazily after `invalidate`.
-"""
+"""The embedded engine's fast path for Qwen3 models: its `BatchForward` on the serving engine's
+lean forward (`runner.py`), through the slot-cache `BatchForward` of `engines/cpu/slot_forward.py`.
+The runner's packed weights are rebuilt lazily after `invalidate`."""
 
 from __future__ import annotations
 
 import torch
 
 from miles_core.engines.cpu.batch_forward import ForwardUnsupported
-from miles_core.engines.cpu.kv_cache import SlotKVCache
+from miles_core.engines.cpu.slot_forward import SlotBatchForward
 from miles_core.models.family import runner_refuses
 from miles_core.models.qwen3.runner import Qwen3Runner
 
 
-class RunnerForward:
+class RunnerForward(SlotBatchForward):
     def __init__(self, model: torch.nn.Module):
         reason = runner_refuses(model.config)
         if reason is not None:
             raise ForwardUnsupported(reason)
-        self.runner = Qwen3Runner(model, slots=0)
-        self._positions: list[int] = []
-        self._length = 0
-
-    def prefill(self, prompts: list[list[int]], row_prompt: list[int], length: int) -> torch.Tensor:
-        rows = len(row_prompt)
-        self._reserve(rows, length)
-        first: dict[int, int] = {}
-        for row, p in enumerate(row_prompt):
-            first.setdefault(p, row)
-        slots = [first[p] for p in range(len(prompts))]
-        logits = self.runner.prefill(slots, [0] * len(prompts), prompts)
-        src = [first[p] for p in row_prompt]
-        if len(prompts) < rows:
-            dst = [r for r in range(rows) if src[r] != r]
-            width = max(len(p) for p in prompts)
-            self.runner.cache.copy_prefixes([src[r] for r in dst], dst, width)
-            logits = logits[torch.tensor(row_prompt, device=logits.device)]
-        self._positions = [len(prompts[p]) for p in row_prompt]
-        self._length = length
-        return logits
-
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        # a row still generating stays below `length`; one past it has finished (a short
-        # limit in a batch with longer ones) and is fed at its last position, output unused
-        last = self._length - 1
-        positions = [min(p, last) for p in self._positions]
-        logits = self.runner.decode(list(range(len(positions))), positions, tokens.tolist())
-        self._positions = [p + 1 for p in self._positions]
-        return logits
-
-    def _reserve(self, rows: int, length: int) -> None:
-        """A cache of at least `rows` slots of `length` positions (kept for later batches that
-        fit; grown to the larger of each, `length` rounded up to a multiple of 64)."""
-        r = self.runner
-        cache = r.cache
-        if cache.slots >= rows and cache.max_len >= length:
-            return
-        held = cache.max_len if cache.slots else 0
-        length = min(r.max_len, max(held, -(-length // 64) * 64))
-        rows = max(rows, cache.slots)
-        r.cache = SlotKVCache(
-            r.cfg.num_hidden_layers, rows, r.n_kv, length, r.head_dim, device=r.device
-        )
-
-    def invalidate(self) -> None:
-        self.runner.invalidate()
-
-    def stale(self) -> list[str]:
-        return self.runner.verify_packed()
+        super().__init__(Qwen3Runner(model, slots=0))
