@@ -5,18 +5,28 @@ forwards agree bitwise, and a run logs a train/rollout log-prob gap of exactly 0
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from miles_core.config import load_config
+from miles_core.data import TASKS, PromptSource, load_examples
 from miles_core.engines.cpu.kv_cache import SlotKVCache
-from miles_core.models import build_model, save_hf_dir
+from miles_core.engines.http import EngineProcess, HttpEngine
+from miles_core.models import build_model, load_hf_dir, save_hf_dir
 from miles_core.models.family import MODEL_FAMILIES
+from miles_core.rollout.producer import RolloutProducer
 from miles_core.run import runtime
 from miles_core.run.preflight import preflight
+from miles_core.run.training import build_trainer
+from miles_core.train.batch import TrainBatch
 from miles_core.true_on_policy import ops
+from miles_core.true_on_policy.behaviour import behaviour_log_probs
 from miles_core.true_on_policy.contract import TRUE_ON_POLICY
+from miles_core.weights import TRANSPORTS
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -140,46 +150,123 @@ ENGINES_AND_MODES = {
     "embedded": [],
     "embedded-megatron": ["train.backend=megatron"],
     "embedded-qwen3_moe": ["model.preset=tiny-moe"],
-    "serving-glm4_moe": [
+    # routing replay: the engine records each token's experts, the trainer runs them
+    "serving-glm4_moe-replay": [
         "model.preset=tiny-moe-shared",
         "rollout.engine=serving",
         "weight_sync.transport=colocated",
+        "train.routing_replay=true",
+        "train.check_routing_replay=true",
     ],
     "serving": ["rollout.engine=serving", "weight_sync.transport=colocated"],
-    # an engine server and a producer; staleness 0, so every sample is the trainer's version's
+    # an engine server and a producer running a step ahead: stale samples, recomputed under
+    # the weights that generated them
     "server-fully_async": [
         "rollout.engine=server",
         "rollout.engine_options.threads=1",
         "weight_sync.transport=shared_memory",
         "rollout.mode=fully_async",
-        "rollout.mode_options.max_staleness=0",
+        "rollout.mode_options.max_staleness=1",
     ],
 }
 
 
 @pytest.mark.parametrize("engine", ENGINES_AND_MODES)
 def test_a_run_logs_a_zero_train_rollout_gap_at_every_step(tmp_path, engine):
-    assert _gaps(tmp_path, "train.true_on_policy=true", *ENGINES_AND_MODES[engine]) == [0.0] * 3
+    steps, rt = _steps(tmp_path, "train.true_on_policy=true", *ENGINES_AND_MODES[engine])
+    assert [m["train/train_rollout_logprob_abs_diff"] for m in steps] == [0.0] * 3
+    if "fully_async" in engine:  # it trained stale tokens: the policy's lag is measured apart
+        assert any(m.get("train/policy_lag_logprob_abs_diff", 0) > 0 for m in steps), steps
+    if "replay" in engine:  # both sides route from the same bits: the checker counts none
+        assert [m["train/routing_mismatch_fraction"] for m in steps] == [0.0] * 3
+        assert rt.trainer.routing.totals[1] > 0  # (position, layer) pairs replayed and checked
 
 
 def test_without_the_mode_the_gap_is_measured_and_not_zero(tmp_path):
-    gaps = _gaps(tmp_path)
+    gaps = [m["train/train_rollout_logprob_abs_diff"] for m in _steps(tmp_path)[0]]
     assert all(0 < g < 1e-4 for g in gaps), gaps
 
 
-def _gaps(tmp_path, *sets) -> list[float]:
-    """`train/train_rollout_logprob_abs_diff` of three steps of a tiny say_a run."""
+@pytest.fixture(scope="module")
+def invariant_server(tiny_dir):
+    proc = EngineProcess(tiny_dir, args=["--threads", "1", "--true-on-policy"]).start()
+    client = HttpEngine(proc.url)
+    yield client
+    client.close()
+    proc.stop()
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "retract"])
+def test_a_sample_spanning_a_push_is_recomputed_under_the_weights_of_each_token(
+    invariant_server, tiny_dir, tmp_path, pause_mode
+):
+    """A push meets requests mid-generation: aborted ones are continued by the rollout client,
+    retracted ones resume inside the engine. Each token carries the version that generated it,
+    and the trainer reproduces every log-prob bitwise: the old tokens under its kept weights of
+    the old version, the others under its own."""
+    engine = invariant_server
+    cfg = _config(
+        tmp_path,
+        "train.true_on_policy=true",
+        "rollout.engine=server",
+        "weight_sync.transport=shared_memory",
+        "rollout.mode=fully_async",
+        "rollout.max_new_tokens=48",
+        f"rollout.pause_mode={pause_mode}",
+    )
+    trainer = build_trainer(cfg, tiny_dir)
+    transport = TRANSPORTS.get("shared_memory")()
+    transport.connect([engine])
+    start = engine.weight_version + 1  # the engine is the module's: it starts from the trainer
+    transport.push(trainer, version=start)
+    trainer.keep_weights(start, oldest=start)
+    version = [start]
+    _, tok = load_hf_dir(tiny_dir)
+    source = PromptSource(load_examples("reverse", None, 64, 0), seed=0)
+    producer = RolloutProducer(
+        engine, tok, TASKS.get("reverse"), source, cfg.rollout, version=lambda: version[0]
+    ).start()
+    try:
+        deadline = time.monotonic() + 30
+        while engine.server_info()["running"] == 0:  # the push must meet running requests
+            assert time.monotonic() < deadline, "no request started"
+            time.sleep(0.005)
+        engine.pause("in_place")  # freeze them mid-generation, so the push meets them
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # the next policy: the trainer's weights moved
+            for p in trainer.model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+        transport.push(trainer, version=start + 1, pause_mode=pause_mode)
+        engine.resume()
+        version[0] = start + 1
+        producer.notify_version()
+        samples = producer.take(0).samples
+    finally:
+        producer.stop()
+        transport.close()
+    made = [s.token_fields["token_versions"] for s in samples]
+    assert all(set(v.tolist()) <= {start, start + 1} for v in made)
+    assert any(v[0] == start and v[-1] == start + 1 for v in made)  # generated across the push
+    batch = TrainBatch.from_samples(samples, None, cfg.rollout.temperature)
+    old = behaviour_log_probs(trainer, batch, start + 1, max_lag=1)
+    own = trainer.compute_log_probs(batch)
+    for s, o, c in zip(samples, old, own, strict=True):
+        recomputed = [c_j if math.isnan(o_j) else o_j for o_j, c_j in zip(o, c, strict=True)]
+        assert recomputed == s.rollout_log_probs
+
+
+def _steps(tmp_path, *sets) -> tuple[list[dict[str, float]], runtime.RLRuntime]:
+    """The train metrics of three steps of a tiny say_a run, and its (closed) runtime."""
     cfg = _config(tmp_path, *sets)
     rt = runtime.RLRuntime(cfg, runtime.prepare_model_dir(cfg, tmp_path / "init"), None)
     try:
-        gaps = []
+        steps = []
         for step in range(3):
-            metrics = rt.train(rt.rollout(step))
-            gaps.append(metrics["train/train_rollout_logprob_abs_diff"])
+            steps.append(rt.train(rt.rollout(step)))
             rt.update_weights()
     finally:
         rt.close()
-    return gaps
+    return steps, rt
 
 
 @pytest.mark.parametrize(
@@ -195,15 +282,20 @@ def _gaps(tmp_path, *sets) -> list[float]:
         ),
         (["train.share_prompts=true"], "train.share_prompts: the shared-prompt forward"),
         (
-            ["model.preset=tiny-moe", "train.routing_replay=true"],
-            "train.routing_replay / check_routing_replay",
-        ),
-        (
             ["train.backend=megatron", "train.world_size=2", "train.parallel.tp=2"],
             r"train.backend megatron: train.parallel.tp=2: the invariant forward runs at tp = pp",
         ),
+        (
+            [
+                "rollout.engine=server",
+                "weight_sync.transport=shared_memory",
+                "rollout.mode=fully_async",
+                "rollout.pause_mode=in_place",
+            ],
+            "rollout.pause_mode in_place",
+        ),
     ],
-    ids=["engine", "share_prompts", "routing_replay", "backend"],
+    ids=["engine", "share_prompts", "backend", "pause_mode"],
 )
 def test_a_setting_the_contract_excludes_is_refused_at_config_time(tmp_path, sets, message):
     with pytest.raises(ValueError, match=message):

@@ -110,6 +110,7 @@ class RunConfig(Strict):
                 raise ValueError(
                     f"train.true_on_policy ({TRUE_ON_POLICY.name}): {'; '.join(refused)}"
                 )
+            r.token_fields += [p for p in TRUE_ON_POLICY.token_fields() if p not in r.token_fields]
         if self.data.exclude_sft and self.sft is None:
             raise ValueError(
                 "data.exclude_sft leaves the SFT warm start's examples out of the RL prompts: "

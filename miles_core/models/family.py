@@ -77,7 +77,9 @@ class ModelFamily:
         batch, decoded over a KV cache or inside a full forward."""
         raise ValueError(self.invariant_refuses(model.config) or "no invariant forward")
 
-    invariant_route: ClassVar[Any] = None  # MoE: (router, logits) -> (experts [N, k], weights)
+    # MoE: (router, logits, chosen=None) -> (experts [N, k], their weights); given `chosen`
+    # (routing replay), those experts, weighed by the same rule
+    invariant_route: ClassVar[Any] = None
 
     def megatron_invariant(self, model: torch.nn.Module, hf: dict[str, Any]) -> Any:
         """`invariant` over a Megatron `GPTModel` of this family (one tensor-parallel and

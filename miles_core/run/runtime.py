@@ -126,7 +126,8 @@ class RLRuntime:
 
     def train(self, result: RolloutResult) -> dict[str, float]:
         with self.weights.exclusive():
-            metrics = train_on_rollout(self.trainer, self.config, result)
+            version = self.weights.trainer_version
+            metrics = train_on_rollout(self.trainer, self.config, result, version)
             self.weights.trained()
             self.checkpoints.ledger.record(self._rollout_step, result.groups)
         return metrics

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.train.advantage import ADVANTAGES
 from miles_core.train.backend import BACKENDS, TrainerBackend
 from miles_core.train.batch import TrainBatch, rollout_slices
+from miles_core.true_on_policy.behaviour import behaviour_log_probs
 
 
 def build_trainer(config, model_dir: Path) -> TrainerBackend:
@@ -28,8 +30,11 @@ def build_trainer(config, model_dir: Path) -> TrainerBackend:
     )
 
 
-def train_on_rollout(trainer: TrainerBackend, config, result: RolloutResult) -> dict[str, float]:
-    """The optimizer steps of one rollout; returns their `train/*` metrics, averaged."""
+def train_on_rollout(
+    trainer: TrainerBackend, config, result: RolloutResult, version: int = 0
+) -> dict[str, float]:
+    """The optimizer steps of one rollout by `trainer`, which holds policy `version`; returns
+    their `train/*` metrics, averaged."""
     train = config.train
     estimate = ADVANTAGES.get(train.advantage_estimator)
     advantages = estimate(result.groups, train.advantage_estimator_options)
@@ -40,6 +45,10 @@ def train_on_rollout(trainer: TrainerBackend, config, result: RolloutResult) -> 
         batch.old_is_current = True
     else:  # several steps need the weights before the first; dropout: a no-grad forward
         batch.old_log_probs = trainer.compute_log_probs(batch)
+    if train.true_on_policy:  # stale tokens under the weights that generated them
+        r = config.rollout
+        lag = MODES.get(r.mode).staleness(r.mode_options).max_staleness
+        batch.behaviour_log_probs = behaviour_log_probs(trainer, batch, version, lag)
     per_step: list[dict[str, float]] = []
     for start, end in slices:
         per_step.append(trainer.train_step(batch.slice(start, end), loss=config.train.loss))

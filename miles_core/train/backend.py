@@ -49,6 +49,17 @@ class TrainerBackend(StepBackend, TrainerWeights, Protocol):
         """Per-sample response log-probs under the current weights (rank 0 gets all)."""
         ...
 
+    def keep_weights(self, version: int, oldest: int) -> None:
+        """Keeps a copy of the current weights as policy `version`; forgets those before
+        `oldest`."""
+        ...
+
+    def kept_versions(self) -> list[int]: ...
+
+    def compute_log_probs_at(self, version: int, batch: TrainBatch) -> list[list[float]]:
+        """`compute_log_probs` under the weights kept as `version`."""
+        ...
+
     def train_step(self, batch: TrainBatch, loss: str = "policy") -> dict[str, float]:
         """One optimizer step over the global batch with the loss registered as `loss`
         (`policy`, `sft`, or an import path); metrics reduced over the ranks."""

@@ -30,6 +30,10 @@ class TrainBatch:
     # rollout, so π_old = π_θ before the step and the old log-probs are the training forward's
     # own, detached (`MicroBatch.old_log_probs`), with no recompute; `old_log_probs` stays None
     old_is_current: bool = False
+    # true on-policy: each response token's log-prob under the weights that generated it, where
+    # those are not the weights this step starts from (NaN: the token is the current weights',
+    # so π_old's is its behaviour log-prob); None when every token is
+    behaviour_log_probs: list[list[float]] | None = None
     temperature: float = 1.0
     sample_ids: list[str] = field(default_factory=list)  # rollout ids: siblings share one
     # per row: the loss-mask total of its whole rollout (loss_agg rollout_mean_token_mean)
@@ -52,6 +56,7 @@ class TrainBatch:
             advantages=cut(self.advantages),
             rollout_log_probs=cut(self.rollout_log_probs),
             old_log_probs=cut(self.old_log_probs),
+            behaviour_log_probs=cut(self.behaviour_log_probs),
             sample_ids=self.sample_ids[start:end],
             rollout_tokens=cut(self.rollout_tokens),
             token_fields={k: v[start:end] for k, v in self.token_fields.items()},
@@ -76,6 +81,7 @@ class TrainBatch:
             advantages=more(self.advantages, 0.0),
             rollout_log_probs=more(self.rollout_log_probs),
             old_log_probs=more(self.old_log_probs),
+            behaviour_log_probs=more(self.behaviour_log_probs),
             sample_ids=more(self.sample_ids) if self.sample_ids else [],
             rollout_tokens=more(self.rollout_tokens),
             token_fields={name: more(rows) for name, rows in self.token_fields.items()},

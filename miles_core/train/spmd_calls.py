@@ -15,13 +15,16 @@ from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.backend import backend_path
 from miles_core.train.batch import TrainBatch
+from miles_core.train.kept_weights import KeptWeights
 from miles_core.train.loss import LOSSES, loss_options
 from miles_core.train.routing_replay import RouteReplay
 
 
 class SPMDCalls:
     loss_cfg: dict[str, Any]
+    model: torch.nn.Module  # the policy's modules on this rank
     routing: RouteReplay | None = None  # MoE routing replay / its checker, when the run asks
+    _kept: KeptWeights | None = None  # earlier versions' parameters (`keep_weights`)
 
     def take_stats(self) -> dict[str, float]:
         """This rank's forwards' own counts since the last call (the routing checker's), which
@@ -48,6 +51,21 @@ class SPMDCalls:
     def train_step(self, batch: TrainBatch, loss: str = "policy") -> dict[str, float]:
         spmd.announce("train_step", (batch, loss))
         return self._train_step(batch, loss)
+
+    def keep_weights(self, version: int, oldest: int) -> None:
+        """Keeps a copy of the current weights as policy `version` and forgets the copies of
+        versions before `oldest` (`compute_log_probs_at` computes under a kept one)."""
+        spmd.announce("keep_weights", (version, oldest))
+        self._keep_weights(version, oldest)
+
+    def kept_versions(self) -> list[int]:
+        return [] if self._kept is None else self._kept.versions()
+
+    def compute_log_probs_at(self, version: int, batch: TrainBatch) -> list[list[float]]:
+        """`compute_log_probs` under the weights kept as `version`; the trainer's own are
+        back afterwards."""
+        spmd.announce("compute_log_probs_at", (version, batch))
+        return self._compute_log_probs_at(version, batch)
 
     def save(self, directory: str) -> None:
         spmd.announce("save", (directory,))
@@ -84,6 +102,17 @@ class SPMDCalls:
 
     def _train_step(self, batch: TrainBatch, loss: str) -> dict[str, float]:
         return steps.train_step(self, batch, loss, self.loss_cfg)  # type: ignore[arg-type]
+
+    def _keep_weights(self, version: int, oldest: int) -> None:
+        if self._kept is None:
+            self._kept = KeptWeights()
+        self._kept.keep(version, self.model, oldest)
+
+    def _compute_log_probs_at(self, version: int, batch: TrainBatch) -> list[list[float]]:
+        if self._kept is None or version not in self._kept:
+            raise KeyError(f"no weights kept for policy version {version}")
+        with self._kept.swapped_in(version, self.model):
+            return self._compute_log_probs(batch)
 
     def _join_group(self, group: dict) -> None:
         from miles_core.weights.group import open_group

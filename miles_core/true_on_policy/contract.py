@@ -24,7 +24,7 @@ class TrueOnPolicyContract:
         """What of the run's settings (a `RunConfig`) breaks the contract, each naming its
         setting; [] when they meet it."""
         from miles_core.engines.registry import ENGINES
-        from miles_core.models import moe
+        from miles_core.rollout.mode import MODES
         from miles_core.train.backend import BACKENDS
 
         r, t = config.rollout, config.train
@@ -41,15 +41,22 @@ class TrueOnPolicyContract:
                 "train.share_prompts: the shared-prompt forward attends over a prompt's keys "
                 "computed apart from its rows; set it false (the mode's default)"
             )
-        if t.routing_replay or t.check_routing_replay or moe.PATH in r.token_fields:
+        if MODES.get(r.mode).ahead and r.pause_mode == "in_place":
             bad.append(
-                "train.routing_replay / check_routing_replay (rollout.token_fields routes): the "
-                "invariant forward routes every token as the engine did, from the same bits; "
-                "no record is kept to replay or check"
+                f"rollout.pause_mode in_place (rollout.mode {r.mode}): a request frozen across "
+                "a push decodes on with keys and values of the old weights, a mix no single "
+                "policy's forward computes; use retract or abort"
             )
         if t.device == "cuda":
             bad.append("train.device cuda: the invariant kernels are checked on CPU only")
         return bad
+
+    def token_fields(self) -> list[str]:
+        """The per-token fields the mode adds to `rollout.token_fields`: the weight version of
+        every response token, so a stale token is recomputed under the weights that made it."""
+        from miles_core.true_on_policy import token_versions
+
+        return [token_versions.PATH]
 
     def model_refused(self, hf_config: dict[str, Any]) -> str | None:
         """Why the model (its HF config, a dict) has no invariant forward, or None."""

@@ -15,18 +15,29 @@ from miles_core.true_on_policy.forward import InvariantModel
 class InvariantRunner:
     emulate_bf16 = False
     gemm_dtype = torch.float32
-    routes_shape = None  # the invariant forwards are dense
 
     def __init__(self, inv: InvariantModel, slots: int, max_len: int | None = None):
         self.inv = inv
         self.device = next(inv.model.parameters()).device
         self.max_len = min(max_len or inv.length, inv.length)
+        self.routes_shape = inv.routes_shape  # MoE: each position's experts, kept per slot
+        inv.record_routes = self.routes_shape is not None
         self.cache = SlotKVCache(
-            inv.layers, slots, inv.kv_heads, self.max_len, inv.head_dim, device=self.device
+            inv.layers,
+            slots,
+            inv.kv_heads,
+            self.max_len,
+            inv.head_dim,
+            device=self.device,
+            routes=self.routes_shape,
         )
 
-    def routes_of(self, slot: int, length: int) -> None:
-        return None
+    def routes_of(self, slot: int, length: int) -> torch.Tensor | None:
+        """The routes of a slot's first `length` positions [length, MoE layers, top_k], or
+        None (a dense model, a released cache)."""
+        if self.cache.routes is None:
+            return None
+        return self.cache.routes[slot, :length].cpu()
 
     def invalidate(self) -> None:
         """Nothing derived from the weights."""
@@ -48,6 +59,10 @@ class InvariantRunner:
             positions[i] = torch.arange(s, s + width).clamp(max=self.max_len - 1)
         ids, positions = ids.to(self.device), positions.to(self.device)
         logits = self.inv.logits(ids, positions, self.cache.kv, slots)
+        routes = self.inv.last_routes
+        if self.cache.routes is not None and routes is not None:
+            for i, (slot, s, n) in enumerate(zip(slots, starts, lens, strict=True)):
+                self.cache.routes[slot, s : s + n] = routes[i, :n].to(torch.int32)
         last = torch.tensor([n - 1 for n in lens], device=self.device)
         return logits[torch.arange(len(slots), device=self.device), last]
 
@@ -56,7 +71,12 @@ class InvariantRunner:
         """One new token per sequence at `positions`; returns logits [B, V]."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(-1, 1)
-        return self.inv.logits(ids, pos, self.cache.kv, slots)[:, 0]
+        logits = self.inv.logits(ids, pos, self.cache.kv, slots)[:, 0]
+        routes = self.inv.last_routes
+        if self.cache.routes is not None and routes is not None:
+            index = torch.tensor(slots, device=self.device)
+            self.cache.routes[index, pos[:, 0]] = routes[:, 0].to(torch.int32)
+        return logits
 
 
 def invariant_runner(

@@ -76,6 +76,12 @@ class WeightSync:
         name = self.config.weight_sync.dtype
         return None if name == "float32" else getattr(torch, name)
 
+    @property
+    def trainer_version(self) -> int:
+        """The policy version the trainer's weights hold now (one ahead of `policy_version`
+        when it trained since the last push)."""
+        return self.policy_version + int(self.trained_since_push)
+
     def trained(self) -> None:
         """The trainer took an optimizer step since the last push (call under the lock)."""
         self.trained_since_push = True
@@ -150,7 +156,7 @@ class WeightSync:
         the trainer's current weights go out with their version, and the transport reconnects
         to every engine; `check_equal` verifies them."""
         with self.lock, self.push_lock:
-            version = self.policy_version + int(self.trained_since_push)
+            version = self.trainer_version
             self.transport.connect([engine])
             try:
                 stats = self.push_now(version, "abort")

@@ -62,6 +62,9 @@ def test_the_generate_payload_uses_sglang_field_names():
     # MoE routing replay: the routes field's request flag is SGLang's GenerateReqInput field, in
     # both forms
     flag = moe.ROUTES.request_flag
+    before = FIELDS.get(moe.ROUTES.name) if moe.ROUTES.name in FIELDS else None  # a run's
+    if before is not None:
+        FIELDS.unregister(moe.ROUTES.name)
     FIELDS.register(moe.ROUTES.name, moe.routes_field(2, 2))
     try:
         routed = req.model_copy(update={"return_fields": [moe.ROUTES.name]})
@@ -72,6 +75,8 @@ def test_the_generate_payload_uses_sglang_field_names():
         assert batch[flag] == [False, True]
     finally:
         FIELDS.unregister(moe.ROUTES.name)
+        if before is not None:
+            FIELDS.register(moe.ROUTES.name, before)
 
 
 @pytest.mark.parametrize(

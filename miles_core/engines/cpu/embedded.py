@@ -29,6 +29,7 @@ from miles_core.engines.wire import (
     validate_request,
 )
 from miles_core.true_on_policy.runner import invariant_runner
+from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
 
 class EmbeddedEngine:
@@ -71,6 +72,12 @@ class EmbeddedEngine:
 
     def set_weight_version(self, version: int) -> None:
         self._version = int(version)
+
+    def _token_versions(self, req: GenerateRequest, n: int) -> dict[str, list[int]]:
+        """The `token_versions` field when asked: weights change only between calls here."""
+        if TOKEN_VERSIONS.name not in req.return_fields:
+            return {}
+        return {TOKEN_VERSIONS.wire_key: [self._version] * n}
 
     def load_counters(self) -> dict[str, float]:
         """Cumulative step and load counters (see `RolloutEngine.load_counters`)."""
@@ -188,6 +195,7 @@ class EmbeddedEngine:
                         output_token_logprobs=[
                             (lp, t, None) for lp, t in zip(logps[i], outputs[i], strict=True)
                         ],
+                        **self._token_versions(r, len(outputs[i])),
                     ),
                 )
             )

@@ -39,6 +39,7 @@ from miles_core.models.moe import ROUTES
 from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.processes.managed import KEEP_ALIVE_S
 from miles_core.processes.roots import AllowedRoots
+from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 from miles_core.weights.checker import mismatched_tensors
 from miles_core.weights.receiver import GroupReceiver, ReceiveRefused
 from miles_core.weights.shm import read_bucket
@@ -51,11 +52,14 @@ class _Body(BaseModel):
 
 
 class GenerateBody(_Body):
+    extensions: ClassVar[frozenset[str]] = frozenset({"return_token_versions"})
     input_ids: list[int] | list[list[int]] | None = None
     text: str | list[str] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     return_logprob: bool | list[bool] = False
     return_routed_experts: bool | list[bool] = False
+    # ours: the weight version of each output token (true on-policy's `token_versions` field)
+    return_token_versions: bool | list[bool] = False
     rid: str | list[str] | None = None
     stream: bool = False
 
@@ -503,8 +507,11 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
         raise EngineRequestError(f"give one rid per prompt ({n} prompts), or none")
     rids = _listify(body.rid, n, "rid") if body.rid is not None else [None] * n
     routed = _listify(body.return_routed_experts, n, "return_routed_experts")
+    versioned = _listify(body.return_token_versions, n, "return_token_versions")
     out = []
-    for ids, sp, rid, want_routes in zip(prompts, params, rids, routed, strict=True):
+    for ids, sp, rid, want_routes, want_versions in zip(
+        prompts, params, rids, routed, versioned, strict=True
+    ):
         try:
             sampling = SamplingParams.model_validate(sp)
         except ValidationError as e:
@@ -513,6 +520,7 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
                 f"sampling_params.{'.'.join(map(str, first['loc']))}: {first['msg']}"
             ) from None
         fields = [ROUTES.name] if want_routes else []  # SGLang's flag for the routes field
+        fields += [TOKEN_VERSIONS.name] if want_versions else []
         req = GenerateRequest(
             input_ids=ids, sampling_params=sampling, rid=rid, return_fields=fields
         )

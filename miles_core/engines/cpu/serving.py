@@ -43,6 +43,7 @@ from miles_core.models.family import serving_runner
 from miles_core.models.moe import ROUTES
 from miles_core.models.moe import encode as encode_routes
 from miles_core.true_on_policy.runner import invariant_runner
+from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed takes: [-2**63, 2**64)
@@ -62,6 +63,7 @@ class _Request:
     req: GenerateRequest
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version of each output token
     slot: Slot | None = None
     kv_len: int = 0
     cached_tokens: int = 0
@@ -592,6 +594,7 @@ class ServingEngine:
         for r, t, lp in zip(reqs, tokens.tolist(), lps.tolist(), strict=True):
             r.output.append(t)
             r.logprobs.append(lp)
+            r.versions.append(self._version)
             held = r.slot.tokens  # the KV now covers every token but the one just sampled
             if len(held) == r.kv_len - 1:
                 held.append(r.input_ids[-1] if len(r.output) == 1 else r.output[-2])
@@ -637,6 +640,8 @@ class ServingEngine:
             return
         r.finish = reason
         extra = self._routed_experts(r) if ROUTES.name in r.req.return_fields else {}
+        if TOKEN_VERSIONS.name in r.req.return_fields:
+            extra[TOKEN_VERSIONS.wire_key] = list(r.versions)
         self._leave_slot(r)
         if r in self._running:
             self._running.remove(r)

@@ -7,11 +7,13 @@ from typing import Any
 
 from miles_core.engines.protocol import IN_PROCESS_ROUTES
 from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, EngineSetup
+from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
 
 @ENGINES.register("embedded")
 class Embedded(EngineKind):
     routes = IN_PROCESS_ROUTES
+    answers = frozenset({TOKEN_VERSIONS.request_flag})
 
     @classmethod
     def true_on_policy_refuses(cls, options: Any) -> str | None:

@@ -12,6 +12,7 @@ from miles_core.engines.protocol import IN_PROCESS_ROUTES
 from miles_core.engines.registry import ENGINES, BuiltEngine, EngineKind, EngineSetup
 from miles_core.models.moe import ROUTES
 from miles_core.plugins import PluginOptions
+from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
 
 class ServingOptions(PluginOptions):
@@ -48,7 +49,8 @@ def refuses_model(hf_config: dict[str, Any]) -> str | None:
 @ENGINES.register("serving")
 class Serving(EngineKind):
     routes = IN_PROCESS_ROUTES
-    answers = frozenset({ROUTES.request_flag})  # our engine records MoE routes
+    # our engine records MoE routes and the weight version of each token
+    answers = frozenset({ROUTES.request_flag, TOKEN_VERSIONS.request_flag})
     Options = ServingOptions
 
     @classmethod

@@ -77,13 +77,15 @@ class Glm4Moe(Qwen3):
         return super().invariant_refuses(config)
 
     @staticmethod
-    def invariant_route(router, logits):
-        """Sigmoid scores from the invariant kernels; the top-k of score plus correction bias,
-        weighed by their scores, renormalised if asked, times the routed scaling factor."""
+    def invariant_route(router, logits, chosen=None):
+        """Sigmoid scores from the invariant kernels; the top-k of score plus correction bias
+        (or the experts given: `chosen`), weighed by their scores, renormalised if asked, times
+        the routed scaling factor."""
         from miles_core.true_on_policy import ops
 
         scores = ops.sigmoid(logits)
-        chosen = (scores + router.e_score_correction_bias).topk(router.top_k, dim=-1)[1]
+        if chosen is None:
+            chosen = (scores + router.e_score_correction_bias).topk(router.top_k, dim=-1)[1]
         w = scores.gather(1, chosen)
         if getattr(router, "norm_topk_prob", False):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)

@@ -18,6 +18,7 @@ matrices, one tensor-parallel rank holding them whole).
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +69,25 @@ class InvariantQwen3:
         self.cos, self.sin = ops.rope_table(self.length, self.head_dim, theta)
         self.scale = self.head_dim**-0.5
         self.family = family_of(getattr(cfg, "model_type", None))  # an MoE's routing rule
+        # routing replay: (MoE layer, the experts a router chose [N, k]) -> the experts to run
+        self.choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        self.record_routes = False  # keep each forward's experts in `last_routes` (engines)
+        self.last_routes: torch.Tensor | None = None  # [B, T, MoE layers, k]
+        self._routes: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ where the weights are
     def decoder_layers(self) -> list[torch.nn.Module]:
         return list(self.model.model.layers)
+
+    def moe_mlps(self) -> list[torch.nn.Module]:
+        """The mixture-of-experts MLPs, in layer order (what routing replay numbers)."""
+        return [layer.mlp for layer in self.decoder_layers() if is_moe_layer(layer.mlp)]
+
+    @property
+    def routes_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, top_k) of one position's routes; None for a dense model."""
+        moe = self.moe_mlps()
+        return (len(moe), int(moe[0].gate.top_k)) if moe else None
 
     def weights(self, layer: torch.nn.Module) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -153,6 +169,13 @@ class InvariantQwen3:
         rows = x.reshape(-1, shape[-1])
         logits = ops.dot(rows, mlp.gate.weight)
         chosen, weights = self.family.invariant_route(mlp.gate, logits)
+        if self.choose is not None:  # the rows flattened [B, T], as routing replay numbers them
+            layer = next(i for i, m in enumerate(self.moe_mlps()) if m is mlp)
+            replayed = self.choose(layer, chosen)
+            if replayed is not chosen:
+                chosen, weights = self.family.invariant_route(mlp.gate, logits, replayed)
+        if self.record_routes:
+            self._routes.append(chosen.view(*shape[:-1], -1))
         gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
         width = down.shape[-1]
         out = torch.zeros_like(rows)
@@ -184,8 +207,10 @@ class InvariantQwen3:
         """Logits [B, T, V] of `ids` at `positions` ([B, T]); with a slot KV cache (`kv`: one
         tensor per layer, `slots`: each row's), the keys of earlier positions come from it."""
         h = self.embed(ids)
+        self._routes = []
         for i, layer in enumerate(self.decoder_layers()):
             h = self.layer(layer, h, positions, None if kv is None else (kv[i], slots))
+        self.last_routes = torch.stack(self._routes, dim=2) if self._routes else None
         return self.head(h)
 
     # ------------------------------------------------------------------ the trainer's forward

@@ -40,12 +40,16 @@ class Qwen3Moe(Qwen3):
         return w.to(logits.dtype)
 
     @staticmethod
-    def invariant_route(router, logits):
-        """The experts a row chooses and their weights, from the invariant kernels: softmax over
-        the experts, the top-k, renormalised if asked."""
+    def invariant_route(router, logits, chosen=None):
+        """The experts a row chooses (or is given: `chosen`) and their weights, from the
+        invariant kernels: softmax over the experts, the top-k, renormalised if asked."""
         from miles_core.true_on_policy import ops
 
-        top, chosen = ops.softmax(logits).topk(router.top_k, dim=-1)
+        probs = ops.softmax(logits)
+        if chosen is None:
+            top, chosen = probs.topk(router.top_k, dim=-1)
+        else:
+            top = probs.gather(1, chosen)
         if getattr(router, "norm_topk_prob", False):
             top = top / top.sum(dim=-1, keepdim=True)
         return chosen, top

@@ -43,7 +43,7 @@ from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.loss_terms import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_optimizer
-from miles_core.train.routing_replay import RouterReplay
+from miles_core.train.routing_replay import RouteReplay, RouterReplay
 from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.true_on_policy import ops
@@ -101,18 +101,22 @@ class FSDPBackend(SPMDCalls):
             ref = copy.deepcopy(model).eval().requires_grad_(False)
             # on CUDA the reference computes in bf16 like the FSDP2 policy it is compared with
             self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
-        self.routing = None  # MoE routing replay / its checker (routing_replay.py)
-        if optim.get("routing_replay") or optim.get("check_routing_replay"):
-            # the policy's routers only (after the reference copy, which routes by itself)
-            self.routing = RouterReplay(
-                model, bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
-            )
         self.true_on_policy = bool(optim.get("true_on_policy"))
+        invariant = None
         if self.true_on_policy:  # the engines' forward, layer by layer (true_on_policy/)
             family = family_of(model.config.model_type)
             if family is None:
                 raise ValueError(f"no model family for {model.config.model_type!r}")
-            family.invariant(model).install()
+            invariant = family.invariant(model)
+            invariant.install()
+        self.routing = None  # MoE routing replay / its checker (routing_replay.py)
+        replay, check = bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
+        # the policy's routers only (after the reference copy, which routes by itself)
+        if (replay or check) and invariant is not None:  # it routes in its own forward
+            self.routing = RouteReplay(len(invariant.moe_mlps()), replay, check)
+            invariant.choose = self.routing.choose
+        elif replay or check:
+            self.routing = RouterReplay(model, replay, check)
         if on_cuda:
             model.to(self.device)
         if self.world > 1 or on_cuda:

@@ -118,9 +118,15 @@ class PolicyLoss:
             stats["kl_loss"] = float(kl_loss.detach())
         if batch.rollout_log_probs is not None:
             rollout = mb.per_token(batch.rollout_log_probs)
-            diff = old - rollout
+            behaviour = old  # the engine's weights are π_old's, unless a token is stale
+            if batch.behaviour_log_probs is not None:  # true on-policy: under its own weights
+                stale = mb.per_token(batch.behaviour_log_probs)
+                behaviour = torch.where(stale.isnan(), old, stale)
+                lag = (old - rollout).abs() * mask
+                stats["_policy_lag_logprob_abs_diff"] = float(lag.sum())
+            diff = behaviour - rollout
             stats["_train_rollout_logprob_abs_diff"] = float((diff.abs() * mask).sum())
-            stats["_train_rollout_kl"] = float((k3_kl(rollout, old) * mask).sum())
+            stats["_train_rollout_kl"] = float((k3_kl(rollout, behaviour) * mask).sum())
         if correction is not None:
             stats.update(correction.stats)
         stats["loss"] = float(total.detach())
