@@ -16,6 +16,7 @@ from miles_core.config import load_config
 from miles_core.data import TASKS, PromptSource, load_examples
 from miles_core.engines.cpu.kv_cache import SlotKVCache
 from miles_core.engines.http import EngineProcess, HttpEngine
+from miles_core.engines.wire import GenerateRequest, SamplingParams
 from miles_core.models import build_model, load_hf_dir, save_hf_dir
 from miles_core.models.family import MODEL_FAMILIES
 from miles_core.rollout.producer import RolloutProducer
@@ -95,6 +96,57 @@ def test_attention_decoding_over_t_keys_equals_row_t_of_the_full_forward():
     assert torch.allclose(full, ref, rtol=0, atol=t * F32_EPS * 10)
 
 
+def test_in_bfloat16_a_decode_equals_the_full_forward_and_both_are_bfloat16():
+    model, _ = build_model("tiny", seed=0, context=128)
+    inv = MODEL_FAMILIES.get(model.config.model_type).invariant(model)
+    ids = torch.randint(3, model.config.vocab_size, (2, 20), generator=torch.Generator())
+    positions = torch.arange(20).expand(2, 20)
+    with torch.no_grad():
+        fp32 = inv.logits(ids, positions)
+        inv.dtype = torch.bfloat16
+        full = inv.logits(ids, positions)
+        cache = SlotKVCache(
+            model.config.num_hidden_layers,
+            2,
+            inv.kv_heads,
+            inv.length,
+            inv.head_dim,
+            torch.bfloat16,
+        )
+        assert torch.equal(inv.logits(ids[:, :5], positions[:, :5], cache.kv, [1, 0]), full[:, :5])
+        for i in range(5, 20):
+            step = inv.logits(ids[:, i : i + 1], positions[:, i : i + 1], cache.kv, [1, 0])
+            assert torch.equal(step[:, 0], full[:, i]), i
+    assert torch.equal(full, full.to(torch.bfloat16).float())  # logits are bf16 values
+    gap = (full - fp32).abs().max()  # bf16 rounding, not another model
+    assert 0 < gap < 0.1 * fp32.abs().max(), gap
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-shared"])
+def test_routing_replay_runs_the_experts_it_is_given(preset):
+    """Replaying a forward's own routes changes no bit; replaying others runs those experts."""
+    model, _ = build_model(preset, seed=0, context=64)
+    inv = MODEL_FAMILIES.get(model.config.model_type).invariant(model)
+    inv.record_routes = True
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)
+    )
+    positions = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        natural = inv.logits(ids, positions)
+        routes = inv.last_routes  # [B, T, MoE layers, k]
+        assert routes.shape[2:] == inv.routes_shape
+        seen = []
+        inv.choose = lambda layer, chosen: seen.append(layer) or chosen
+        assert torch.equal(inv.logits(ids, positions), natural)
+        assert seen == list(range(inv.routes_shape[0]))
+        fixed = torch.arange(inv.routes_shape[1]).expand(18, -1)  # every row: experts 0..k-1
+        inv.choose = lambda layer, chosen: fixed
+        forced = inv.logits(ids, positions)
+    assert (inv.last_routes == fixed.view(2, 9, 1, -1)).all()
+    assert not torch.equal(forced, natural)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-moe-shared"])
 def test_the_model_decodes_each_token_with_the_bits_of_the_trainers_forward(preset):
     """Prefill then one token per step over a slot KV cache (rows in other slots, one row
@@ -159,6 +211,12 @@ ENGINES_AND_MODES = {
         "train.check_routing_replay=true",
     ],
     "serving": ["rollout.engine=serving", "weight_sync.transport=colocated"],
+    # both sides round every weight and activation to bf16, the KV cache held in bf16
+    "serving-bf16": [
+        "rollout.engine=serving",
+        "weight_sync.transport=colocated",
+        "rollout.engine_options.dtype=bfloat16",
+    ],
     # an engine server and a producer running a step ahead: stale samples, recomputed under
     # the weights that generated them
     "server-fully_async": [
@@ -194,6 +252,15 @@ def invariant_server(tiny_dir):
     yield client
     client.close()
     proc.stop()
+
+
+def test_an_engine_in_the_mode_reports_token_versions_unasked(invariant_server):
+    """A router in front of engine servers passes no request flag of ours: the versions come
+    with every response."""
+    req = GenerateRequest(input_ids=[5, 6, 7], sampling_params=SamplingParams(max_new_tokens=4))
+    (resp,) = invariant_server.generate([req])
+    version = invariant_server.weight_version
+    assert resp.token_fields["token_versions"].tolist() == [version] * len(resp.output_ids)
 
 
 @pytest.mark.parametrize("pause_mode", ["abort", "retract"])
@@ -274,11 +341,11 @@ def _steps(tmp_path, *sets) -> tuple[list[dict[str, float]], runtime.RLRuntime]:
     [
         (
             [
-                "rollout.engine=serving",
-                "weight_sync.transport=colocated",
-                "rollout.engine_options.dtype=bfloat16",
+                "rollout.engine=sglang",
+                "rollout.engine_options.url=http://127.0.0.1:1",
+                "weight_sync.transport=disk",
             ],
-            "rollout.engine serving: rollout.engine_options.dtype bfloat16: the invariant forward is float32",
+            "rollout.engine sglang: it does not run the invariant forward",
         ),
         (["train.share_prompts=true"], "train.share_prompts: the shared-prompt forward"),
         (
@@ -312,6 +379,11 @@ def test_a_model_the_invariant_forward_does_not_compute_is_refused_before_start(
     with pytest.raises(ValueError, match="train.true_on_policy cannot run .*partial_rotary_factor"):
         preflight(cfg)
     assert not (tmp_path / "ckpt").exists()
+    moe = _config(
+        tmp_path, "train.true_on_policy=true", "train.backend=megatron", "model.preset=tiny-moe"
+    )
+    with pytest.raises(ValueError, match="Megatron's invariant forward is dense"):
+        preflight(moe)
     assert TRUE_ON_POLICY.model_refused({"model_type": "llama"}) == (
         "model_type 'llama' has no model family (models/<family>/)"
     )

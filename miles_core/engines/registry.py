@@ -87,6 +87,12 @@ class EngineKind:
         return None
 
     @classmethod
+    def compute_dtype(cls, options: Any) -> str:
+        """The dtype its engines compute in under these options (`rollout.engine_options`):
+        with `train.true_on_policy`, the trainer's forward computes in it too."""
+        return "float32"
+
+    @classmethod
     def true_on_policy_refuses(cls, options: Any) -> str | None:
         """Why its engines cannot generate with the invariant forward of `train.true_on_policy`
         under these options (`rollout.engine_options`); None: they can."""

@@ -81,6 +81,10 @@ class ModelFamily:
     # (routing replay), those experts, weighed by the same rule
     invariant_route: ClassVar[Any] = None
 
+    def megatron_invariant_refuses(self, hf: dict[str, Any]) -> str | None:
+        """Why `megatron_invariant` would not compute this HF config (a dict), or None."""
+        return f"model family {self.name!r} has no invariant forward for Megatron"
+
     def megatron_invariant(self, model: torch.nn.Module, hf: dict[str, Any]) -> Any:
         """`invariant` over a Megatron `GPTModel` of this family (one tensor-parallel and
         pipeline rank), whose forward `install` then routes through it."""

@@ -15,14 +15,20 @@ from miles_core.train.advantage import ADVANTAGES
 from miles_core.train.backend import BACKENDS, TrainerBackend
 from miles_core.train.batch import TrainBatch, rollout_slices
 from miles_core.true_on_policy.behaviour import behaviour_log_probs
+from miles_core.true_on_policy.contract import TRUE_ON_POLICY
 
 
 def build_trainer(config, model_dir: Path) -> TrainerBackend:
-    """The trainer backend of `config.train`, loaded from the HF directory `model_dir`."""
+    """The trainer backend of `config.train`, loaded from the HF directory `model_dir`. Its
+    settings are `config.train`'s, plus, with `train.true_on_policy`, the compute dtype of the
+    invariant forward it shares with the engines (`true_on_policy_dtype`)."""
     train = config.train
+    settings = train.model_dump()
+    if train.true_on_policy:
+        settings["true_on_policy_dtype"] = TRUE_ON_POLICY.dtype(config)
     return BACKENDS.get(train.backend)(
         model_dir=str(model_dir),
-        optim=train.model_dump(),
+        optim=settings,
         loss=train.model_dump(),
         total_steps=train.num_steps * config.optimizer_steps_per_rollout,
         seed=config.seed,

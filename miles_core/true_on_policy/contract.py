@@ -18,7 +18,17 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TrueOnPolicyContract:
-    name: str = "invariant-fp32-v1"  # float32 weights, activations, KV cache and log-probs
+    # one forward for the engines and the trainer: weights, activations and the KV cache in the
+    # compute dtype (`dtype`), log-softmax of the logits in float32
+    name: str = "invariant-v1"
+
+    def dtype(self, config: Any) -> str:
+        """The compute dtype of the run's invariant forward: its engines' (a `RunConfig`'s
+        `rollout.engine_options`), which the trainer's forward takes."""
+        from miles_core.engines.registry import ENGINES
+
+        r = config.rollout
+        return ENGINES.get(r.engine).compute_dtype(r.engine_options)
 
     def settings_refused(self, config: Any) -> list[str]:
         """What of the run's settings (a `RunConfig`) breaks the contract, each naming its
@@ -70,3 +80,11 @@ class TrueOnPolicyContract:
 
 
 TRUE_ON_POLICY = TrueOnPolicyContract()
+
+
+def trainer_dtype(settings: dict[str, Any]):
+    """The torch dtype a trainer's invariant forward computes in, from its settings (what
+    `run/training.py: build_trainer` hands it as `true_on_policy_dtype`)."""
+    import torch
+
+    return getattr(torch, settings.get("true_on_policy_dtype") or "float32")

@@ -22,12 +22,13 @@ class InvariantRunner:
         self.max_len = min(max_len or inv.length, inv.length)
         self.routes_shape = inv.routes_shape  # MoE: each position's experts, kept per slot
         inv.record_routes = self.routes_shape is not None
-        self.cache = SlotKVCache(
+        self.cache = SlotKVCache(  # in the compute dtype: the bits the forward rounded to
             inv.layers,
             slots,
             inv.kv_heads,
             self.max_len,
             inv.head_dim,
+            dtype=inv.dtype,
             device=self.device,
             routes=self.routes_shape,
         )
@@ -80,13 +81,18 @@ class InvariantRunner:
 
 
 def invariant_runner(
-    model: torch.nn.Module, slots: int, max_len: int | None = None
+    model: torch.nn.Module,
+    slots: int,
+    max_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> InvariantRunner:
-    """The invariant runner over `model`, from its model family; ValueError saying why when the
-    family has no invariant forward for it."""
+    """The invariant runner over `model` computing in `dtype`, from its model family;
+    ValueError saying why when the family has no invariant forward for it."""
     from miles_core.models.family import family_of
 
     family = family_of(model.config.model_type)
     if family is None:
         raise ValueError(f"no model family for {model.config.model_type!r}")
-    return InvariantRunner(family.invariant(model), slots, max_len)
+    inv = family.invariant(model)
+    inv.dtype = dtype
+    return InvariantRunner(inv, slots, max_len)

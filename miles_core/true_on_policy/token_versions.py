@@ -1,7 +1,8 @@
 """The weight version each response token was generated with: a declared per-token field the
-engines fill when asked (`return_token_versions`), so a sample that spans pushes (a request
-retracted and resumed, or continued after a pause-abort) says which of its tokens each policy
-version produced. True on-policy adds it to every run (`rollout.token_fields`): the trainer
+engines fill when asked (`return_token_versions`) and with every response in true on-policy
+mode (a router in front of engine servers passes no request flag of ours), so a sample that
+spans pushes (a request retracted and resumed, or continued after a pause-abort) says which of
+its tokens each policy version produced. True on-policy adds it to every run (`rollout.token_fields`): the trainer
 recomputes a stale token under the weights that generated it (`behaviour.py`)."""
 
 from __future__ import annotations

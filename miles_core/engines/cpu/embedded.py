@@ -74,8 +74,9 @@ class EmbeddedEngine:
         self._version = int(version)
 
     def _token_versions(self, req: GenerateRequest, n: int) -> dict[str, list[int]]:
-        """The `token_versions` field when asked: weights change only between calls here."""
-        if TOKEN_VERSIONS.name not in req.return_fields:
+        """The `token_versions` field, when asked or in true on-policy mode: weights change
+        only between calls here."""
+        if not self.true_on_policy and TOKEN_VERSIONS.name not in req.return_fields:
             return {}
         return {TOKEN_VERSIONS.wire_key: [self._version] * n}
 

@@ -136,9 +136,9 @@ class ServingEngine:
         self.dtype = dtype
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
-            if dtype != "float32":
-                raise ValueError("true on-policy generation computes in float32, not " + dtype)
-            self.runner = invariant_runner(model, slots=slots, max_len=max_len)
+            self.runner = invariant_runner(
+                model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
+            )
         else:
             self.runner = serving_runner(
                 model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
@@ -640,7 +640,7 @@ class ServingEngine:
             return
         r.finish = reason
         extra = self._routed_experts(r) if ROUTES.name in r.req.return_fields else {}
-        if TOKEN_VERSIONS.name in r.req.return_fields:
+        if self.true_on_policy or TOKEN_VERSIONS.name in r.req.return_fields:
             extra[TOKEN_VERSIONS.wire_key] = list(r.versions)
         self._leave_slot(r)
         if r in self._running:

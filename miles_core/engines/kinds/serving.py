@@ -58,9 +58,11 @@ class Serving(EngineKind):
         return refuses_model(hf_config)
 
     @classmethod
+    def compute_dtype(cls, options: Any) -> str:
+        return options.dtype
+
+    @classmethod
     def true_on_policy_refuses(cls, options: Any) -> str | None:
-        if options.dtype != "float32":
-            return f"rollout.engine_options.dtype {options.dtype}: the invariant forward is float32"
         if options.device == "cuda":
             return "rollout.engine_options.device cuda: the invariant kernels are checked on CPU"
         return None

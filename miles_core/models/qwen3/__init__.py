@@ -67,13 +67,17 @@ class Qwen3(ModelFamily):
             raise ValueError(f"no invariant forward for this model: {reason}")
         return InvariantQwen3(model)
 
-    def megatron_invariant(self, model, hf):
+    def megatron_invariant_refuses(self, hf):
         from miles_core.models.check import moe_sizes
+
+        if moe_sizes(hf):
+            return "mixture-of-experts layers (Megatron's invariant forward is dense)"
+        return self.invariant_refuses(types.SimpleNamespace(**hf))
+
+    def megatron_invariant(self, model, hf):
         from miles_core.models.qwen3.invariant import MegatronInvariantQwen3
 
-        reason = self.invariant_refuses(types.SimpleNamespace(**hf))
-        if moe_sizes(hf):
-            reason = "mixture-of-experts layers (Megatron's invariant forward is dense)"
+        reason = self.megatron_invariant_refuses(hf)
         if reason is not None:
             raise ValueError(f"no invariant forward for this model: {reason}")
         return MegatronInvariantQwen3(model, hf)

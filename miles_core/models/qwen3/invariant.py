@@ -50,10 +50,6 @@ def _mlp_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torc
     return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
 
-def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-    return ops.dot(ops.silu(ops.dot(x, gate)) * ops.dot(x, up), down)
-
-
 class InvariantQwen3:
     def __init__(self, model: torch.nn.Module, cfg: Any = None):
         cfg = cfg if cfg is not None else model.config
@@ -69,6 +65,9 @@ class InvariantQwen3:
         self.cos, self.sin = ops.rope_table(self.length, self.head_dim, theta)
         self.scale = self.head_dim**-0.5
         self.family = family_of(getattr(cfg, "model_type", None))  # an MoE's routing rule
+        # the compute dtype: bfloat16 rounds every weight and activation to it (each op computes
+        # in float32 on rounded inputs, its output rounded), the KV cache holding the same bits
+        self.dtype = torch.float32
         # routing replay: (MoE layer, the experts a router chose [N, k]) -> the experts to run
         self.choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None
         self.record_routes = False  # keep each forward's experts in `last_routes` (engines)
@@ -112,6 +111,21 @@ class InvariantQwen3:
         """(final norm weight, output layer weight)."""
         return self.model.model.norm.weight, self.model.lm_head.weight
 
+    # ------------------------------------------------------------------ the compute dtype
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the compute dtype, held in float32 (exact; nothing for float32)."""
+        return x if self.dtype == torch.float32 else x.to(self.dtype).float()
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.round(ops.dot(x, self.round(w)))
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.round(ops.rms_norm(x, self.round(w), self.eps))
+
+    def swiglu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+        act = self.round(ops.silu(self.linear(x, gate)))
+        return self.linear(self.round(act * self.linear(x, up)), down)
+
     # ------------------------------------------------------------------ one decoder layer
     def layer(
         self,
@@ -125,14 +139,14 @@ class InvariantQwen3:
         written at their positions and the slot's rows are attended to; None: the call's own
         keys, row r at position r (a full forward of sequences starting at 0)."""
         w, b, t = self.weights(layer), h.shape[0], h.shape[1]
-        x = ops.rms_norm(h, w.input_norm, self.eps)
-        q = ops.dot(x, w.q).view(b, t, self.heads, self.head_dim)
-        k = ops.dot(x, w.k).view(b, t, self.kv_heads, self.head_dim)
-        v = ops.dot(x, w.v).view(b, t, self.kv_heads, self.head_dim)
-        q = ops.rms_norm(q, w.q_norm, self.eps).transpose(1, 2)
-        k = ops.rms_norm(k, w.k_norm, self.eps).transpose(1, 2)
+        x = self.norm(h, w.input_norm)
+        q = self.linear(x, w.q).view(b, t, self.heads, self.head_dim)
+        k = self.linear(x, w.k).view(b, t, self.kv_heads, self.head_dim)
+        v = self.linear(x, w.v).view(b, t, self.kv_heads, self.head_dim)
+        q = self.norm(q, w.q_norm).transpose(1, 2)
+        k = self.norm(k, w.k_norm).transpose(1, 2)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        q, k = ops.rotate(q, cos, sin), ops.rotate(k, cos, sin)
+        q, k = self.round(ops.rotate(q, cos, sin)), self.round(ops.rotate(k, cos, sin))
         v = v.transpose(1, 2)
         n = ops.padded_keys(int(positions.max()) + 1)  # keys at positions [0, n)
         if cache is None:
@@ -145,20 +159,20 @@ class InvariantQwen3:
             with torch.no_grad():
                 new = torch.cat([k, v], dim=1).transpose(1, 2).to(kv.dtype)
                 kv[index.unsqueeze(1).expand(b, t), positions] = new
-            held = kv[index, : min(n, kv.shape[1])].transpose(1, 2)  # [B, 2·KVH, ≤n, hd]
+            held = kv[index, : min(n, kv.shape[1])].transpose(1, 2).float()  # [B, 2·KVH, ≤n, hd]
             held = F.pad(held, (0, 0, 0, n - held.shape[2]))
             keys, values = held[:, : self.kv_heads], held[:, self.kv_heads :]
         group = self.heads // self.kv_heads
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         allowed = torch.arange(n, device=h.device) <= positions.unsqueeze(-1)
-        o = ops.attention(q, keys, values, allowed, self.scale)
+        o = self.round(ops.attention(q, keys, values, allowed, self.scale))
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        h = h + ops.dot(o, w.o)
-        x = ops.rms_norm(h, w.post_norm, self.eps)
+        h = self.round(h + self.linear(o, w.o))
+        x = self.norm(h, w.post_norm)
         if w.mlp is not None:
-            return h + self.experts(w.mlp, x)
-        return h + _swiglu(x, w.gate, w.up, w.down)
+            return self.round(h + self.experts(w.mlp, x))
+        return self.round(h + self.swiglu(x, w.gate, w.up, w.down))
 
     def experts(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts MLP (HF's modules: a router `gate`, fused `experts`, maybe
@@ -167,7 +181,7 @@ class InvariantQwen3:
         weighted outputs added slot by slot in order, so a row's result is its own."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        logits = ops.dot(rows, mlp.gate.weight)
+        logits = self.linear(rows, mlp.gate.weight)
         chosen, weights = self.family.invariant_route(mlp.gate, logits)
         if self.choose is not None:  # the rows flattened [B, T], as routing replay numbers them
             layer = next(i for i, m in enumerate(self.moe_mlps()) if m is mlp)
@@ -184,18 +198,18 @@ class InvariantQwen3:
             for e in chosen[:, slot].unique().tolist():
                 at = (chosen[:, slot] == e).nonzero().squeeze(1)
                 fused = gate_up[e]
-                part = _swiglu(rows[at], fused[:width], fused[width:], down[e])
+                part = self.swiglu(rows[at], fused[:width], fused[width:], down[e])
                 y = y.index_copy(0, at, part)
-            out = out + weights[:, slot : slot + 1] * y
+            out = self.round(out + self.round(weights[:, slot : slot + 1] * y))
         shared = getattr(mlp, "shared_experts", None)
         if shared is not None:
-            out = out + _swiglu(rows, *_mlp_weights(shared))
+            out = self.round(out + self.swiglu(rows, *_mlp_weights(shared)))
         return out.view(shape)
 
     # ------------------------------------------------------------------ the whole model
     def head(self, h: torch.Tensor) -> torch.Tensor:
         norm, out = self.head_weights()
-        return ops.dot(ops.rms_norm(h, norm, self.eps), out)
+        return self.linear(self.norm(h, norm), out)
 
     def logits(
         self,
@@ -206,7 +220,7 @@ class InvariantQwen3:
     ) -> torch.Tensor:
         """Logits [B, T, V] of `ids` at `positions` ([B, T]); with a slot KV cache (`kv`: one
         tensor per layer, `slots`: each row's), the keys of earlier positions come from it."""
-        h = self.embed(ids)
+        h = self.round(self.embed(ids))
         self._routes = []
         for i, layer in enumerate(self.decoder_layers()):
             h = self.layer(layer, h, positions, None if kv is None else (kv[i], slots))
@@ -228,7 +242,7 @@ class InvariantQwen3:
         def forward(model, input_ids: torch.Tensor, **_: Any) -> Any:
             b, t = input_ids.shape
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-            h = inv.embed(input_ids)
+            h = inv.round(inv.embed(input_ids))
             for layer in inv.decoder_layers():
                 h = layer(h, positions)
             return inv.wrap(inv.head(h))

@@ -47,6 +47,7 @@ from miles_core.train.routing_replay import RouteReplay, RouterReplay
 from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.true_on_policy import ops
+from miles_core.true_on_policy.contract import trainer_dtype
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
 
 
@@ -108,6 +109,7 @@ class FSDPBackend(SPMDCalls):
             if family is None:
                 raise ValueError(f"no model family for {model.config.model_type!r}")
             invariant = family.invariant(model)
+            invariant.dtype = trainer_dtype(optim)
             invariant.install()
         self.routing = None  # MoE routing replay / its checker (routing_replay.py)
         replay, check = bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))

@@ -38,6 +38,7 @@ from miles_core.train.loss_terms import entropy_from_logits, token_log_probs
 from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.true_on_policy import ops
+from miles_core.true_on_policy.contract import trainer_dtype
 from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dtype_name
 
 MEGATRON_DIR = "megatron"  # the distributed checkpoint beside the HF export
@@ -155,7 +156,9 @@ class MegatronBackend(SPMDCalls):
             model.embedding.word_embeddings.register_forward_hook(self._no_pad_gradient)
         self.true_on_policy = bool(optim.get("true_on_policy"))
         if self.true_on_policy:  # the engines' forward (true_on_policy/), over these tensors
-            check_architecture(hf).megatron_invariant(model, hf).install()
+            invariant = check_architecture(hf).megatron_invariant(model, hf)
+            invariant.dtype = trainer_dtype(optim)
+            invariant.install()
         self.model = model
         self.ddp = DistributedDataParallel(
             config=model.config,
@@ -180,11 +183,18 @@ class MegatronBackend(SPMDCalls):
 
     @staticmethod
     def check_model(settings: dict[str, Any], hf: dict[str, Any], where: str) -> None:
-        """Before anything starts: the converter knows the architecture, and the layout of
-        `settings` (train.parallel, train.world_size) divides the model (preflight)."""
+        """Before anything starts: the converter knows the architecture, the invariant forward
+        computes it when `train.true_on_policy` asks, and the layout of `settings`
+        (train.parallel, train.world_size) divides the model (preflight)."""
         from miles_core.train.backends.megatron.architecture import check_architecture
 
-        check_architecture(hf, where)
+        family = check_architecture(hf, where)
+        if settings.get("true_on_policy"):
+            reason = family.megatron_invariant_refuses(hf)
+            if reason is not None:
+                raise ValueError(
+                    f"train.true_on_policy with train.backend megatron cannot run {where}: {reason}"
+                )
         if resolve_device(settings.get("device") or "auto").type != "cpu":
             raise ValueError(CUDA_NOT_BUILT)
         layout = resolve_layout(settings.get("parallel"), int(settings.get("world_size", 1)))
