@@ -34,11 +34,7 @@ class InvariantRunner:
         )
 
     def routes_of(self, slot: int, length: int) -> torch.Tensor | None:
-        """The routes of a slot's first `length` positions [length, MoE layers, top_k], or
-        None (a dense model, a released cache)."""
-        if self.cache.routes is None:
-            return None
-        return self.cache.routes[slot, :length].cpu()
+        return self.cache.routes_of(slot, length)
 
     def invalidate(self) -> None:
         """Nothing derived from the weights."""
@@ -60,10 +56,7 @@ class InvariantRunner:
             positions[i] = torch.arange(s, s + width).clamp(max=self.max_len - 1)
         ids, positions = ids.to(self.device), positions.to(self.device)
         logits = self.inv.logits(ids, positions, self.cache.kv, slots)
-        routes = self.inv.last_routes
-        if self.cache.routes is not None and routes is not None:
-            for i, (slot, s, n) in enumerate(zip(slots, starts, lens, strict=True)):
-                self.cache.routes[slot, s : s + n] = routes[i, :n].to(torch.int32)
+        self.cache.record_routes(slots, starts, lens, self.inv.last_routes)
         last = torch.tensor([n - 1 for n in lens], device=self.device)
         return logits[torch.arange(len(slots), device=self.device), last]
 
@@ -73,10 +66,7 @@ class InvariantRunner:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(-1, 1)
         logits = self.inv.logits(ids, pos, self.cache.kv, slots)[:, 0]
-        routes = self.inv.last_routes
-        if self.cache.routes is not None and routes is not None:
-            index = torch.tensor(slots, device=self.device)
-            self.cache.routes[index, pos[:, 0]] = routes[:, 0].to(torch.int32)
+        self.cache.record_routes(slots, positions, [1] * len(slots), self.inv.last_routes)
         return logits
 
 

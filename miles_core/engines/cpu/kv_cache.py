@@ -72,6 +72,28 @@ class SlotKVCache:
             kv[i, :length] = kv[j, :length]
             kv[j, :length] = held
 
+    def routes_of(self, slot: int, length: int) -> torch.Tensor | None:
+        """The routes of a slot's first `length` positions [length, MoE layers, top_k] (CPU
+        int32), or None for a dense model or a released cache."""
+        return None if self.routes is None else self.routes[slot, :length].cpu()
+
+    def record_routes(
+        self, slots: list[int], starts: list[int], lens: list[int], routes: torch.Tensor | None
+    ) -> None:
+        """Keeps `routes` [B, T, MoE layers, top_k], a forward's experts: row i's first
+        `lens[i]` positions at positions `starts[i]`… of slot `slots[i]` (nothing for a dense
+        model or a released cache)."""
+        if self.routes is None or routes is None:
+            return
+        routes = routes.to(torch.int32)
+        if all(n == 1 for n in lens):  # a decode step: one indexed write
+            index = torch.tensor(slots, device=self._device)
+            at = torch.tensor(starts, device=self._device)
+            self.routes[index, at] = routes[:, 0]
+            return
+        for i, (slot, s, n) in enumerate(zip(slots, starts, lens, strict=True)):
+            self.routes[slot, s : s + n] = routes[i, :n]
+
     def release(self) -> None:
         """Frees the memory (release_memory_occupation); `allocate` brings it back zeroed."""
         self.kv = []

@@ -132,9 +132,7 @@ class Qwen3Runner:
     def routes_of(self, slot: int, length: int) -> torch.Tensor | None:
         """The routes of a slot's first `length` positions [length, MoE layers, top_k] (CPU
         int32), or None for a dense model or a released cache."""
-        if self.cache.routes is None:
-            return None
-        return self.cache.routes[slot, :length].cpu()
+        return self.cache.routes_of(slot, length)
 
     def invalidate(self) -> None:
         """Weights changed (update, release, resume): drop the packed copies."""
@@ -328,9 +326,7 @@ class Qwen3Runner:
             return self._split(kv[layer][slot_t, :total])
 
         h = self._layers(w, w.embed[ids], positions, write, read, mask)
-        if self.cache.routes is not None and self.last_routes is not None:
-            for i, (slot, s, n) in enumerate(zip(slots, starts, lens, strict=True)):
-                self.cache.routes[slot, s : s + n] = self.last_routes[i, :n]
+        self.cache.record_routes(slots, starts, lens, self.last_routes)
         last = self._ids([n - 1 for n in lens])
         return self._logits(w, h[torch.arange(bsz, device=self.device), last])
 
@@ -358,8 +354,7 @@ class Qwen3Runner:
 
         h = w.embed[self._ids(tokens)].view(bsz, 1, -1)
         h = self._layers(w, h, pos_t.view(bsz, 1), write, read, mask)
-        if self.cache.routes is not None and self.last_routes is not None:
-            self.cache.routes[slot_t, pos_t] = self.last_routes[:, 0].to(torch.int32)
+        self.cache.record_routes(slots, positions, [1] * bsz, self.last_routes)
         return self._logits(w, h[:, 0])
 
     def _split(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
