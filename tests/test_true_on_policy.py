@@ -294,8 +294,11 @@ def test_a_sample_spanning_a_push_is_recomputed_under_the_weights_of_each_token(
         engine, tok, TASKS.get("reverse"), source, cfg.rollout, version=lambda: version[0]
     ).start()
     try:
+        # the push must meet running requests that have tokens already: two engine steps
+        # (admit and prefill, decode) with requests still running
+        steps = engine.load_counters()["steps"]
         deadline = time.monotonic() + 30
-        while engine.server_info()["running"] == 0:  # the push must meet running requests
+        while engine.server_info()["running"] == 0 or engine.load_counters()["steps"] < steps + 2:
             assert time.monotonic() < deadline, "no request started"
             time.sleep(0.005)
         engine.pause("in_place")  # freeze them mid-generation, so the push meets them
