@@ -22,3 +22,8 @@ TOKEN_VERSIONS = TokenField(
     description="the weight version of the decode step that generated each response token",
 )
 FIELDS.register(TOKEN_VERSIONS.name, TOKEN_VERSIONS)
+
+
+def reported(return_fields: list[str], true_on_policy: bool) -> bool:
+    """Whether an engine puts the field in a response: asked for, or in true on-policy mode."""
+    return true_on_policy or TOKEN_VERSIONS.name in return_fields

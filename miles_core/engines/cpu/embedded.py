@@ -28,6 +28,7 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
+from miles_core.true_on_policy import token_versions
 from miles_core.true_on_policy.runner import invariant_runner
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
@@ -76,7 +77,7 @@ class EmbeddedEngine:
     def _token_versions(self, req: GenerateRequest, n: int) -> dict[str, list[int]]:
         """The `token_versions` field, when asked or in true on-policy mode: weights change
         only between calls here."""
-        if not self.true_on_policy and TOKEN_VERSIONS.name not in req.return_fields:
+        if not token_versions.reported(req.return_fields, self.true_on_policy):
             return {}
         return {TOKEN_VERSIONS.wire_key: [self._version] * n}
 

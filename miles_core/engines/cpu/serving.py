@@ -42,6 +42,7 @@ from miles_core.engines.wire import (
 from miles_core.models.family import serving_runner
 from miles_core.models.moe import ROUTES
 from miles_core.models.moe import encode as encode_routes
+from miles_core.true_on_policy import token_versions
 from miles_core.true_on_policy.runner import invariant_runner
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
@@ -640,7 +641,7 @@ class ServingEngine:
             return
         r.finish = reason
         extra = self._routed_experts(r) if ROUTES.name in r.req.return_fields else {}
-        if self.true_on_policy or TOKEN_VERSIONS.name in r.req.return_fields:
+        if token_versions.reported(r.req.return_fields, self.true_on_policy):
             extra[TOKEN_VERSIONS.wire_key] = list(r.versions)
         self._leave_slot(r)
         if r in self._running:
