@@ -41,6 +41,13 @@ $(STAMP): pyproject.toml infra/install.py
 	$(BIN)/python -m infra.install '.[test,openenv,server]'
 	touch $(STAMP)
 
+# torchao 0.18, an independent MX quantizer the precision tests compare against, kept out of the
+# venv: transformers imports an installed torchao in every process that builds a model
+TORCHAO := $(VENV)/torchao
+$(TORCHAO)/.installed: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --target $(TORCHAO) "torchao==0.18.0"
+	touch $@
+
 demo: venv system
 	$(BIN)/miles train --config examples/say_a.yaml --set checkpoint.overwrite=true
 	$(BIN)/miles train --config examples/reverse_sft_rl.yaml --set checkpoint.overwrite=true
@@ -62,12 +69,12 @@ docs-check: venv
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-test: venv system docs-check
+test: venv $(TORCHAO)/.installed system docs-check
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 # the inner loop: unit and contract tests, no training runs, flows or multi-rank launches
 # (tests marked `slow`; tests/README.md lists the tiers)
-test-fast: venv system
+test-fast: venv $(TORCHAO)/.installed system
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 lint: venv

@@ -5,11 +5,15 @@ and shapes a format cannot take."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from miles_core.precision import e8m0, fp4, fp8, mx
+from miles_core.precision import e8m0, fp4, fp8, int4, mx, nvfp4
 
 
 def _bytes(q: torch.Tensor) -> list[int]:
@@ -136,3 +140,127 @@ def test_mxfp4_round_trips_within_its_grid_step():
     assert bool(((x - w).abs() <= bound).all())
     amax = w.view(4, 2, 32).abs().amax(-1)  # RCEIL: every block's amax fits 6 · X
     assert bool((amax <= 6 * e8m0.value(e)).all()) and bool((amax > 3 * e8m0.value(e)).all())
+
+
+def _nvfp4_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    grid = torch.tensor(fp4.GRID)
+    mids = (grid[1:] + grid[:-1]) / 2  # every E2M1 tie, scaled so the block scale is exact
+    ties = torch.cat([mids, -mids, torch.tensor([6.0, -6.0])]).repeat(2, 1)
+    zero_block = torch.randn(4, 64, generator=g)
+    zero_block[1, 16:32] = 0
+    return {
+        "random": 16 * torch.randn(32, 128, generator=g),
+        "bf16": torch.randn(8, 64, generator=g).bfloat16().float(),
+        "ties": ties,
+        "zero_block": zero_block,
+        "zeros": torch.zeros(2, 32),
+        "tiny": torch.full((2, 16), 1e-30),  # scales underflow e4m3: subnormal or zero
+        "near_pow2": torch.tensor([[math.ldexp(1 + 2**-23, 3)] + [0.5] * 15] * 2),
+        "huge": torch.tensor([[3e38] + [1.0] * 15]),
+    }
+
+
+@pytest.mark.parametrize("case", list(_nvfp4_inputs()))
+def test_nvfp4_is_transformer_engines_reference_bit_for_bit(case):
+    from tests import nvfp4_reference
+
+    x = _nvfp4_inputs()[case]
+    packed, s8, g_dec = nvfp4.quantize(x)
+    ref_packed, ref_s8 = nvfp4_reference.quantize(x, x.abs().amax())
+    assert packed.tolist() == ref_packed.tolist()
+    assert _bytes(s8) == _bytes(ref_s8)
+    assert bool(nvfp4.dequantize(packed, s8, g_dec).isfinite().all())
+    if case in ("zeros", "zero_block"):
+        rows = x == 0
+        assert bool((nvfp4.dequantize(packed, s8, g_dec)[rows] == 0).all())
+
+
+def test_nvfp4_gate_and_up_share_one_global_scale():
+    g = torch.Generator().manual_seed(4)
+    gate, up = torch.randn(8, 32, generator=g), 5 * torch.randn(8, 32, generator=g)
+    (gp, gs, gd), (upk, us, ud) = nvfp4.quantize_pair(gate, up)
+    assert gd.item() == ud.item() == nvfp4.global_decode_scale(up.abs().amax()).item()
+    shared = nvfp4.quantize(gate, up.abs().amax())
+    assert torch.equal(gp, shared[0]) and _bytes(gs) == _bytes(shared[1])
+    assert _bytes(gs) != _bytes(nvfp4.quantize(gate)[1])  # its own amax would scale otherwise
+    with pytest.raises(ValueError, match="by 16"):
+        nvfp4.quantize(torch.ones(2, 24))
+
+
+def test_int4_groups_round_half_even_within_seven_levels():
+    # group of 8: amax 3.5 → s = 0.5; 0.25 / 0.5 = 0.5 → 0 and 0.75 / 0.5 = 1.5 → 2 (even)
+    w = torch.tensor([[3.5, 0.25, 0.75, -3.5, -0.25, 1.0, 0.0, -1.25]])
+    q, s = int4.quantize(w, 8)
+    assert s.tolist() == [[0.5]]
+    assert q.tolist() == [[7, 0, 2, -7, 0, 2, 0, -2]]
+    assert int4.dequantize(q, s).tolist() == [[3.5, 0.0, 1.0, -3.5, 0.0, 1.0, 0.0, -1.0]]
+    zq, zs = int4.quantize(torch.zeros(1, 8), 8)
+    assert zs.item() == pytest.approx(1e-5) and zq.abs().sum() == 0
+    with pytest.raises(ValueError, match="must divide the input dim"):
+        int4.quantize(torch.ones(2, 12), 8)
+
+
+def test_int4_packs_eight_offset_nibbles_per_int32_low_first():
+    q = torch.tensor([[-7, -1, 0, 1, 7, 3, -3, 7]], dtype=torch.int8)
+    packed = int4.pack(q)
+    nibbles = [v + 8 for v in q.flatten().tolist()]
+    word = sum(n << (4 * j) for j, n in enumerate(nibbles))
+    assert packed.dtype == torch.int32
+    assert packed.item() == word - (1 << 32 if word >= 1 << 31 else 0)
+    assert int4.unpack(packed).tolist() == q.tolist()
+    big = torch.randint(
+        -7, 8, (16, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(5)
+    )
+    assert torch.equal(int4.unpack(int4.pack(big)), big)
+
+
+def _mx_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(6)
+    return {
+        "random": 16 * torch.randn(64, 256, generator=g),
+        "bf16": torch.randn(32, 64, generator=g).bfloat16().float(),
+        "zeros": torch.zeros(2, 64),
+        "boundary": torch.linspace(-512, 512, 64).repeat(2, 1) + 1e-3,
+        "saturating": torch.tensor([[500.0] + [1.0] * 31]),
+    }
+
+
+TORCHAO = Path(__file__).parents[1] / ".venv" / "torchao"
+
+
+@pytest.fixture(scope="module")
+def torchao_mx(tmp_path_factory):
+    """torchao 0.18's bytes for every MX input, from its own process (tests/torchao_mx_oracle.py)."""
+    assert (TORCHAO / "torchao").is_dir(), f"torchao is missing: run `make {TORCHAO}/.installed`"
+    d = tmp_path_factory.mktemp("torchao")
+    inputs = {**_mx_inputs(), "near_pow2": _NEAR_POW2}
+    torch.save(inputs, d / "in.pt")
+    env = {**os.environ, "PYTHONPATH": str(TORCHAO)}
+    oracle = Path(__file__).with_name("torchao_mx_oracle.py")
+    subprocess.run([sys.executable, str(oracle), str(d / "in.pt"), str(d / "out.pt")], env=env,
+                   check=True, timeout=300)  # fmt: skip
+    return torch.load(d / "out.pt")
+
+
+@pytest.mark.parametrize("rule", ["rceil", "floor"])
+@pytest.mark.parametrize("case", list(_mx_inputs()))
+def test_mx_formats_match_torchao_byte_for_byte(torchao_mx, case, rule):
+    x = _mx_inputs()[case]
+    q, e = mx.quantize_mxfp8(x, rule)
+    assert torchao_mx[(case, "e4m3", rule)] == (e.flatten().tolist(), _bytes(q))
+    packed, e4 = mx.quantize_mxfp4(x, rule)
+    assert torchao_mx[(case, "e2m1", rule)] == (e4.flatten().tolist(), packed.flatten().tolist())
+
+
+# amax / 448 = 2^-6 · (1 + 2^-23): RCEIL's scale is 2^-5
+_NEAR_POW2 = torch.tensor([[math.ldexp(1 + 2**-23, -6) * 448] + [0.1] * 31])
+
+
+def test_torchao_018_rceil_misses_the_step_just_above_a_power_of_two(torchao_mx):
+    """Where torchao 0.18 is wrong (a float log2 rounds the step away); FLOOR agrees."""
+    _, e = mx.quantize_mxfp8(_NEAR_POW2, "rceil")
+    assert e.item() == -6 + 128
+    assert torchao_mx[("near_pow2", "e4m3", "rceil")][0] == [-6 + 127]
+    q, e = mx.quantize_mxfp8(_NEAR_POW2, "floor")
+    assert torchao_mx[("near_pow2", "e4m3", "floor")] == (e.flatten().tolist(), _bytes(q))
