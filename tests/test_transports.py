@@ -371,3 +371,48 @@ def test_one_call_pushes_continue_the_engine_and_a_wire_probe_loads_nothing(serv
         assert server.weight_version == 70
     finally:
         transport.close()
+
+
+NVFP4 = {"format": "nvfp4", "options": {}, "keep_bf16": {"modules": ["lm_head", "router"]}}
+
+
+@pytest.fixture(scope="module")
+def nvfp4_server(tiny_dir, tmp_path_factory):
+    """An engine server holding its linear weights in NVFP4 (rollout.precision)."""
+    proc = EngineProcess(
+        tiny_dir,
+        args=["--threads", "1", "--precision", json.dumps(NVFP4)],
+        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
+        weight_roots=[tmp_path_factory.getbasetemp()],
+    )
+    proc.start()
+    client = HttpEngine(proc.url)
+    yield client
+    client.close()
+    proc.stop()
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
+def test_quantized_pushes_land_as_the_trainers_bytes(nvfp4_server, tiny_dir, tmp_path, name):
+    """Each transport carries the quantized parts (gate/up pairs split across buckets); the
+    engine's bytes are the plan's, and its parameters their dequantized values (the server's
+    checksum checks that itself)."""
+    from miles_core.precision.plan import QuantPlan
+    from miles_core.precision.push import QuantizedSource
+
+    plan = QuantPlan.from_spec(NVFP4, 2)
+    transport = (
+        DiskTransport(root=str(tmp_path / "w"), keep=1)
+        if name == "disk"
+        else TRANSPORTS.get(name)()
+    )
+    transport.connect([nvfp4_server])
+    for version, seed in ((21, 4), (22, 5)):
+        weights = _new_weights(tiny_dir, seed)
+        source = QuantizedSource(_buckets(weights, per=3), plan)
+        transport.push(source, version=version, pause_mode="retract")
+        expected = plan.export(weights.items())
+        assert source.part_names and source.part_names < set(expected)
+        assert nvfp4_server.weights_checksum() == weights_checksum(expected.items())
+        assert nvfp4_server.weight_version == version
+    getattr(transport, "close", lambda: None)()

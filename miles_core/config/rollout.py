@@ -17,6 +17,12 @@ from miles_core.engines.registry import ENGINES
 from miles_core.rollout.mode import MODES
 
 
+def _formats():
+    from miles_core.precision.format import FORMATS  # imports torch: when validating
+
+    return FORMATS
+
+
 class RolloutConfig(Strict):
     engine: str = Field(
         "embedded",
@@ -61,7 +67,16 @@ class RolloutConfig(Strict):
         "the MoE routes field (miles_core.models.moe:ROUTES)",
     )
 
+    precision: str = Field(
+        "none",
+        description="a format in miles_core/precision/formats/ the engine serves the linear "
+        "weights in: none | fp8 | fp8_block | mxfp8 | mxfp4 | nvfp4 | int4; pushes carry the "
+        "quantized tensors (what is kept unquantized: precision.keep_bf16)",
+    )
+    precision_options: PluginOptionsField = options_field("precision")
+
     _engine, _engine_options = plugin_validators("engine", lambda: ENGINES)
+    _precision, _precision_options = plugin_validators("precision", _formats)
     _mode, _mode_options = plugin_validators("mode", lambda: MODES)
 
     @field_validator("token_fields")

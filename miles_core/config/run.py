@@ -13,6 +13,7 @@ from miles_core.config.data import DataConfig
 from miles_core.config.eval import EvalConfig
 from miles_core.config.model import ModelConfig
 from miles_core.config.network import NetworkConfig
+from miles_core.config.precision import PrecisionConfig
 from miles_core.config.rollout import RolloutConfig
 from miles_core.config.sft import SFTConfig
 from miles_core.config.tracking import TrackingConfig
@@ -41,6 +42,7 @@ class RunConfig(Strict):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -101,6 +103,7 @@ class RunConfig(Strict):
                 f"train.global_batch_size ({t.global_batch_size})"
             )
         self._check_transport_fits_engine()
+        self._check_precision()
         self._check_eval()
         if t.true_on_policy:
             from miles_core.true_on_policy.contract import TRUE_ON_POLICY
@@ -147,6 +150,41 @@ class RunConfig(Strict):
                 f"agent.concurrency ({a.concurrency} episodes in flight) is below the group size "
                 f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): a GRPO group's "
                 "episodes must be able to run together"
+            )
+
+    def _check_precision(self) -> None:
+        """rollout.precision and train.qat against the engine, transport and trainer."""
+        from miles_core.engines.registry import ENGINES
+        from miles_core.precision.format import FORMATS
+
+        r, t = self.rollout, self.train
+        quantized = FORMATS.get(r.precision).quantizes
+        if t.qat and not quantized:
+            raise ValueError(
+                "train.qat trains on the values the engine serves: set rollout.precision to a "
+                "format (fp8, fp8_block, mxfp8, mxfp4, nvfp4, int4)"
+            )
+        if not quantized:
+            return
+        if not ENGINES.get(r.engine).quantized_weights:
+            raise ValueError(
+                f"rollout.precision {r.precision}: rollout.engine {r.engine} does not take "
+                "quantized weights (embedded, serving and server do)"
+            )
+        if self.weight_sync.transport == "p2p":
+            raise ValueError(
+                f"rollout.precision {r.precision}: weight_sync.transport p2p sends each trainer "
+                "rank's shard, and block scales span shards; use broadcast, shared_memory or disk"
+            )
+        if t.qat and t.backend == "megatron":
+            raise ValueError(
+                "train.qat: the megatron backend has no fake-quantized forward here; use "
+                "train.backend fsdp2"
+            )
+        if t.true_on_policy and not t.qat:
+            raise ValueError(
+                f"train.true_on_policy with rollout.precision {r.precision} needs train.qat: the "
+                "trainer must compute with the quantized values the engine serves"
             )
 
     def _check_eval(self) -> None:

@@ -126,6 +126,12 @@ class TrainConfig(OptimConfig):
         "(miles_core/true_on_policy/), so train/train_rollout_logprob_abs_diff is exactly 0; "
         "turns train.share_prompts off unless it is set",
     )
+    qat: bool = Field(
+        False,
+        description="quantization-aware training: the forward uses the quantized values the "
+        "engine serves (rollout.precision, precision.keep_bf16), gradients pass straight "
+        "through to the float weights",
+    )
     check_routing_replay: bool = Field(
         False,
         description="MoE models: compare, per token and MoE layer, the experts the trainer's "

@@ -37,6 +37,7 @@ class EngineFleet:
     checks) and its supervisor (from `supervise`), and the router in front of several."""
 
     def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path):
+        from miles_core.precision.plan import QuantPlan
         from miles_core.processes.auth import run_key
 
         # every server this run starts requires it, and only this run's clients send it
@@ -65,6 +66,7 @@ class EngineFleet:
             r.prompts_per_step * r.n_samples_per_prompt * in_flight,
             mode.ahead,
             config.train.true_on_policy,
+            QuantPlan.spec_of(config),
         )
         built = ENGINES.get(r.engine).build(setup)
         self.config = config

@@ -31,6 +31,7 @@ class EngineSetup:
     max_in_flight: int = 0  # most requests in flight at once (default: one rollout batch)
     beside_trainer: bool = False  # generates while the trainer trains (else they take turns)
     true_on_policy: bool = False  # generate with the invariant forward (train.true_on_policy)
+    precision: dict | None = None  # quantized weights (rollout.precision: QuantPlan.spec_of)
 
     @property
     def batch(self) -> int:
@@ -76,6 +77,7 @@ class EngineKind:
 
     routes: frozenset[str] = SERVER_ROUTES
     answers: frozenset[str] = frozenset()
+    quantized_weights: bool = False  # serves rollout.precision's quantized weights
     Options: type[PluginOptions] = NoOptions
 
     @classmethod

@@ -207,8 +207,24 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
         reason = TRUE_ON_POLICY.model_refused(model_config)
         if reason is not None:
             raise ValueError(f"train.true_on_policy cannot run {where}: {reason}")
+    _check_precision(config, model_config, where)
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
+
+
+def _check_precision(config: RunConfig, model_config: dict, where: str) -> None:
+    """rollout.precision and precision.keep_bf16 fit the model's linear weights (shapes the
+    format can block, keep-list names that exist), read from a weightless copy of the model."""
+    from miles_core.models.check import tensor_shapes
+    from miles_core.precision.plan import QuantPlan
+
+    plan = QuantPlan.of(config, int(model_config["num_hidden_layers"]))
+    if plan is None:
+        return
+    refused = plan.refused(tensor_shapes(model_config))
+    if refused:
+        more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
+        raise ValueError(f"{where}: {'; '.join(refused[:3])}{more}")
 
 
 def _field_for(path: str, model_config: dict, where: str):

@@ -27,6 +27,7 @@ from miles_core.data import TASKS, PromptSource, rl_examples
 from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.in_run import RunEvaluation
 from miles_core.models import architecture_of, build_model, load_hf_dir, save_hf_dir
+from miles_core.precision.plan import QuantPlan
 from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.sources import make_rollouts
@@ -77,7 +78,8 @@ class RLRuntime:
             started.callback(self.fleet.close)
             self.trainer = build_trainer(config, model_dir)
             started.callback(self.trainer.close)
-            self.weights = WeightSync(config, self.trainer, self.fleet, self.workdir)
+            plan = QuantPlan.of(config, int(model.config.num_hidden_layers))
+            self.weights = WeightSync(config, self.trainer, self.fleet, self.workdir, plan)
             started.callback(self.weights.close)
             version = lambda: self.weights.engine_version  # noqa: E731 — what the engines serve
             self.rollouts = make_rollouts(

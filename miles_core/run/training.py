@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from miles_core.precision.plan import QuantPlan
 from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.train.advantage import ADVANTAGES
@@ -21,11 +22,14 @@ from miles_core.true_on_policy.contract import TRUE_ON_POLICY
 def build_trainer(config, model_dir: Path) -> TrainerBackend:
     """The trainer backend of `config.train`, loaded from the HF directory `model_dir`. Its
     settings are `config.train`'s, plus, with `train.true_on_policy`, the compute dtype of the
-    invariant forward it shares with the engines (`true_on_policy_dtype`)."""
+    invariant forward it shares with the engines (`true_on_policy_dtype`), and with `train.qat`
+    the format and keep-list its forward fake-quantizes with (`qat_precision`)."""
     train = config.train
     settings = train.model_dump()
     if train.true_on_policy:
         settings["true_on_policy_dtype"] = TRUE_ON_POLICY.dtype(config)
+    if train.qat:
+        settings["qat_precision"] = QuantPlan.spec_of(config)
     return BACKENDS.get(train.backend)(
         model_dir=str(model_dir),
         optim=settings,

@@ -30,5 +30,5 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda x: x[0]):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

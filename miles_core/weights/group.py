@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore
 
-from miles_core.weights.source import TensorPlan
+from miles_core.weights.source import WIRE_DTYPES, TensorPlan, wire_view
 
 BACKENDS = ("gloo", "nccl")
 
@@ -114,7 +114,7 @@ def open_group(
 def broadcast(pg: ProcessGroupGloo, flat: torch.Tensor) -> None:
     """Broadcasts a flat buffer from rank 0 as STREAMS concurrent chunks (same split on every
     rank: `torch.chunk` of equal sizes)."""
-    works = [pg.broadcast(chunk, 0) for chunk in flat.chunk(STREAMS)]
+    works = [pg.broadcast(chunk, 0) for chunk in wire_view(flat).chunk(STREAMS)]
     for w in works:
         w.wait()
 
@@ -122,12 +122,14 @@ def broadcast(pg: ProcessGroupGloo, flat: torch.Tensor) -> None:
 def send_flat(pg, flat: torch.Tensor, dst: int, tag: int = 0) -> list:
     """Starts sending a flat buffer to rank `dst` as STREAMS chunks (tags tag*STREAMS + i: gloo
     puts each tag on its own connection); the works, to wait on."""
-    return [pg.send([c], dst, tag * STREAMS + i) for i, c in enumerate(flat.chunk(STREAMS))]
+    chunks = wire_view(flat).chunk(STREAMS)
+    return [pg.send([c], dst, tag * STREAMS + i) for i, c in enumerate(chunks)]
 
 
 def recv_flat(pg, flat: torch.Tensor, src: int, tag: int = 0) -> list:
     """Starts receiving `send_flat`'s buffer from rank `src` into `flat`; the works."""
-    return [pg.recv([c], src, tag * STREAMS + i) for i, c in enumerate(flat.chunk(STREAMS))]
+    chunks = wire_view(flat).chunk(STREAMS)
+    return [pg.recv([c], src, tag * STREAMS + i) for i, c in enumerate(chunks)]
 
 
 Alloc = Callable[[int, torch.dtype, torch.device], torch.Tensor]  # (elements, dtype, device)
@@ -288,10 +290,7 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-DTYPES = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-}
+DTYPES = WIRE_DTYPES
 
 
 def flat_layout(

@@ -26,12 +26,11 @@ from pathlib import Path
 
 import torch
 
+from miles_core.weights.source import WIRE_DTYPES
+
 ALIGN = 64
 PREFIX = "miles-weights-"  # every bucket file's name starts so; an engine maps no other file
-_DTYPES = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
-}
+_DTYPES = WIRE_DTYPES
 
 
 def shm_dir() -> Path:

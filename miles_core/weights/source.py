@@ -100,6 +100,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# the dtypes a push may carry, by name: float weights, and the quantized tensors and scales of
+# rollout.precision (E4M3, packed FP4 and E8M0 bytes, packed INT4 words)
+WIRE_DTYPES = {
+    dtype_name(dt): dt
+    for dt in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.float8_e4m3fn,
+    )
+}
+
+
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a collective can move it: gloo has no float8, so its bytes as uint8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 class TrainerWeights(Protocol):
     """What a trainer backend offers the weight transports (part of `TrainerBackend`)."""
 

@@ -20,6 +20,8 @@ import torch
 
 from miles_core.device import dist_backend
 from miles_core.engines.fleet import EngineFleet
+from miles_core.precision.plan import QuantPlan
+from miles_core.precision.push import QuantizedSource
 from miles_core.train.backend import TrainerBackend
 from miles_core.weights import TRANSPORTS, TransportContext, weights_checksum
 from miles_core.weights.source import TensorBuckets
@@ -43,7 +45,14 @@ class WeightSync:
     """`policy_version`: training steps the trainer's weights hold (pushed or about to be);
     `engine_version`: the version the engines serve (= policy_version after a push)."""
 
-    def __init__(self, config, trainer: TrainerBackend, fleet: EngineFleet, workdir):
+    def __init__(
+        self,
+        config,
+        trainer: TrainerBackend,
+        fleet: EngineFleet,
+        workdir,
+        plan: QuantPlan | None = None,
+    ):
         ws = config.weight_sync
         self.config = config
         self.trainer = trainer
@@ -53,6 +62,7 @@ class WeightSync:
         self.policy_version = 0
         self.engine_version = 0
         self.trained_since_push = False  # the trainer is one version ahead of policy_version
+        self.plan = plan  # rollout.precision: pushes carry quantized weights (precision/push.py)
         context = TransportContext.of_run(config, workdir, dist_backend(trainer.device))
         self.transport = TRANSPORTS.get(ws.transport).build(context, ws.transport_options)
         try:  # a transport/engine mismatch refused here leaves nothing open
@@ -103,7 +113,7 @@ class WeightSync:
     def push_now(self, version: int, pause_mode: str):
         # the transport reads the trainer (buckets or shards) with weight_sync's bucket and dtype
         with self.lock, self.push_lock:
-            return self.transport.push(self.trainer, version, pause_mode)
+            return self.transport.push(self._source(self.trainer), version, pause_mode)
 
     @property
     def snapshots(self) -> bool:
@@ -122,7 +132,7 @@ class WeightSync:
             ]
         checksum = None
         if self.config.weight_sync.check_equal:
-            checksum = weights_checksum(self._as_loaded(n_t for b in buckets for n_t in b))
+            checksum = weights_checksum(self._as_loaded(TensorBuckets(buckets)))
         return WeightSnapshot(version, TensorBuckets(buckets), checksum)
 
     def push_snapshot(self, snap: WeightSnapshot, pause_mode: str):
@@ -132,7 +142,7 @@ class WeightSync:
 
         def push_and_check():
             with self.push_lock:
-                stats = self.transport.push(snap.source, snap.version, pause_mode)
+                stats = self.transport.push(self._source(snap.source), snap.version, pause_mode)
                 if snap.checksum is not None and self.fleet.engine.weights_checksum() != (
                     snap.checksum
                 ):
@@ -144,11 +154,21 @@ class WeightSync:
 
         return self.fleet.surviving(f"push of version {snap.version}", push_and_check)
 
-    def _as_loaded(self, named):
-        """(name, tensor) as the engines hold them after a push: rounded to the push dtype and
-        loaded into their own parameters' dtype."""
+    def _source(self, weights):
+        """What a push of `weights` sends: with rollout.precision, quantized."""
+        return weights if self.plan is None else QuantizedSource(weights, self.plan)
+
+    def _as_loaded(self, weights) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) as the engines hold them after a push of `weights`: rounded to the
+        push dtype and loaded into their own (float32) parameters; quantized weights as the
+        parts pushed."""
         dtype = self.push_dtype
-        return [(n, t.to(dtype).to(t.dtype) if dtype is not None else t) for n, t in named]
+        if self.plan is None:
+            named = (n_t for b in weights.named_weights(_CHECK_BUCKET) for n_t in b)
+            return [(n, t.to(dtype).to(t.dtype) if dtype is not None else t) for n, t in named]
+        source = QuantizedSource(weights, self.plan)
+        named = [n_t for b in source.named_weights(_CHECK_BUCKET, dtype) for n_t in b]
+        return [(n, t if n in source.part_names else t.float()) for n, t in named]
 
     def serve_current_weights(self, engine) -> None:
         """Called by the supervisor for a fresh engine server (its client `engine`), before it
@@ -178,9 +198,7 @@ class WeightSync:
 
     def check_now(self) -> None:
         with self.lock, self.push_lock:
-            expected = self._as_loaded(
-                n_t for b in self.trainer.named_weights(_CHECK_BUCKET) for n_t in b
-            )
+            expected = self._as_loaded(self.trainer)
             if self.fleet.engine.weights_checksum() != weights_checksum(expected):
                 raise RuntimeError(
                     f"engine weights ({self.fleet.where}) differ from the trainer's after the push"
@@ -188,8 +206,9 @@ class WeightSync:
 
     def trainer_checksum(self, engine_checksum: str) -> str:
         """sha256 of the trainer's weights (what a checkpoint's files hold): the engine's, which
-        holds them as they are unless pushes round them (weight_sync.dtype)."""
-        if self.push_dtype is None:
+        holds them as they are unless pushes round or quantize them (weight_sync.dtype,
+        rollout.precision)."""
+        if self.push_dtype is None and self.plan is None:
             return engine_checksum
         with self.lock:
             return weights_checksum(

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from miles_core.engines.cpu.batch_forward import batch_forward_for
-from miles_core.engines.cpu.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
+from miles_core.engines.cpu.loading import PackedWeightsDiffer, tensors_checksum
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slot_forward import SlotBatchForward
 from miles_core.engines.cpu.threads import StepThreads
@@ -28,6 +28,8 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
+from miles_core.precision.plan import QuantPlan
+from miles_core.precision.served import ServedWeights
 from miles_core.true_on_policy import token_versions
 from miles_core.true_on_policy.runner import invariant_runner
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
@@ -46,6 +48,7 @@ class EmbeddedEngine:
         adapt_threads: bool = False,
         fast: bool = True,
         true_on_policy: bool = False,
+        precision: dict | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -56,7 +59,8 @@ class EmbeddedEngine:
         self.generator = torch.Generator().manual_seed(seed)
         self._version = 0
         self._lock = threading.Lock()
-        self._params = dict(model.named_parameters())
+        plan = QuantPlan.from_spec(precision, int(model.config.num_hidden_layers))
+        self.weights = ServedWeights(dict(model.named_parameters()), plan)
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
             self.forward = SlotBatchForward(invariant_runner(self.model, slots=0))
@@ -96,17 +100,18 @@ class EmbeddedEngine:
     # ---------------------------------------------------------------- weights
     def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         try:
-            return load_named_tensors(self._params, named_tensors)
+            return self.weights.load(named_tensors)
         finally:  # also after a refused load (nothing copied): repacking is only wasted time
             self.forward.invalidate()
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self._params.items()}
+        return self.weights.tensors()
 
     def weights_checksum(self) -> str:
         """sha256 of the weights that generate: whatever the forward derived from the model's
         parameters (the runner's packed copies) is first checked bitwise against them."""
-        stale = self.forward.stale()  # no lock: a paused engine holds it (pause → push → check)
+        # no lock: a paused engine holds it (pause → push → check)
+        stale = self.forward.stale() + self.weights.stale()
         if stale:
             raise PackedWeightsDiffer(
                 f"the engine forward's weight copies differ from its tensors: {stale[:5]}"

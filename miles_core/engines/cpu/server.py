@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -240,6 +241,7 @@ def create_app(
             "dtype": engine.dtype,
             "gemm_dtype": str(engine.runner.gemm_dtype).removeprefix("torch."),
             "true_on_policy": engine.true_on_policy,
+            "precision": engine.weights.plan.name if engine.weights.plan else "none",
             "device": str(engine.device),
             "paused": engine.paused,
             "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),
@@ -574,6 +576,14 @@ def main(argv: list[str] | None = None) -> None:
         "(train.true_on_policy: log-probs bitwise the trainer's)",
     )
     ap.add_argument(
+        "--precision",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='quantized weights: {"format", "options", "keep_bf16"} (rollout.precision and '
+        "precision.keep_bf16); pushes then carry the quantized tensors",
+    )
+    ap.add_argument(
         "--weight-roots",
         nargs="*",
         action="extend",
@@ -617,6 +627,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler="main",
         device=args.device,
         true_on_policy=args.true_on_policy,
+        precision=args.precision,
     )
     app = create_app(engine, args.model, weight_roots, args.weight_load_timeout)
     app = protect(app, args.api_key)  # every route but /health

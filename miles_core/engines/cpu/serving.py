@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_core.device import resolve_device
-from miles_core.engines.cpu.loading import PackedWeightsDiffer, load_named_tensors, tensors_checksum
+from miles_core.engines.cpu.loading import PackedWeightsDiffer, tensors_checksum
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slots import Slot, SlotState, SlotTable
 from miles_core.engines.cpu.threads import StepThreads
@@ -42,6 +42,8 @@ from miles_core.engines.wire import (
 from miles_core.models.family import serving_runner
 from miles_core.models.moe import ROUTES
 from miles_core.models.moe import encode as encode_routes
+from miles_core.precision.plan import QuantPlan
+from miles_core.precision.served import ServedWeights
 from miles_core.true_on_policy import token_versions
 from miles_core.true_on_policy.runner import invariant_runner
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
@@ -123,6 +125,7 @@ class ServingEngine:
         device: str | torch.device = "cpu",
         adapt_threads: bool | None = None,
         true_on_policy: bool = False,
+        precision: dict | None = None,
     ):
         # auto | cpu | cuda: weights, packed copies and the KV cache live there; sampling
         # uniforms are drawn on the CPU either way (the same random stream on every device)
@@ -135,6 +138,10 @@ class ServingEngine:
         if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(COMPUTE_DTYPES)}")
         self.dtype = dtype
+        # with rollout.precision: quantized weights as pushed, parameters their values
+        plan = QuantPlan.from_spec(precision, int(model.config.num_hidden_layers))
+        self._params = dict(model.named_parameters())
+        self.weights = ServedWeights(self._params, plan)
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
             self.runner = invariant_runner(
@@ -153,7 +160,6 @@ class ServingEngine:
         # min_match beyond any context length turns prefix reuse off (for side-by-side benchmarks)
         self.table = SlotTable(slots, min_match=1 if prefix_cache else 1 << 30)
         self.generator = torch.Generator().manual_seed(seed)
-        self._params = dict(model.named_parameters())
         self._version = 0
         self._waiting: deque[_Request] = deque()
         self._inbox: deque[_Request] = deque()
@@ -200,13 +206,13 @@ class ServingEngine:
         self._version = int(version)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self._params.items()}
+        return self.weights.tensors()
 
     def weights_checksum(self) -> str:
         """sha256 of the weights that generate: the packed copies the runner decodes with are
         first checked bitwise against the named tensors (a stale or corrupt pack fails loudly)."""
         with self.between_steps():
-            stale = self.runner.verify_packed()
+            stale = self.runner.verify_packed() + self.weights.stale()
             if stale:
                 raise PackedWeightsDiffer(
                     f"the runner's packed weights differ from the engine's tensors: {stale[:5]}"
@@ -361,7 +367,7 @@ class ServingEngine:
         never reused afterwards (slot epochs)."""
         pairs = list(named_tensors)
         with self.between_steps():
-            copied = load_named_tensors(self._params, pairs, adopt=adopt)
+            copied = self.weights.load(pairs, adopt=adopt)
             self.runner.invalidate()
             self.table.new_epoch(flush=flush_cache)
         return copied

@@ -13,6 +13,7 @@ from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 @ENGINES.register("embedded")
 class Embedded(EngineKind):
     routes = IN_PROCESS_ROUTES
+    quantized_weights = True
     answers = frozenset({TOKEN_VERSIONS.request_flag})
 
     @classmethod
@@ -30,5 +31,6 @@ class Embedded(EngineKind):
             seed=setup.seed,
             adapt_threads=not setup.beside_trainer,
             true_on_policy=setup.true_on_policy,
+            precision=setup.precision,
         )
         return BuiltEngine(engine)

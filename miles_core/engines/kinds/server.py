@@ -4,6 +4,7 @@ by PID when the run closes. Weights travel by shared memory, disk or a process g
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -77,6 +78,8 @@ class Server(Serving):
             args += ["--threads", str(o.threads)]
         if s.true_on_policy:
             args += ["--true-on-policy"]
+        if s.precision:
+            args += ["--precision", json.dumps(s.precision)]
         supervision = Supervision(o.health_interval_s, o.health_timeout_s, o.max_engine_restarts)
         servers: list[tuple[Any, RolloutEngine]] = []
         router = None

@@ -49,6 +49,7 @@ def refuses_model(hf_config: dict[str, Any]) -> str | None:
 @ENGINES.register("serving")
 class Serving(EngineKind):
     routes = IN_PROCESS_ROUTES
+    quantized_weights = True
     # our engine records MoE routes and the weight version of each token
     answers = frozenset({ROUTES.request_flag, TOKEN_VERSIONS.request_flag})
     Options = ServingOptions
@@ -82,5 +83,6 @@ class Serving(EngineKind):
             device=o.device,
             adapt_threads=not setup.beside_trainer,
             true_on_policy=setup.true_on_policy,
+            precision=setup.precision,
         )
         return BuiltEngine(engine)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from miles_core.models.family import family_of
 from miles_core.models.moe import is_moe_layer
+from miles_core.precision.qat import served
 from miles_core.true_on_policy import ops
 
 
@@ -47,7 +48,7 @@ class LayerWeights:
 
 
 def _mlp_weights(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    return served(mlp.gate_proj), served(mlp.up_proj), served(mlp.down_proj)
 
 
 class InvariantQwen3:
@@ -93,12 +94,12 @@ class InvariantQwen3:
         dense = (None,) * 3 if is_moe_layer(mlp) else _mlp_weights(mlp)
         return LayerWeights(
             layer.input_layernorm.weight,
-            attn.q_proj.weight,
-            attn.k_proj.weight,
-            attn.v_proj.weight,
+            served(attn.q_proj),
+            served(attn.k_proj),
+            served(attn.v_proj),
             attn.q_norm.weight,
             attn.k_norm.weight,
-            attn.o_proj.weight,
+            served(attn.o_proj),
             layer.post_attention_layernorm.weight,
             *dense,
             mlp=mlp if is_moe_layer(mlp) else None,
@@ -109,7 +110,7 @@ class InvariantQwen3:
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(final norm weight, output layer weight)."""
-        return self.model.model.norm.weight, self.model.lm_head.weight
+        return self.model.model.norm.weight, served(self.model.lm_head)
 
     # ------------------------------------------------------------------ the compute dtype
     def round(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +182,7 @@ class InvariantQwen3:
         weighted outputs added slot by slot in order, so a row's result is its own."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        logits = self.linear(rows, mlp.gate.weight)
+        logits = self.linear(rows, served(mlp.gate))
         chosen, weights = self.family.invariant_route(mlp.gate, logits)
         if self.choose is not None:  # the rows flattened [B, T], as routing replay numbers them
             layer = next(i for i, m in enumerate(self.moe_mlps()) if m is mlp)

@@ -70,7 +70,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     b = b.to_dense() if b.is_mkldnn else b
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+    )
 
 
 class Qwen3Runner:

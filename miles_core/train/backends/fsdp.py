@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from miles_core.device import resolve_device
 from miles_core.models.family import family_of
+from miles_core.precision import qat
+from miles_core.precision.plan import QuantPlan
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.backend import BACKENDS
@@ -102,6 +104,9 @@ class FSDPBackend(SPMDCalls):
             ref = copy.deepcopy(model).eval().requires_grad_(False)
             # on CUDA the reference computes in bf16 like the FSDP2 policy it is compared with
             self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
+        # train.qat: linear modules compute with the values the engine serves (precision/qat.py)
+        plan = QuantPlan.from_spec(optim.get("qat_precision"), int(model.config.num_hidden_layers))
+        self.qat_weights = qat.install(model, plan) if plan is not None else []
         self.true_on_policy = bool(optim.get("true_on_policy"))
         invariant = None
         if self.true_on_policy:  # the engines' forward, layer by layer (true_on_policy/)

@@ -47,7 +47,7 @@ MANIFEST = "manifest.json"
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    raw = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    raw = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     return hashlib.sha256(raw).hexdigest()
 
 
@@ -454,7 +454,9 @@ class DiskTransport(TransportBase):
             changed = {  # compared as bytes: torch.equal treats -0.0 == 0.0
                 n: t
                 for n, t in tensors.items()
-                if not torch.equal(t.view(torch.uint8), self._base[n].view(torch.uint8))
+                if not torch.equal(
+                    t.reshape(-1).view(torch.uint8), self._base[n].reshape(-1).view(torch.uint8)
+                )
             }
             encoded = {n: delta.encode(t, self._base[n]) for n, t in changed.items()}
             payload = {n: blob for n, (_, blob) in encoded.items()}

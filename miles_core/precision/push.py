@@ -1,0 +1,50 @@
+"""Pushes of quantized weights: a trainer's weights source (weights/source.py) seen through the
+run's plan, so every transport sends what the engines hold — a quantized weight's parts with
+its checkpoint names (`weight`, `weight_scale_inv`, …), quantized here from the trainer's float
+values — and nothing else changes for the transport."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from miles_core.precision.plan import QuantPlan
+from miles_core.weights.source import Bucket, ShardPlan, TrainerWeights
+
+
+class QuantizedSource:
+    def __init__(self, inner: TrainerWeights, plan: QuantPlan):
+        self.inner = inner
+        self.plan = plan
+        self.world = inner.world
+        self.part_names: set[str] = set()  # the quantized tensors it produced, by name
+
+    def named_weights(
+        self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None
+    ) -> Iterator[Bucket]:
+        """The inner buckets (float, gathered as usual), quantized weights replaced by their
+        parts; `dtype` rounds only the tensors left unquantized."""
+        plain: set[str] = set()
+
+        def floats() -> Iterator[Bucket]:
+            for b in self.inner.named_weights(bucket_bytes):
+                plain.update(n for n, t in b if not self.plan.quantized(n, t.shape))
+                yield b
+
+        for bucket in self.plan.export_buckets(floats(), dtype):
+            self.part_names.update(n for n, _ in bucket if n not in plain)
+            yield bucket
+
+    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+        raise TypeError(
+            f"rollout.precision {self.plan.name}: quantized pushes send whole tensors (block "
+            "scales span a trainer's shards); use a bucket transport, not p2p"
+        )
+
+    def join_group(self, group: dict) -> None:
+        self.shard_plan()
+
+    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+        self.shard_plan()
+        return 0

@@ -1,0 +1,89 @@
+"""The weights an engine holds, by name: what pushes write, checks read and the forward uses.
+
+Without a plan these are the model's parameters. With one (`rollout.precision`), a quantized
+weight is held as the parts it was pushed as (e.g. E4M3 bytes and their scales) and the
+model's parameter holds their dequantized values: the GEMM computes with exactly what the
+parts stand for (dequantize-then-GEMM, the CPU emulation of a low-precision kernel). A load is
+all or nothing: names, shapes and dtypes are checked, and every quantized weight it touches
+must come with all its parts, before anything is copied."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from miles_core.engines.cpu.loading import load_named_tensors
+from miles_core.precision.plan import QuantPlan
+
+
+class ServedWeights:
+    def __init__(self, params: dict[str, torch.Tensor], plan: QuantPlan | None = None):
+        self.params = params
+        self.plan = plan
+        self.parts: dict[str, torch.Tensor] = {}
+        self._owner: dict[str, str] = {}  # part name → the weight it belongs to
+        if plan is None:
+            return
+        self.layout = plan.layout(params)
+        for name, p in params.items():
+            if plan.quantized(name, p.shape):
+                for part in plan.parts_of(name, tuple(p.shape)):
+                    self._owner[part] = name
+        # the engine starts on the quantized values of the weights it was built with
+        initial = plan.export((n, p.detach()) for n, p in params.items() if n in self.quantized)
+        self.load(initial.items())
+
+    @property
+    def quantized(self) -> set[str]:
+        return set(self._owner.values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {n: p.detach() for n, p in self.params.items() if n not in self.quantized}
+        return out | self.parts
+
+    def load(self, named: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> int:
+        pairs = list(named)
+        if self.plan is None:
+            return load_named_tensors(self.params, pairs, adopt=adopt)
+        parts = {n: t for n, t in pairs if n in self._owner}
+        plain = [(n, t) for n, t in pairs if n not in self._owner]
+        for name, t in parts.items():
+            shape, dtype = self.layout[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"{name}: engine holds {dtype} {list(shape)}, pushed {t.dtype} "
+                    f"{list(t.shape)} (rollout.precision {self.plan.name})"
+                )
+        touched = {self._owner[n] for n in parts}
+        for w in sorted(touched):
+            missing = [p for p in self.plan.parts_of(w, tuple(self.params[w].shape))
+                       if p not in parts]  # fmt: skip
+            if missing:
+                raise ValueError(f"{w}: a push must carry all its parts; missing {missing}")
+        quantized = self.quantized
+        floats = [n for n, _ in plain if n in quantized]
+        if floats:
+            raise KeyError(
+                f"engine holds {floats[0]!r} quantized ({self.plan.name}): push its parts "
+                f"{self.plan.parts_of(floats[0], tuple(self.params[floats[0]].shape))}"
+            )
+        copied = load_named_tensors(self.params, plain, adopt=adopt)
+        with torch.no_grad():
+            for name, t in parts.items():
+                self.parts[name] = t if adopt else t.detach().clone()
+            for w in touched:
+                p = self.params[w]
+                p.copy_(self.plan.dequantize(self.parts, w).to(p.dtype))
+        return copied + sum(t.numel() * t.element_size() for t in parts.values())
+
+    def stale(self) -> list[str]:
+        """Quantized weights whose parameter is not exactly their parts' dequantized values."""
+        if self.plan is None:
+            return []
+        out = []
+        for w in sorted(self.quantized):
+            p = self.params[w]
+            if not torch.equal(p.detach(), self.plan.dequantize(self.parts, w).to(p.dtype)):
+                out.append(w)
+        return out

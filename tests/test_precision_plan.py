@@ -1,0 +1,216 @@
+"""rollout.precision end to end without a server: the keep-list's two matchers agree, the plan
+turns weights into checkpoint tensors and back bit for bit (through safetensors too), an
+engine holds exactly what was pushed and computes with its dequantized values, QAT forwards
+see those values, and bad settings are refused before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_core.config import load_config
+from miles_core.config.precision import KeepBF16
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.models import build_model
+from miles_core.precision import qat
+from miles_core.precision.format import build_format, fake_quantize
+from miles_core.precision.keep import KeepList, is_linear_weight
+from miles_core.precision.plan import QuantPlan
+from miles_core.precision.push import QuantizedSource
+from miles_core.precision.served import ServedWeights
+from miles_core.train.backends.megatron import convert
+from miles_core.weights.source import TensorBuckets
+
+FORMATS = {
+    "fp8": {},
+    "fp8_block": {},
+    "mxfp8": {},
+    "mxfp4": {"scale_rule": "floor"},
+    "nvfp4": {},
+    "int4": {"group_size": 32},
+}
+
+
+def _plan(fmt: str, layers: int = 2, **keep) -> QuantPlan:
+    spec = {"format": fmt, "options": FORMATS.get(fmt, {}), "keep_bf16": KeepBF16(**keep)}
+    spec["keep_bf16"] = spec["keep_bf16"].model_dump()
+    return QuantPlan.from_spec(spec, layers)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny):
+    model, _ = tiny
+    g = torch.Generator().manual_seed(7)
+    return {n: p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+            for n, p in model.named_parameters()}  # fmt: skip
+
+
+KEEPS = [
+    {},
+    {"modules": ["attention", "dense_mlp"]},
+    {"modules": ["router", "lm_head", "attention", "dense_mlp", "shared_experts"]},
+    {"modules": [], "first_layers": 1},
+    {"modules": ["router"], "last_layers": 1, "names": ["o_proj", "down_proj"]},
+]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe", "tiny-moe-shared"])
+def test_hf_and_megatron_keep_lists_select_the_same_tensors(preset):
+    model, _ = build_model(preset, seed=0)
+    hf = {n: p.detach() for n, p in model.named_parameters()}
+    shapes = convert.Shapes.of(model.config)
+    megatron = convert.hf_to_megatron(hf, shapes)
+    for keep in KEEPS:
+        rule = KeepList.of(KeepBF16(**keep), shapes.layers)
+        for name in megatron:
+            held = convert.hf_names(name, shapes)
+            by_hf = {rule.keeps_hf(h) for h in held}
+            assert len(by_hf) <= 1, f"{name} holds HF tensors kept differently: {held}"
+            if held:
+                assert rule.keeps_megatron(name, held) == by_hf.pop(), (keep, name)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_export_safetensors_reload_dequantize_is_bitwise(weights, fmt, tmp_path):
+    plan = _plan(fmt)
+    tensors = plan.export(weights.items())
+    assert set(tensors) == set(plan.layout(weights))
+    for name, (shape, dtype) in plan.layout(weights).items():
+        assert tuple(tensors[name].shape) == shape and tensors[name].dtype == dtype, name
+    save_file({n: t.contiguous() for n, t in tensors.items()}, tmp_path / "m.safetensors")
+    back = load_file(tmp_path / "m.safetensors")
+    for name, w in weights.items():
+        if plan.quantized(name, w.shape):
+            a, b = plan.dequantize(tensors, name), plan.dequantize(back, name)
+            assert a.view(torch.int32).tolist() == b.view(torch.int32).tolist()
+            assert not torch.equal(a, w)  # quantized: not the float weight any more
+        else:
+            assert torch.equal(back[name], w)
+
+
+def test_nvfp4_pairs_gate_and_up_across_buckets(weights):
+    plan = _plan("nvfp4")
+    names = list(weights)
+    gate = next(n for n in names if n.endswith("gate_proj.weight"))
+    up = gate.replace("gate_proj", "up_proj")
+    rest = [n for n in names if n not in (gate, up)]
+    split = [[(gate, weights[gate])], [(n, weights[n]) for n in rest], [(up, weights[up])]]
+    out = {n: t for b in plan.export_buckets(split) for n, t in b}
+    whole = plan.export(weights.items())
+    assert out.keys() == whole.keys()
+    assert all(torch.equal(out[n].view(-1).view(torch.uint8), whole[n].view(-1).view(torch.uint8))
+               for n in out)  # fmt: skip
+    g2, u2 = gate.replace("weight", "weight_scale_2"), up.replace("weight", "weight_scale_2")
+    assert out[g2].item() == out[u2].item()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_an_engine_serves_the_pushed_bytes_and_the_trainer_computes_with_them(tiny, weights, fmt):
+    model, tok = build_model("tiny", seed=0)
+    spec = {"format": fmt, "options": FORMATS[fmt], "keep_bf16": KeepBF16().model_dump()}
+    engine = EmbeddedEngine(model, tok, precision=spec)
+    plan = QuantPlan.from_spec(spec, 2)
+    source = QuantizedSource(TensorBuckets(weights, per=4), plan)
+    for bucket in source.named_weights():
+        engine.update_weights_from_tensor(bucket)
+    held = engine.named_tensors()
+    pushed = plan.export(weights.items())
+    assert held.keys() == pushed.keys()
+    for n, t in pushed.items():
+        assert torch.equal(held[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), n
+    engine.weights_checksum()  # parameters == the dequantized parts, or it raises
+    # the trainer's QAT forward computes with exactly the engine's parameters
+    trainer, _ = build_model("tiny", seed=0)
+    trainer.load_state_dict(weights, strict=False)
+    installed = qat.install(trainer, plan)
+    served = dict(model.named_parameters())
+    for name in installed:
+        module = trainer.get_submodule(name.removesuffix(".weight"))
+        assert torch.equal(qat.served(module), served[name]), name
+    ids = torch.tensor([[3, 4, 5, 6]])
+    assert torch.equal(trainer(ids).logits, model(ids).logits)
+
+
+def test_qat_gradients_pass_straight_through():
+    w = torch.randn(4, 32, requires_grad=True)
+    fmt = build_format("mxfp4")
+    y = fake_quantize(w, fmt)
+    assert torch.equal(y, fmt.dequantize(fmt.quantize(w.detach())))
+    g = torch.randn(4, 32)
+    y.backward(g)
+    assert torch.equal(w.grad, g)
+
+
+def test_a_bad_push_to_a_quantized_engine_changes_nothing(tiny, weights):
+    model, tok = build_model("tiny", seed=0)
+    plan = _plan("fp8_block")
+    served = ServedWeights(dict(model.named_parameters()), plan)
+    before = {n: t.clone() for n, t in served.tensors().items()}
+    q = "model.layers.0.self_attn.q_proj."
+    parts = plan.export(weights.items())
+    bad = [
+        ([(q + "weight", parts[q + "weight"])], "all its parts"),
+        (
+            [
+                (q + "weight", parts[q + "weight"].float()),
+                (q + "weight_scale_inv", parts[q + "weight_scale_inv"]),
+            ],
+            "pushed torch.float32",
+        ),  # fmt: skip
+        ([(q + "weight", weights[q + "weight"])], "pushed torch.float32"),
+    ]
+    for pairs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            served.load(pairs)
+    with pytest.raises(KeyError, match="no parameter"):
+        served.load([("model.layers.0.self_attn.q_proj.weight_scale", torch.ones(1))])
+    after = served.tensors()
+    assert all(torch.equal(after[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+               for n, t in before.items())  # fmt: skip
+    assert served.stale() == []
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train.qat=true"], "train.qat trains on the values the engine serves"),
+        (["rollout.precision=fp8", "rollout.engine=server", "weight_sync.transport=p2p"],
+         "p2p sends each trainer rank's shard"),
+        (["rollout.precision=fp8", "train.qat=true", "train.backend=megatron"],
+         "megatron backend has no fake-quantized forward"),
+        (["rollout.precision=fp8", "train.true_on_policy=true"], "needs train.qat"),
+        (["rollout.precision=fp4"], "unknown precision format 'fp4'"),
+        (["rollout.precision=int4", "rollout.precision_options.group_size=0"], "greater than 0"),
+        (["rollout.precision=fp8", "rollout.precision_options.scale_rule=rceil"], "takes no options"),
+    ],
+)  # fmt: skip
+def test_precision_settings_that_cannot_work_are_refused_naming_them(sets, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, sets)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["rollout.precision=int4"], "group_size 128 does not divide its input dim 64"),
+        (["rollout.precision=mxfp8", "precision.keep_bf16.names=[q_prog]"], "'q_prog' names no tensor"),
+        (["rollout.precision=nvfp4", "model.preset=tiny-moe"], "keep the routed experts"),
+        (["rollout.precision=fp8", "precision.keep_bf16.modules=[attention,dense_mlp]"],
+         "nothing would be quantized"),
+        (["rollout.precision=fp8", "precision.keep_bf16.first_layers=3"], "the model has 2 layers"),
+    ],
+)  # fmt: skip
+def test_a_model_the_precision_cannot_take_is_refused_before_start(sets, message):
+    from miles_core.run.preflight import _check_precision, _model_config
+
+    config = load_config(None, sets)
+    with pytest.raises(ValueError, match=message):
+        _check_precision(config, _model_config(config), "model.preset")
+
+
+def test_only_linear_weights_are_quantizable():
+    assert is_linear_weight("model.layers.0.mlp.down_proj.weight", (64, 192))
+    assert not is_linear_weight("model.embed_tokens.weight", (106, 64))
+    assert not is_linear_weight("model.norm.weight", (64,))
+    assert is_linear_weight("model.layers.0.mlp.experts.gate_up_proj", (8, 128, 64))
