@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import NoReturn
 
 from pydantic import ValidationError
@@ -72,6 +73,30 @@ def _parser() -> argparse.ArgumentParser:
                 "the latest (refused if there is none); it becomes the latest, later "
                 "checkpoints are overwritten as the run reaches them",
             )
+    conv = sub.add_parser(
+        "convert",
+        help="write an HF checkpoint in a low-precision format SGLang loads (precision/convert.py)",
+    )
+    conv.add_argument("src", help="the float checkpoint (an HF model directory)")
+    conv.add_argument("dst", help="the new directory (must not exist)")
+    conv.add_argument(
+        "--to",
+        default=None,
+        help="format: fp8 | fp8_block | mxfp8 | nvfp4 | int4 (default: the config's "
+        "rollout.precision)",
+    )
+    conv.add_argument(
+        "--config", default=None, help="a run config: its rollout.precision and precision.keep_bf16"
+    )
+    conv.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a dotted config key (rollout.precision_options.group_size=32, "
+        "precision.keep_bf16.first_layers=1, …)",
+    )
     engine = sub.add_parser("engine", help="rollout engine commands")
     engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
     engine.add_argument("rest", nargs=argparse.REMAINDER, help="--model DIR --port P ...")
@@ -122,6 +147,26 @@ def _parser() -> argparse.ArgumentParser:
     tito.add_argument("--turns", type=int, default=8, help="assistant turns per conversation")
     tito.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _convert(args) -> int:
+    from miles_core.precision.convert import convert_checkpoint
+    from miles_core.precision.plan import QuantPlan
+
+    overrides = list(args.overrides) + ([f"rollout.precision={args.to}"] if args.to else [])
+    try:
+        config = load_config(args.config, overrides)
+        src_config = json.loads((Path(args.src) / "config.json").read_text())
+        plan = QuantPlan.of(config, int(src_config["num_hidden_layers"]))
+        if plan is None:
+            return _fail("convert: give a format with --to (or rollout.precision in --config)")
+        summary = convert_checkpoint(args.src, args.dst, plan)
+    except ValidationError as e:
+        return _fail(f"invalid config:\n{e}")
+    except (ValueError, OSError, KeyError) as e:
+        return _fail(str(e))
+    print(json.dumps(summary), flush=True)
+    return 0
 
 
 def _fail(message: str) -> int:
@@ -202,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         from flows.tito_verify import run_verify
 
         return run_verify(args.family, args.conversations, args.turns, args.seed, args.model)
+    if args.command == "convert":
+        return _convert(args)
     if args.command == "run":
         return _unlock(args.name, args.checkpoint_root, args.storage_options)
     if args.command == "prefect":
