@@ -15,6 +15,7 @@ from miles_core.checkpoint.resume_checks import check_buffer_resumable, shape_ch
 from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.engines.fleet import EngineFleet
 from miles_core.engines.protocol import shared_generator
+from miles_core.precision.convert import save_quantized
 from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.weights.sync import WeightSync
 
@@ -92,6 +93,8 @@ class Checkpointing:
             with w.exclusive():  # never beside a push to a replaced engine (SPMD calls)
                 w.trainer.save(str(directory))
             self.tokenizer.save_pretrained(str(directory))
+            if w.plan is not None:  # rollout.precision: the weights as SGLang serves them too
+                save_quantized(directory, w.plan)
 
         uri = self.store.save(step, write, state, files)
         self.last_saved_step = step

@@ -47,6 +47,13 @@ def write_weights(dst: Path, tensors: dict[str, torch.Tensor]) -> None:
     (dst / f"{WEIGHTS}.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _model_file(name: str) -> bool:
+    """A file of the model directory besides its weights (not a trainer's optimizer state)."""
+    return name.endswith((".jinja", ".txt")) or name.startswith(
+        ("tokenizer", "generation_config", "special_tokens", "vocab", "added_tokens", "chat_")
+    )
+
+
 def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan) -> dict:
     """Writes the converted checkpoint; returns {format, quantized, kept, bytes}."""
     src, dst = Path(src), Path(dst)
@@ -81,7 +88,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan) -> dic
         for name, content in plan.fmt.side_files(ignore).items():
             (dst / name).write_text(json.dumps(content, indent=2) + "\n")
         for f in src.iterdir():  # tokenizer, generation config, chat template
-            if f.is_file() and f.suffix != ".safetensors" and not (dst / f.name).exists():
+            if f.is_file() and _model_file(f.name) and not (dst / f.name).exists():
                 shutil.copy2(f, dst / f.name)
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)
@@ -93,3 +100,15 @@ def convert_checkpoint(src: str | Path, dst: str | Path, plan: QuantPlan) -> dic
         "bytes": sum(t.numel() * t.element_size() for t in out.values()),
         "source_bytes": sum(t.numel() * t.element_size() for t in weights.values()),
     }
+
+
+QUANTIZED_DIR = "quantized"  # inside a checkpoint of a quantized run
+
+
+def save_quantized(checkpoint: Path, plan: QuantPlan) -> Path | None:
+    """A checkpoint's float HF files converted beside them (`<checkpoint>/quantized`), when the
+    plan's format is one SGLang loads and the trainer saved an HF directory."""
+    if plan.name not in LOADABLE or not (checkpoint / "config.json").is_file():
+        return None
+    convert_checkpoint(checkpoint, checkpoint / QUANTIZED_DIR, plan)
+    return checkpoint / QUANTIZED_DIR
