@@ -550,6 +550,50 @@ def true_on_policy(r: dict[str, Any]) -> list[str]:
     ]
 
 
+def precision(r: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for task in ("say_a", "reverse"):
+        if task not in r:
+            continue
+        s = r[task]
+        rows = []
+        for name, v in s["variants"].items():
+            dev = next(v[k] for k in v if k.startswith("max_dev"))
+            rows.append(
+                [
+                    name,
+                    _num(v["final_reward"], ".3f"),
+                    _num(dev, ".3f"),
+                    "yes" if v["within_tolerance"] else "no",
+                    _num(v["gap_mean"], ".2e"),
+                ]
+            )
+        out += [
+            f"{task}: {s['seeds']} seed(s), reward of the last 5 steps, largest distance of the "
+            f"mean curve from bf16's (tolerance ±{s['tolerance']}), mean log-prob gap:",
+            "",
+            *_table(["variant", "final reward", "max dev", "within", "log-prob gap"], rows),
+            "",
+        ]
+    push, speed = r["push"], r["engine_tokens_per_s"]
+    rows = [
+        [
+            name,
+            _num(p["bytes"] / 1e6, ".2f"),
+            _ratio(push["fp32"]["bytes"], p["bytes"]),
+            _num(p.get("quantize_ms", "—"), ".1f"),
+            _num(p.get("load_ms", "—"), ".1f"),
+            _num(speed.get(name, "—"), ".0f"),
+        ]
+        for name, p in push.items()
+    ]
+    rows.append(["bf16 compute", "", "", "", "", _num(speed["bf16 compute"], ".0f")])
+    return out + _table(
+        ["format", "push MB", "smaller than fp32 ×", "quantize ms", "load ms", "engine tok/s"],
+        rows,
+    )
+
+
 def _generic(r: dict[str, Any]) -> list[str]:
     return _table(["key", "value"], [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in r.items()])
 
@@ -628,6 +672,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "routing_replay": routing_replay,
     "routing_replay_megatron": routing_replay,
     "true_on_policy": true_on_policy,
+    "precision": precision,
     "session_load": session_load,
     "vs_trl": vs_trl,
     "time_to_result": time_to_result,

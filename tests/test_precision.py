@@ -197,7 +197,7 @@ def test_int4_groups_round_half_even_within_seven_levels():
     assert int4.dequantize(q, s).tolist() == [[3.5, 0.0, 1.0, -3.5, 0.0, 1.0, 0.0, -1.0]]
     zq, zs = int4.quantize(torch.zeros(1, 8), 8)
     assert zs.item() == pytest.approx(1e-5) and zq.abs().sum() == 0
-    with pytest.raises(ValueError, match="must divide the input dim"):
+    with pytest.raises(ValueError, match="INT4 blocks the last dim by 8"):
         int4.quantize(torch.ones(2, 12), 8)
 
 

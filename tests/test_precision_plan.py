@@ -5,6 +5,9 @@ see those values, and bad settings are refused before anything starts."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -82,7 +85,7 @@ def test_export_safetensors_reload_dequantize_is_bitwise(weights, fmt, tmp_path)
     back = load_file(tmp_path / "m.safetensors")
     for name, w in weights.items():
         if plan.quantized(name, w.shape):
-            a, b = plan.dequantize(tensors, name), plan.dequantize(back, name)
+            a, b = plan.dequantize(tensors, name, w.shape), plan.dequantize(back, name, w.shape)
             assert a.view(torch.int32).tolist() == b.view(torch.int32).tolist()
             assert not torch.equal(a, w)  # quantized: not the float weight any more
         else:
@@ -105,12 +108,18 @@ def test_nvfp4_pairs_gate_and_up_across_buckets(weights):
     assert out[g2].item() == out[u2].item()
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_an_engine_serves_the_pushed_bytes_and_the_trainer_computes_with_them(tiny, weights, fmt):
-    model, tok = build_model("tiny", seed=0)
+@pytest.mark.parametrize(
+    ("fmt", "preset"), [(f, "tiny") for f in FORMATS] + [("nvfp4", "tiny-moe"), ("fp8_block", "tiny-moe-shared")]
+)  # fmt: skip
+def test_an_engine_serves_the_pushed_bytes_and_the_trainer_computes_with_them(fmt, preset):
+    """Dense and MoE models (fused 3-D experts pushed as per-expert 2-D weights)."""
+    model, tok = build_model(preset, seed=0)
+    g = torch.Generator().manual_seed(7)
+    weights = {n: p.detach() + 0.01 * torch.randn(p.shape, generator=g)
+               for n, p in model.named_parameters()}  # fmt: skip
     spec = {"format": fmt, "options": FORMATS[fmt], "keep_bf16": KeepBF16().model_dump()}
     engine = EmbeddedEngine(model, tok, precision=spec)
-    plan = QuantPlan.from_spec(spec, 2)
+    plan = QuantPlan.from_spec(spec, int(model.config.num_hidden_layers))
     source = QuantizedSource(TensorBuckets(weights, per=4), plan)
     for bucket in source.named_weights():
         engine.update_weights_from_tensor(bucket)
@@ -121,15 +130,19 @@ def test_an_engine_serves_the_pushed_bytes_and_the_trainer_computes_with_them(ti
         assert torch.equal(held[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)), n
     engine.weights_checksum()  # parameters == the dequantized parts, or it raises
     # the trainer's QAT forward computes with exactly the engine's parameters
-    trainer, _ = build_model("tiny", seed=0)
+    trainer, _ = build_model(preset, seed=0)
     trainer.load_state_dict(weights, strict=False)
     installed = qat.install(trainer, plan)
     served = dict(model.named_parameters())
+    assert set(installed) == {n for n, p in served.items() if plan.quantized(n, p.shape)}
     for name in installed:
-        module = trainer.get_submodule(name.removesuffix(".weight"))
-        assert torch.equal(qat.served(module), served[name]), name
-    ids = torch.tensor([[3, 4, 5, 6]])
+        module_name, _, attr = name.rpartition(".")
+        value = qat.served_param(trainer.get_submodule(module_name), attr)
+        assert torch.equal(value, served[name]), name
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     assert torch.equal(trainer(ids).logits, model(ids).logits)
+    if preset != "tiny":  # the experts were quantized per expert, under the saved names
+        assert any(".mlp.experts.7." in n for n in pushed)
 
 
 def test_qat_gradients_pass_straight_through():
@@ -195,7 +208,6 @@ def test_precision_settings_that_cannot_work_are_refused_naming_them(sets, messa
     [
         (["rollout.precision=int4"], "group_size 128 does not divide its input dim 64"),
         (["rollout.precision=mxfp8", "precision.keep_bf16.names=[q_prog]"], "'q_prog' names no tensor"),
-        (["rollout.precision=nvfp4", "model.preset=tiny-moe"], "keep the routed experts"),
         (["rollout.precision=fp8", "precision.keep_bf16.modules=[attention,dense_mlp]"],
          "nothing would be quantized"),
         (["rollout.precision=fp8", "precision.keep_bf16.first_layers=3"], "the model has 2 layers"),
@@ -214,3 +226,36 @@ def test_only_linear_weights_are_quantizable():
     assert not is_linear_weight("model.embed_tokens.weight", (106, 64))
     assert not is_linear_weight("model.norm.weight", (64,))
     assert is_linear_weight("model.layers.0.mlp.experts.gate_up_proj", (8, 128, 64))
+
+
+@pytest.mark.slow
+def test_a_qat_run_is_on_policy_and_checkpoints_what_sglang_loads(tmp_path):
+    """Two steps of a run with fp8_block rollouts, QAT and true on-policy: the log-prob gap is 0
+    at every step, each push passes the bitwise check, and the checkpoint holds the quantized
+    copy of its own float weights."""
+    from miles_core.precision.convert import QUANTIZED_DIR, read_weights
+    from miles_core.run import runtime
+
+    config = load_config(None, [
+        "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=6",
+        "train.global_batch_size=8", "train.micro_batch_size=8", "train.num_steps=2",
+        "rollout.precision=fp8_block", "train.qat=true", "train.true_on_policy=true",
+        "weight_sync.check_equal=true", f"checkpoint.root={tmp_path / 'ckpt'}",
+    ])  # fmt: skip
+    rt = runtime.RLRuntime(config, runtime.prepare_model_dir(config, tmp_path / "init"), None)
+    try:
+        for step in range(2):
+            metrics = rt.train(rt.rollout(step))
+            assert metrics["train/train_rollout_logprob_abs_diff"] == 0.0
+            rt.update_weights()
+        uri, _, _ = rt.checkpoints.save(1)
+    finally:
+        rt.close()
+    saved = Path(uri)
+    qc = json.loads((saved / QUANTIZED_DIR / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [128, 128]
+    plan = QuantPlan.of(config, 2)
+    expected = plan.export(read_weights(saved).items())
+    got = read_weights(saved / QUANTIZED_DIR)
+    assert all(torch.equal(got[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+               for n, t in expected.items())  # fmt: skip

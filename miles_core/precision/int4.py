@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import torch
 
+from miles_core.precision.blocks import last_dim_blocks
+
 QMAX = 7
 EPS = 1e-5
 PER_INT32 = 8
 
 
 def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
-    if group <= 0 or w.dim() < 1 or w.shape[-1] % group:
-        raise ValueError(
-            f"INT4 groups of {group} must divide the input dim: shape {tuple(w.shape)}"
-        )
-    return w.float().reshape(*w.shape[:-1], w.shape[-1] // group, group)
+    return last_dim_blocks(w, group, "INT4")
 
 
 def quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

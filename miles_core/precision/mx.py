@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from miles_core.precision import e8m0, fp4
+from miles_core.precision.blocks import last_dim_blocks
 from miles_core.precision.fp8 import E4M3_MAX, cast_e4m3
 
 BLOCK = 32
@@ -32,11 +33,7 @@ ScaleRule = Literal["rceil", "floor"]
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
-    if w.dim() < 1 or w.shape[-1] % BLOCK:
-        raise ValueError(
-            f"MX formats block the last dim by {BLOCK}: shape {tuple(w.shape)} does not divide"
-        )
-    return w.float().reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+    return last_dim_blocks(w, BLOCK, "MX formats")
 
 
 def scale_bytes(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from miles_core.precision import fp4
+from miles_core.precision.blocks import last_dim_blocks
 from miles_core.precision.fp8 import E4M3, E4M3_MAX
 
 BLOCK = 16
@@ -35,11 +36,7 @@ def _global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
-    if w.dim() < 1 or w.shape[-1] % BLOCK:
-        raise ValueError(
-            f"NVFP4 blocks the last dim by {BLOCK}: shape {tuple(w.shape)} does not divide"
-        )
-    return w.float().reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+    return last_dim_blocks(w, BLOCK, "NVFP4")
 
 
 def quantize(

@@ -4,20 +4,60 @@ become: `QuantPlan` = a format (`rollout.precision`) + the keep-list (`precision
 Everything that moves or serves weights goes through one plan: `export` turns HF-named float
 tensors into what a push carries and a checkpoint stores (a quantized weight's parts stay in
 one bucket; NVFP4's gate waits for its up, so the pair is quantized with one amax), `layout`
-is what an engine holds, `dequantize` what it computes with."""
+is what an engine holds, `dequantize` what it computes with, `fake_quantize` what QAT does.
+
+Routed experts held as fused 3-D tensors (HF's `mlp.experts.gate_up_proj` [E, 2I, H] and
+`down_proj` [E, H, I]) are quantized as the 2-D weights a saved checkpoint and SGLang name them
+(`mlp.experts.<e>.gate_proj.weight`, `up_proj`, `down_proj`): one set of scales per expert and
+projection, the pushed parts under those names."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from miles_core.precision.format import WeightFormat, build_format
+from miles_core.precision.format import WeightFormat, build_format, fake_quantize
 from miles_core.precision.keep import KeepList, is_linear_weight
 
 Bucket = list[tuple[str, torch.Tensor]]
 _GATE, _UP = "gate_proj.weight", "up_proj.weight"
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A 2-D weight inside a fused expert tensor: rows [start, stop) of expert `expert`."""
+
+    name: str
+    expert: int
+    start: int
+    stop: int
+
+
+def pieces(name: str, shape: tuple[int, ...]) -> list[Piece] | None:
+    """The per-expert weights a fused 3-D expert tensor holds (None: not one)."""
+    m = _FUSED.match(name)
+    if m is None or len(shape) != 3:
+        return None
+    base, experts, rows = m.group(1), shape[0], shape[1]
+    out = []
+    for e in range(experts):
+        if m.group(2) == "gate_up_proj":
+            half = rows // 2
+            out.append(Piece(f"{base}.{e}.gate_proj.weight", e, 0, half))
+            out.append(Piece(f"{base}.{e}.up_proj.weight", e, half, rows))
+        else:
+            out.append(Piece(f"{base}.{e}.down_proj.weight", e, 0, rows))
+    return out
+
+
+def split(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """`t` as 2-D weights: itself, or a fused expert tensor's per-expert pieces."""
+    ps = pieces(name, tuple(t.shape))
+    return [(name, t)] if ps is None else [(p.name, t[p.expert, p.start : p.stop]) for p in ps]
 
 
 def prefix_of(name: str) -> str:
@@ -72,6 +112,12 @@ class QuantPlan:
     def quantized(self, name: str, shape: tuple[int, ...]) -> bool:
         return is_linear_weight(name, tuple(shape)) and not self.keep.keeps_hf(name)
 
+    def _shapes_2d(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, int]]]:
+        ps = pieces(name, tuple(shape))
+        if ps is None:
+            return [(name, tuple(shape))]
+        return [(p.name, (p.stop - p.start, shape[2])) for p in ps]
+
     def refused(self, shapes: dict[str, tuple[int, ...]]) -> list[str]:
         """Why this plan cannot apply to a model with these HF tensor shapes (empty: it can)."""
         out = self.keep.refused(list(shapes))
@@ -79,9 +125,9 @@ class QuantPlan:
         for name, shape in shapes.items():
             if not self.quantized(name, shape):
                 continue
-            why = self.fmt.refuses(tuple(shape))
-            if why is not None and len(shape) == 3:
-                why += "; keep the routed experts with precision.keep_bf16.modules: [experts]"
+            why = next(
+                (w for _, s in self._shapes_2d(name, shape) if (w := self.fmt.refuses(s))), None
+            )
             if why is not None:
                 weights.setdefault(why, []).append(name)
         for why, names in weights.items():
@@ -102,8 +148,9 @@ class QuantPlan:
         out = {}
         for name, t in tensors.items():
             if self.quantized(name, t.shape):
-                p = prefix_of(name)
-                out.update({p + k: v for k, v in self.fmt.parts(tuple(t.shape)).items()})
+                for piece, shape in self._shapes_2d(name, tuple(t.shape)):
+                    p = prefix_of(piece)
+                    out.update({p + k: v for k, v in self.fmt.parts(shape).items()})
             else:
                 out[name] = (tuple(t.shape), t.dtype)
         return out
@@ -111,10 +158,11 @@ class QuantPlan:
     def ignored_modules(self, shapes: dict[str, tuple[int, ...]], tied: bool) -> list[str]:
         """The linear modules left unquantized (a checkpoint's `modules_to_not_convert`)."""
         kept = [
-            prefix_of(n).rstrip(".")
+            n.rsplit(".", 1)[0]  # a.b.weight → a.b; a fused mlp.experts.x → mlp.experts
             for n, s in shapes.items()
             if is_linear_weight(n, tuple(s)) and not self.quantized(n, s)
         ]
+        kept = list(dict.fromkeys(kept))
         if tied and "lm_head" not in kept:
             kept.append("lm_head")  # the embedding, shared
         return sorted(kept)
@@ -141,10 +189,13 @@ class QuantPlan:
         for bucket in buckets:
             out: Bucket = []
             ready: dict[str, torch.Tensor] = {}
+            quantized = []
             for name, t in bucket:
-                if not self.quantized(name, t.shape):
+                if self.quantized(name, t.shape):
+                    quantized += split(name, t)
+                else:
                     out.append((name, t if dtype is None else t.to(dtype)))
-                    continue
+            for name, t in quantized:
                 other = partner(name)
                 if self.fmt.shares_amax and other is not None and other not in ready:
                     if other in waiting:
@@ -163,11 +214,49 @@ class QuantPlan:
         """A whole state dict → the checkpoint's tensors (parts of quantized weights)."""
         return {n: t for b in self.export_buckets([list(named)]) for n, t in b}
 
-    def dequantize(self, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """The float32 weight `name` the parts (by full name) stand for."""
+    def _dequantize_2d(self, parts: dict[str, torch.Tensor], name: str, shape) -> torch.Tensor:
         p = prefix_of(name)
-        return self.fmt.dequantize({k[len(p) :]: v for k, v in parts.items() if k.startswith(p)})
+        return self.fmt.dequantize({k: parts[p + k] for k in self.fmt.parts(shape)})
+
+    def dequantize(
+        self, parts: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The float32 weight `name` of `shape` the parts (by full name) stand for."""
+        ps = pieces(name, tuple(shape))
+        if ps is None:
+            return self._dequantize_2d(parts, name, tuple(shape))
+        out = torch.empty(shape, dtype=torch.float32)
+        for p in ps:
+            out[p.expert, p.start : p.stop] = self._dequantize_2d(
+                parts, p.name, (p.stop - p.start, shape[2])
+            )
+        return out
 
     def parts_of(self, name: str, shape: tuple[int, ...]) -> list[str]:
-        p = prefix_of(name)
-        return [p + k for k in self.fmt.parts(tuple(shape))]
+        return [
+            prefix_of(piece) + k
+            for piece, s in self._shapes_2d(name, tuple(shape))
+            for k in self.fmt.parts(s)
+        ]
+
+    def fake_quantize(self, name: str, w: torch.Tensor, partner_w=None) -> torch.Tensor:
+        """What QAT computes with for weight `name`: the values its pushed parts stand for, in
+        `w`'s dtype, the gradient passing straight through (`partner_w`: a shared-amax
+        format's other half of a gate/up pair)."""
+        ps = pieces(name, tuple(w.shape))
+        if ps is None:
+            amax = None
+            if partner_w is not None:
+                amax = torch.maximum(
+                    w.detach().float().abs().amax(), partner_w.detach().float().abs().amax()
+                )
+            return fake_quantize(w, self.fmt, amax)
+        rows = []
+        for e in range(w.shape[0]):
+            mine = [p for p in ps if p.expert == e]
+            amax = None
+            if self.fmt.shares_amax and len(mine) == 2:  # gate and up of one expert
+                amax = w[e].detach().float().abs().amax()
+            rows.append(torch.cat([fake_quantize(w[e, p.start : p.stop], self.fmt, amax)
+                                   for p in mine]))  # fmt: skip
+        return torch.stack(rows)

@@ -74,7 +74,7 @@ class ServedWeights:
                 self.parts[name] = t if adopt else t.detach().clone()
             for w in touched:
                 p = self.params[w]
-                p.copy_(self.plan.dequantize(self.parts, w).to(p.dtype))
+                p.copy_(self.plan.dequantize(self.parts, w, tuple(p.shape)).to(p.dtype))
         return copied + sum(t.numel() * t.element_size() for t in parts.values())
 
     def stale(self) -> list[str]:
@@ -84,6 +84,7 @@ class ServedWeights:
         out = []
         for w in sorted(self.quantized):
             p = self.params[w]
-            if not torch.equal(p.detach(), self.plan.dequantize(self.parts, w).to(p.dtype)):
+            values = self.plan.dequantize(self.parts, w, tuple(p.shape)).to(p.dtype)
+            if not torch.equal(p.detach(), values):
                 out.append(w)
         return out

@@ -63,7 +63,8 @@ def sft_batches(
 
 
 def run_sft(config, model_dir, tracker) -> str:
-    """Trains `config.sft.num_steps` steps from `model_dir`; saves and returns the policy's URI."""
+    """Trains `config.sft.num_steps` steps from `model_dir`; saves and returns the policy's URI.
+    `tracker`: the MLflow run to log to (None: nothing logged, as for `RLRuntime`)."""
     import time
     from pathlib import Path
 
@@ -97,12 +98,14 @@ def run_sft(config, model_dir, tracker) -> str:
             t0 = time.perf_counter()
             metrics = trainer.train_step(next(batches), loss="sft")
             step_time = time.perf_counter() - t0
-            tracker.log_metrics(
-                {f"sft/{k}": v for k, v in metrics.items()} | {"perf/sft_step_time_s": step_time},
-                step,
-            )
-            if step % 20 == 0 or step + 1 == sft.num_steps:
-                tracker.flush()
+            if tracker is not None:
+                tracker.log_metrics(
+                    {f"sft/{k}": v for k, v in metrics.items()}
+                    | {"perf/sft_step_time_s": step_time},
+                    step,
+                )
+                if step % 20 == 0 or step + 1 == sft.num_steps:
+                    tracker.flush()
             report.update(step, {"loss": metrics["loss"], "step_s": step_time})
         store = CheckpointStore(
             config.checkpoint.root, f"{config.name}-sft", config.checkpoint.storage_options
@@ -115,14 +118,20 @@ def run_sft(config, model_dir, tracker) -> str:
         uri = store.save(
             sft.num_steps,
             write,
-            {"step": sft.num_steps, "kind": "sft", "mlflow_run_id": tracker.run_id},
+            {
+                "step": sft.num_steps,
+                "kind": "sft",
+                "mlflow_run_id": tracker.run_id if tracker else None,
+            },
         )
         store.close()
     except BaseException:
-        tracker.finish("FAILED")
+        if tracker is not None:
+            tracker.finish("FAILED")
         raise
     finally:
         trainer.close()
         report.stop()
-    tracker.finish()
+    if tracker is not None:
+        tracker.finish()
     return uri

@@ -86,7 +86,9 @@ def test_converted_bytes_are_the_bytes_a_run_pushes(converted, tiny_dir, fmt):
         assert torch.equal(saved[name].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
     for name, w in source.items():
         if plan.quantized(name, w.shape):
-            assert torch.equal(plan.dequantize(saved, name), plan.dequantize(pushed, name))
+            assert torch.equal(
+                plan.dequantize(saved, name, w.shape), plan.dequantize(pushed, name, w.shape)
+            )
             assert prefix_of(name) + "weight" in saved or fmt == "int4"
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from miles_core.models.family import family_of
 from miles_core.models.moe import is_moe_layer
-from miles_core.precision.qat import served
+from miles_core.precision.qat import served, served_param
 from miles_core.true_on_policy import ops
 
 
@@ -191,7 +191,8 @@ class InvariantQwen3:
                 chosen, weights = self.family.invariant_route(mlp.gate, logits, replayed)
         if self.record_routes:
             self._routes.append(chosen.view(*shape[:-1], -1))
-        gate_up, down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+        gate_up = served_param(mlp.experts, "gate_up_proj")
+        down = served_param(mlp.experts, "down_proj")
         width = down.shape[-1]
         out = torch.zeros_like(rows)
         for slot in range(chosen.shape[1]):
