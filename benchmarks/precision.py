@@ -12,7 +12,8 @@ weight push moves and to engine speed, per format, side by side in one run.
    Then reverse (small preset, examples/reverse_sft_rl.yaml): one SFT warm start per seed,
    shared by every format, then its RL phase per format with `train.qat`.
 2. Bytes a push moves per format (small preset), and the time to quantize them on the trainer
-   side and to load them (dequantize) on the engine side, median of `--repeat`.
+   side and to load them (dequantize) on the engine side, median of `--repeat` (measured first,
+   like 3).
 3. Serving-engine decode throughput (small preset, `--rows` samples of up to `--new` tokens):
    the CPU emulation computes with the dequantized weights in float32, so it decodes at fp32
    speed; low-precision GEMMs need a GPU kernel (not measured here).
@@ -201,6 +202,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     result: dict = {"machine_isa": torch.backends.cpu.get_cpu_capability()}
+    # the timed parts first, in a fresh process (the runs below leave the thread count they
+    # chose for the engine)
+    result["push"] = push_costs(args.repeat)
+    result["engine_tokens_per_s"] = engine_speed(args.rows, args.new, args.repeat)
+    print(json.dumps({k: result[k] for k in ("push", "engine_tokens_per_s")}), flush=True)
     if not args.skip_curves:
         say_a = curves("examples/say_a.yaml", variants(), args.seeds)
         result["say_a"] = summarize(say_a, 128)
@@ -209,8 +215,6 @@ def main() -> None:
             names = variants(plain=False)
             rev = curves("examples/reverse_sft_rl.yaml", names, args.reverse_seeds, starts)
             result["reverse"] = summarize(rev, 128)
-    result["push"] = push_costs(args.repeat)
-    result["engine_tokens_per_s"] = engine_speed(args.rows, args.new, args.repeat)
 
     for task in ("say_a", "reverse"):
         if task not in result:

@@ -29,6 +29,15 @@ def test_e4m3_values_encode_to_their_hand_computed_bytes_and_saturate():
     assert sat.float()[:2].tolist() == [448.0, -448.0] and sat.float()[2].isnan()
 
 
+def test_e4m3_subnormals_encode_exactly_and_their_ties_go_to_even():
+    # with amax 448 the scale is 1: 2^-9 is the smallest subnormal (byte 1), 2^-7 is byte 4,
+    # 1.5 · 2^-9 ties between bytes 1 and 2 (→ 2, even), 0.5 · 2^-9 ties with 0 (→ 0)
+    x = torch.tensor([448.0, 2.0**-9, 2.0**-7, 1.5 * 2.0**-9, 0.5 * 2.0**-9, -(2.0**-9)])
+    q, s = fp8.quantize_per_tensor(x)
+    assert s.tolist() == [1.0]
+    assert _bytes(q) == [0x7E, 0x01, 0x04, 0x02, 0x00, 0x81]
+
+
 def test_a_zero_block_quantizes_to_zero_with_a_positive_scale():
     w = torch.randn(256, 384, generator=torch.Generator().manual_seed(0))
     w[128:, :128] = 0

@@ -5,8 +5,6 @@ ignore list is under a key it reads, and every tensor of a quantized weight is a
 linear method registers. The converted bytes are the plan's (what a run's engine serves)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,21 +98,20 @@ def test_sglang_mxfp4_has_no_dense_linear_method_so_convert_refuses_it(tiny_dir,
     assert not (tmp_path / "out").exists()
 
 
-def test_the_cli_converts_with_a_runs_settings_and_refuses_what_cannot_load(tiny_dir, tmp_path):
-    cli = [sys.executable, "-m", "flows.cli", "convert"]
-    ok = subprocess.run(
-        [*cli, "--to", "int4", "--set", "rollout.precision_options.group_size=32",
-         "--set", "precision.keep_bf16.first_layers=1", str(tiny_dir), str(tmp_path / "int4")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
-    summary = json.loads(ok.stdout.strip().splitlines()[-1])
+def test_the_cli_converts_with_a_runs_settings_and_refuses_what_cannot_load(
+    tiny_dir, tmp_path, capsys
+):
+    from flows.cli import main
+
+    args = ["convert", "--to", "int4", "--set", "rollout.precision_options.group_size=32"]
+    keep = ["--set", "precision.keep_bf16.first_layers=1"]
+    assert main([*args, *keep, str(tiny_dir), str(tmp_path / "int4")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["format"] == "int4" and summary["quantized"] == 7  # layer 1 only
     qc = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.self_attn.q_proj" in qc["ignore"]
-    bad = subprocess.run(
-        [*cli, "--to", "int4", str(tiny_dir), str(tmp_path / "bad")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "group_size 128 does not divide" in bad.stderr
-    assert not (tmp_path / "bad").exists()
+    assert main(["convert", "--to", "int4", str(tiny_dir), str(tmp_path / "bad")]) == 2
+    assert "group_size 128 does not divide" in capsys.readouterr().err
+    assert main(["convert", str(tiny_dir), str(tmp_path / "none")]) == 2
+    assert "give a format with --to" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "none").exists()
