@@ -178,8 +178,8 @@ class RunConfig(Strict):
             )
         if t.qat and t.backend == "megatron":
             raise ValueError(
-                "train.qat: the megatron backend has no fake-quantized forward here; use "
-                "train.backend fsdp2"
+                "train.qat: the megatron backend has no fake-quantized forward yet; use "
+                "train.backend: fsdp"
             )
         if t.true_on_policy and not t.qat:
             raise ValueError(

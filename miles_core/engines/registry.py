@@ -72,12 +72,13 @@ class EngineKind:
     """A rollout engine as a plug-in: `build(setup)` makes the run's engine; `routes`, the
     weight routes its engines take (the config checks the transport against them);
     `check_model(hf_config_dict)`, why it cannot run a model (or None); `answers`, the request
-    flags of the token fields its engines fill (`TokenField.request_flag`); `Options`, its settings
-    (`rollout.engine_options`)."""
+    flags of the token fields its engines fill (`TokenField.request_flag`); `quantized_weights`,
+    whether its engines take `rollout.precision`'s quantized pushes (precision/served.py);
+    `Options`, its settings (`rollout.engine_options`)."""
 
     routes: frozenset[str] = SERVER_ROUTES
     answers: frozenset[str] = frozenset()
-    quantized_weights: bool = False  # serves rollout.precision's quantized weights
+    quantized_weights: bool = False
     Options: type[PluginOptions] = NoOptions
 
     @classmethod
