@@ -454,7 +454,7 @@ CATALOGUE = [
     ("YAML syntax error in the config file or a --set", "exit 2: file, line and column, no traceback", "test_preflight.py::test_yaml_syntax_errors_exit_2_with_the_file_and_line"),
     ("plug-in that raises or has a syntax error at import", "exit 2: its file and line, no traceback", "test_preflight.py::test_a_plugin_that_raises_at_import_exits_2_with_its_file_and_line"),
     ("rollout.precision a model's shapes cannot take, INT4 group_size not dividing an input dim, keep_bf16 naming no tensor", "refused in preflight, the setting and the weights named", "test_precision_plan.py::test_a_model_the_precision_cannot_take_is_refused_before_start"),
-    ("train.qat without a format, p2p or megatron QAT with a format, true on-policy without QAT", "the setting named", "test_precision_plan.py::test_precision_settings_that_cannot_work_are_refused_naming_them"),
+    ("train.qat without a format, megatron QAT or p2p with a format, true on-policy without QAT", "the setting named", "test_precision_plan.py::test_precision_settings_that_cannot_work_are_refused_naming_them"),
     ("quantized push missing a part, in the wrong dtype, or in float for a quantized weight", "refused, engine unchanged", "test_precision_plan.py::test_a_bad_push_to_a_quantized_engine_changes_nothing"),
     ("miles convert to a format SGLang cannot load, or with an INT4 group that does not divide", "exit 2 with the reason, nothing written", "contract/test_sglang_quant_contract.py::test_the_cli_converts_with_a_runs_settings_and_refuses_what_cannot_load"),
 ]  # fmt: skip

@@ -88,7 +88,9 @@ def _megatron_configs(
                 "moe_ep2",
                 common
                 | {"model": str(moe), "backend": "megatron", "parallel": {"ep": 2}, "push": True},
-            )
+            ),
+            # FSDP2 on two ranks, one step, then a p2p push of its NVFP4 weights
+            ("moe_fsdp2_nvfp4", {"model": str(moe), "steps": 1, "push_quantized": NVFP4}),
         ],
     }
     runs = [
@@ -109,6 +111,9 @@ def _megatron_configs(
     if world == 4:
         runs[0][1]["push"] = True
     return runs + moe_runs.get(world, [])
+
+
+NVFP4 = {"format": "nvfp4", "options": {}, "keep_bf16": {"modules": ["lm_head", "router"]}}
 
 
 @pytest.fixture(scope="module")
@@ -353,3 +358,12 @@ def test_an_agentic_run_on_two_ranks_pushes_shards_and_trains_as_on_one(prefect_
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
     assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
     assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_push_quantized_rows_that_land_as_the_whole_weights(parity_runs):
+    """rollout.precision over p2p: each of two FSDP2 ranks quantizes the rows it holds (the
+    MoE model's fused experts by expert, NVFP4's global amax all-reduced); the engine server's
+    bytes are the plan's export of the gathered weights."""
+    _, _, megatron = parity_runs
+    assert megatron["moe_fsdp2_nvfp4"][1]["quantized_p2p"] is True

@@ -24,6 +24,7 @@ from miles_core.precision.push import QuantizedSource
 from miles_core.precision.served import ServedWeights
 from miles_core.train.backends.megatron import convert
 from miles_core.weights.source import TensorBuckets
+from tests.rank_threads import local_rows, on_ranks, row_plan
 
 FORMATS = {
     "fp8": {},
@@ -188,8 +189,8 @@ def test_a_bad_push_to_a_quantized_engine_changes_nothing(tiny, weights):
     ("sets", "message"),
     [
         (["train.qat=true"], "train.qat trains on the values the engine serves"),
-        (["rollout.precision=fp8", "rollout.engine=server", "weight_sync.transport=p2p"],
-         "p2p sends each trainer rank's shard"),
+        (["rollout.precision=fp8", "rollout.engine=server", "weight_sync.transport=p2p",
+          "train.backend=megatron"], "p2p needs train.backend: fsdp"),
         (["rollout.precision=fp8", "train.qat=true", "train.backend=megatron"],
          "megatron backend has no fake-quantized forward"),
         (["rollout.precision=fp8", "train.true_on_policy=true"], "needs train.qat"),
@@ -259,3 +260,41 @@ def test_a_qat_run_is_on_policy_and_checkpoints_what_sglang_loads(tmp_path):
     got = read_weights(saved / QUANTIZED_DIR)
     assert all(torch.equal(got[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
                for n, t in expected.items())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fmt", "preset"), [(f, "tiny") for f in FORMATS] + [("nvfp4", "tiny-moe"), ("fp8_block", "tiny-moe-shared")]
+)  # fmt: skip
+def test_each_rank_quantizing_its_rows_gives_the_whole_weights_bytes(fmt, preset):
+    """p2p's quantization (precision/shards.py) on 3 ranks with uneven row shards: the parts
+    assembled from the plan are bitwise `export`'s, the whole-weight statistics reduced."""
+    from miles_core.precision.shards import quantized_shards
+
+    model, _ = build_model(preset, seed=3)
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    plan = _plan(fmt, int(model.config.num_hidden_layers))
+    floats = row_plan(weights, 3)
+
+    def send(rank, reduce):
+        return quantized_shards(plan, floats, local_rows(weights, floats, rank), rank, reduce)
+
+    results = on_ranks(3, send)
+    sent = results[0][0]
+    assert [t.to_json() for t in quantized_shards(plan, floats)[0]] == [t.to_json() for t in sent]
+    expected = plan.export(weights.items())
+    assert [t.name for t in sent] == list(dict.fromkeys(t.name for t in sent))
+    assert {t.name for t in sent} == set(expected)
+    for i, t in enumerate(sent):
+        full = torch.empty(t.shape, dtype=expected[t.name].dtype)
+        for p in t.pieces:
+            if not p.length:
+                continue
+            part = results[p.rank][1][i]
+            if t.shape:
+                full.narrow(p.dim, p.start, p.length).copy_(part)
+            else:  # a scalar (NVFP4's weight_scale_2): one piece
+                full = part.clone()
+        want = expected[t.name]
+        assert torch.equal(full.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (
+            t.name
+        )

@@ -2,7 +2,6 @@
 versions, and bad pushes that change nothing."""
 
 import json
-import threading
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from miles_core.weights.remote import PushFailed
 from miles_core.weights.shm import ShmBucketWriter
 from miles_core.weights.source import Placement, TensorBuckets, TensorPlan, dim_chunks, dtype_name
 from miles_core.weights.transports.disk import DiskTransport, version_dir
+from tests.rank_threads import local_rows, on_ranks, row_plan
 
 
 @pytest.fixture(scope="module")
@@ -260,22 +260,7 @@ class _TwoRankShards:
         return plan
 
     def _both(self, fn):
-        out, errors = [None, None], []
-
-        def run(rank):
-            try:
-                out[rank] = fn(rank)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.world)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
-        return out
+        return on_ranks(self.world, lambda rank, _: fn(rank))
 
     def join_group(self, group):
         def join(rank):
@@ -416,3 +401,45 @@ def test_quantized_pushes_land_as_the_trainers_bytes(nvfp4_server, tiny_dir, tmp
         assert nvfp4_server.weights_checksum() == weights_checksum(expected.items())
         assert nvfp4_server.weight_version == version
     getattr(transport, "close", lambda: None)()
+
+
+class _TwoRankRows(_TwoRankShards):
+    """FSDP2's layout (rows split over two thread ranks), each rank quantizing its own rows
+    for a p2p push (precision/shards.py), the whole-weight statistics max-reduced."""
+
+    def __init__(self, weights, plan):
+        super().__init__(weights)
+        self.plan = plan
+
+    def shard_plan(self, dtype=None, precision=None):
+        from miles_core.precision.shards import quantized_shards
+
+        return quantized_shards(self.plan, row_plan(self.weights, self.world))[0]
+
+    def send_shards(self, engine_ranks, dtype=None, precision=None):
+        from miles_core.precision.shards import quantized_shards
+
+        floats = row_plan(self.weights, self.world)
+
+        def send(rank, reduce):
+            local = local_rows(self.weights, floats, rank)
+            plan, pieces = quantized_shards(self.plan, floats, local, rank, reduce)
+            return send_pieces(self.groups[rank][1], plan, rank, pieces, engine_ranks)
+
+        return on_ranks(self.world, send)[0]
+
+
+def test_a_quantized_p2p_push_lands_as_the_whole_weights_bytes(nvfp4_server, tiny_dir):
+    """p2p with rollout.precision: no rank gathers; the engine assembles the parts (NVFP4's
+    global amax reduced over the ranks, gate and up sharing it) into the plan's bytes."""
+    from miles_core.precision.plan import QuantPlan
+    from miles_core.precision.push import QuantizedSource
+
+    plan = QuantPlan.from_spec(NVFP4, 2)
+    transport = TRANSPORTS.get("p2p")()
+    transport.connect([nvfp4_server])
+    weights = _new_weights(tiny_dir, 6)
+    transport.push(QuantizedSource(_TwoRankRows(weights, plan), plan), 31, "retract")
+    assert nvfp4_server.weights_checksum() == weights_checksum(plan.export(weights.items()).items())
+    assert nvfp4_server.weight_version == 31
+    transport.close()

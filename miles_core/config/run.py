@@ -171,10 +171,11 @@ class RunConfig(Strict):
                 f"rollout.precision {r.precision}: rollout.engine {r.engine} does not take "
                 "quantized weights (embedded, serving and server do)"
             )
-        if self.weight_sync.transport == "p2p":
+        if self.weight_sync.transport == "p2p" and t.backend == "megatron":
             raise ValueError(
-                f"rollout.precision {r.precision}: weight_sync.transport p2p sends each trainer "
-                "rank's shard, and block scales span shards; use broadcast, shared_memory or disk"
+                f"rollout.precision {r.precision} with weight_sync.transport p2p needs "
+                "train.backend: fsdp (Megatron's tensor-parallel shards split the blocks a "
+                "format scales over); use broadcast, shared_memory or disk"
             )
         if t.qat and t.backend == "megatron":
             raise ValueError(

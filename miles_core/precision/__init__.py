@@ -10,4 +10,5 @@ their packing), `mx.py` (MXFP8, MXFP4), `nvfp4.py` (TransformerEngine's referenc
 Around them: `format.py` (a format as a plug-in, `formats/`: its checkpoint tensors and
 config, and the straight-through `fake_quantize`), `keep.py` (`precision.keep_bf16`),
 `plan.py` (format + keep-list over a model's tensors), `served.py` (what an engine holds),
-`push.py` (quantized pushes), `qat.py` (the trainer's forward), `convert.py` (`miles convert`)."""
+`push.py` (quantized pushes), `shards.py` (p2p: each rank its rows), `qat.py` (the
+trainer's forward), `convert.py` (`miles convert`)."""

@@ -23,6 +23,9 @@ class WeightFormat:
     Options: ClassVar[type[PluginOptions]] = NoOptions
     shares_amax: ClassVar[bool] = False  # gate and up quantized with one global amax
     quantizes: ClassVar[bool] = True  # False: the identity (`none`)
+    # parts laid out by the weight's rows (a trainer rank holding some rows holds those rows of
+    # them); the other parts describe the whole weight (a per-tensor scale, a block grid)
+    row_parts: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
@@ -43,6 +46,20 @@ class WeightFormat:
     def dequantize(self, parts: Parts) -> torch.Tensor:
         """The float32 values the parts stand for (what a GEMM computes with)."""
         raise NotImplementedError
+
+    # a weight split by rows over trainer ranks (p2p pushes, precision/shards.py): each rank
+    # quantizes its rows with statistics of the whole weight, max-reduced over the ranks
+    def stats(self, rows: torch.Tensor, start: int, shape: tuple[int, int]) -> torch.Tensor | None:
+        """This rank's share of the whole-weight statistics (rows [start, …) of a weight of
+        `shape`, maybe none); None: rows quantize alone."""
+        return None
+
+    def quantize_rows(
+        self, rows: torch.Tensor, start: int, shape: tuple[int, int], stats: torch.Tensor | None
+    ) -> Parts:
+        """The parts of rows [start, …) given the reduced `stats`: `row_parts` for these rows,
+        the other parts whole; bitwise what `quantize` of the whole weight gives."""
+        return self.quantize(rows)
 
     def quantization_config(self, ignore: list[str]) -> dict[str, Any]:
         """config.json's `quantization_config`; `ignore`: the modules left unquantized."""

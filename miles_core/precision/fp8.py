@@ -30,9 +30,12 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
     return amax.float().clamp(min=EPS) / E4M3_MAX
 
 
-def quantize_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q e4m3 like `w`, s float32 [1])."""
-    s = _scale(w.float().abs().amax()).reshape(1)
+def quantize_per_tensor(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3 like `w`, s float32 [1]); `amax`: the whole tensor's, when `w` is a part of it."""
+    a = w.float().abs().amax() if amax is None else amax.float()
+    s = _scale(a).reshape(1)
     return cast_e4m3(w.float() / s), s
 
 
@@ -50,13 +53,34 @@ def _blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
     return padded.view(rows, block, cols, block), n, k
 
 
+def block_amax(
+    rows: torch.Tensor, start: int = 0, shape: tuple[int, int] | None = None, block: int = BLOCK
+) -> torch.Tensor:
+    """float32 [ceil(N/b), ceil(K/b)]: each b×b block's amax over `rows`, rows [start, …) of a
+    weight of `shape` (default: `rows` is the whole weight; the other rows count as 0)."""
+    n, k = shape or tuple(rows.shape)
+    full = torch.zeros(n, k, dtype=torch.float32)
+    full[start : start + rows.shape[0]] = rows.float()
+    return _blocks(full, block)[0].abs().amax(dim=(1, 3))
+
+
+def quantize_block_rows(
+    rows: torch.Tensor, start: int, amax: torch.Tensor, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [start, …) of a weight quantized with its blocks' amax (`block_amax` of the whole
+    weight): (q e4m3 like `rows`, s float32 [ceil(N/b), ceil(K/b)])."""
+    s = _scale(amax)
+    per_element = s.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    per_row = per_element[start : start + rows.shape[0], : rows.shape[1]]
+    return cast_e4m3(rows.float() / per_row), s
+
+
 def quantize_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(q e4m3 [N, K], s float32 [ceil(N/b), ceil(K/b)]): one scale per b×b block, the last
     blocks of a side not divisible by b zero-padded (padding never raises an amax)."""
-    tiles, n, k = _blocks(w, block)
-    s = _scale(tiles.abs().amax(dim=(1, 3)))
-    q = cast_e4m3(tiles / s[:, None, :, None])
-    return q.view(tiles.shape[0] * block, -1)[:n, :k].contiguous(), s
+    if w.dim() != 2:
+        raise ValueError(f"block FP8 takes a 2-D weight, not shape {tuple(w.shape)}")
+    return quantize_block_rows(w, 0, block_amax(w, block=block), block)
 
 
 def dequantize_block(q: torch.Tensor, s: torch.Tensor, block: int = BLOCK) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +78,7 @@ def partner(name: str) -> str | None:
 class QuantPlan:
     fmt: WeightFormat
     keep: KeepList
+    spec: dict = field(default_factory=dict, compare=False)  # as JSON (`spec_of`)
 
     @staticmethod
     def spec_of(config) -> dict | None:
@@ -98,7 +99,7 @@ class QuantPlan:
         from miles_core.config.precision import KeepBF16
 
         fmt = build_format(spec["format"], spec.get("options") or {})
-        return cls(fmt, KeepList.of(KeepBF16.model_validate(spec["keep_bf16"]), layers))
+        return cls(fmt, KeepList.of(KeepBF16.model_validate(spec["keep_bf16"]), layers), spec)
 
     @classmethod
     def of(cls, config, layers: int) -> QuantPlan | None:

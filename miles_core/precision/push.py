@@ -1,7 +1,8 @@
 """Pushes of quantized weights: a trainer's weights source (weights/source.py) seen through the
 run's plan, so every transport sends what the engines hold — a quantized weight's parts with
-its checkpoint names (`weight`, `weight_scale_inv`, …), quantized here from the trainer's float
-values — and nothing else changes for the transport."""
+its checkpoint names (`weight`, `weight_scale_inv`, …), quantized from the trainer's float
+values — and nothing else changes for the transport. Bucket transports get the parts from
+`named_weights`; p2p asks every trainer rank to quantize its own rows (precision/shards.py)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,10 @@ class QuantizedSource:
             yield bucket
 
     def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
-        raise TypeError(
-            f"rollout.precision {self.plan.name}: quantized pushes send whole tensors (block "
-            "scales span a trainer's shards); use a bucket transport, not p2p"
-        )
+        return self.inner.shard_plan(dtype, precision=self.plan.spec)
 
     def join_group(self, group: dict) -> None:
-        self.shard_plan()
+        self.inner.join_group(group)
 
     def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
-        self.shard_plan()
-        return 0
+        return self.inner.send_shards(engine_ranks, dtype, precision=self.plan.spec)

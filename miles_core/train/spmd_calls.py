@@ -90,11 +90,14 @@ class SPMDCalls:
         spmd.announce("join_group", (group,))
         self._join_group(group)
 
-    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
-        """p2p push: every rank sends its pieces of `shard_plan` (cast to `dtype` if given) to
-        each engine rank of the joined group (no gather). Returns the bytes this rank sent."""
-        spmd.announce("send_shards", (engine_ranks, dtype))
-        return self._send_shards(engine_ranks, dtype)
+    def send_shards(
+        self, engine_ranks: list[int], dtype: torch.dtype | None = None, precision=None
+    ) -> int:
+        """p2p push: every rank sends its pieces of `shard_plan` (cast to `dtype` if given;
+        with `precision`, quantized weights as their parts) to each engine rank of the joined
+        group (no gather). Returns the bytes this rank sent."""
+        spmd.announce("send_shards", (engine_ranks, dtype, precision))
+        return self._send_shards(engine_ranks, dtype, precision)
 
     # ------------------------------------------------------------------ implementations (all ranks)
     def _compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:

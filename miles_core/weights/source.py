@@ -134,15 +134,20 @@ class TrainerWeights(Protocol):
         every bucket: each one is a collective on the trainer's ranks."""
         ...
 
-    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
-        """Which slice of every tensor each trainer rank holds, in `send_shards` order."""
+    def shard_plan(
+        self, dtype: torch.dtype | None = None, precision: dict | None = None
+    ) -> ShardPlan:
+        """Which slice of every tensor each trainer rank holds, in `send_shards` order; with
+        `precision` (a QuantPlan spec), quantized weights as their parts."""
         ...
 
     def join_group(self, group: dict) -> None:
         """Every trainer rank joins the weight group {host, port, world, backend} as its rank."""
         ...
 
-    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+    def send_shards(
+        self, engine_ranks: list[int], dtype: torch.dtype | None = None, precision=None
+    ) -> int:
         """Every trainer rank sends its pieces of the plan to each engine rank; returns the bytes
         rank 0 sent."""
         ...
@@ -167,12 +172,16 @@ class TensorBuckets:
         for b in self.buckets:
             yield [(n, t if dtype is None else t.to(dtype)) for n, t in b]
 
-    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+    def shard_plan(
+        self, dtype: torch.dtype | None = None, precision: dict | None = None
+    ) -> ShardPlan:
         raise TypeError("plain buckets have no shards; p2p needs a trainer backend as the source")
 
     def join_group(self, group: dict) -> None:
         self.shard_plan()
 
-    def send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+    def send_shards(
+        self, engine_ranks: list[int], dtype: torch.dtype | None = None, precision=None
+    ) -> int:
         self.shard_plan()
         return 0

@@ -7,7 +7,10 @@ e.g. an MoE model), `backend` (default fsdp), `parallel` (Megatron's layout), `s
 resume from, with `old_from`: the JSON of the run whose old log-probs it continues), `save`
 (a directory: the trainer's checkpoint after the steps) and `push` (true: after the weights are
 written, the trainer pushes through every transport in turn, a step between two pushes, and the
-JSON gets {transport: engine checksum == trainer's} under "pushes", `push_through_transports`)."""
+JSON gets {transport: engine checksum == trainer's} under "pushes", `push_through_transports`)
+and `push_quantized` (a rollout.precision spec: one p2p push of the quantized weights, each rank
+quantizing its own rows, to an engine server holding that format; "quantized_p2p" in the JSON
+says whether its checksum is the plan's export of the trainer's weights)."""
 
 import json
 import random
@@ -71,6 +74,30 @@ def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[
     return results
 
 
+def push_quantized_p2p(trainer, model_dir: str, spec: dict) -> bool:
+    from miles_core.precision.plan import QuantPlan
+    from miles_core.precision.push import QuantizedSource
+
+    tmp = Path(tempfile.mkdtemp())
+    args = ["--threads", "1", "--precision", json.dumps(spec)]
+    server = EngineProcess(model_dir, args=args, log_path=tmp / "engine.log")
+    server.start()
+    client = HttpEngine(server.url)
+    try:
+        layers = int(load_hf_dir(model_dir)[0].config.num_hidden_layers)
+        plan = QuantPlan.from_spec(spec, layers)
+        transport = TRANSPORTS.get("p2p")()
+        transport.connect([client])
+        transport.push(QuantizedSource(trainer, plan), version=1, pause_mode="retract")
+        expected = plan.export(n_t for b in trainer.named_weights() for n_t in b)
+        same = client.weights_checksum() == weights_checksum(expected.items())
+        transport.close()
+        return same
+    finally:
+        client.close()
+        server.stop()
+
+
 COMPARED = [
     ("colocated", None),
     ("shared_memory", None),
@@ -106,8 +133,8 @@ for i, loss_overrides in enumerate(configs):
     backend = loss_overrides.pop("backend", "fsdp")
     model_i = loss_overrides.pop("model", model_dir)
     num_steps = loss_overrides.pop("steps", 2)
-    load, save, old_from, push = (
-        loss_overrides.pop(k, None) for k in ("load", "save", "old_from", "push")
+    load, save, old_from, push, push_quantized = (
+        loss_overrides.pop(k, None) for k in ("load", "save", "old_from", "push", "push_quantized")
     )
     parallel = ParallelConfig(**loss_overrides.pop("parallel", {}))
     loss = PolicyOptions(
@@ -146,8 +173,10 @@ for i, loss_overrides in enumerate(configs):
         trainer.save(save)
     weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
     pushes = push_through_transports(trainer, model_i, batch) if push else None
+    quantized = push_quantized_p2p(trainer, model_i, push_quantized) if push_quantized else None
     trainer.close()
     save_file(weights, f"{out_prefix}-{i}.safetensors")
     with open(f"{out_prefix}-{i}.json", "w") as f:
-        json.dump({"metrics": metrics, "old_log_probs": batch.old_log_probs, "pushes": pushes}, f)
+        result = {"metrics": metrics, "old_log_probs": batch.old_log_probs, "pushes": pushes}
+        json.dump(result | {"quantized_p2p": quantized}, f)
 distributed.shutdown()

@@ -21,8 +21,15 @@ def _config(ignore: list[str], **extra: Any) -> dict[str, Any]:
     }
 
 
+def amax_or_zero(rows: torch.Tensor) -> torch.Tensor:
+    """A float32 scalar: the amax of `rows` (0 when a rank holds none)."""
+    return rows.float().abs().amax() if rows.numel() else torch.zeros((), dtype=torch.float32)
+
+
 @FORMATS.register("fp8")
 class FP8(WeightFormat):
+    row_parts = frozenset({"weight"})
+
     def parts(self, shape):
         return {"weight": (tuple(shape), fp8.E4M3), "weight_scale": ((1,), torch.float32)}
 
@@ -33,12 +40,21 @@ class FP8(WeightFormat):
     def dequantize(self, parts: Parts) -> torch.Tensor:
         return fp8.dequantize_per_tensor(parts["weight"], parts["weight_scale"])
 
+    def stats(self, rows, start, shape):
+        return amax_or_zero(rows)
+
+    def quantize_rows(self, rows, start, shape, stats) -> Parts:
+        q, s = fp8.quantize_per_tensor(rows, stats)
+        return {"weight": q, "weight_scale": s}
+
     def quantization_config(self, ignore):
         return _config(ignore)
 
 
 @FORMATS.register("fp8_block")
 class FP8Block(WeightFormat):
+    row_parts = frozenset({"weight"})
+
     def parts(self, shape):
         n, k = shape
         blocks = (-(-n // fp8.BLOCK), -(-k // fp8.BLOCK))
@@ -50,6 +66,13 @@ class FP8Block(WeightFormat):
 
     def dequantize(self, parts: Parts) -> torch.Tensor:
         return fp8.dequantize_block(parts["weight"], parts["weight_scale_inv"])
+
+    def stats(self, rows, start, shape):
+        return fp8.block_amax(rows, start, shape)
+
+    def quantize_rows(self, rows, start, shape, stats) -> Parts:
+        q, s = fp8.quantize_block_rows(rows, start, stats)
+        return {"weight": q, "weight_scale_inv": s}
 
     def quantization_config(self, ignore):
         return _config(ignore, weight_block_size=[fp8.BLOCK, fp8.BLOCK])

@@ -20,6 +20,7 @@ class INT4Options(PluginOptions):
 @FORMATS.register("int4")
 class INT4(WeightFormat):
     Options = INT4Options
+    row_parts = frozenset({"weight_packed", "weight_scale"})
 
     def refuses(self, shape):
         if len(shape) != 2:
@@ -49,6 +50,9 @@ class INT4(WeightFormat):
 
     def dequantize(self, parts: Parts) -> torch.Tensor:
         return int4.dequantize(int4.unpack(parts["weight_packed"]), parts["weight_scale"])
+
+    def quantize_rows(self, rows, start, shape, stats) -> Parts:
+        return {**self.quantize(rows), "weight_shape": torch.tensor(list(shape), dtype=torch.int32)}
 
     def quantization_config(self, ignore):
         return {

@@ -13,6 +13,7 @@ from miles_core.precision.formats.mxfp8 import MXOptions, block_refuses
 @FORMATS.register("mxfp4")
 class MXFP4(WeightFormat):
     Options = MXOptions
+    row_parts = frozenset({"weight", "weight_scale"})
 
     def refuses(self, shape):
         return block_refuses(shape, mx.BLOCK)

@@ -32,6 +32,7 @@ def block_refuses(shape: tuple[int, ...], block: int) -> str | None:
 @FORMATS.register("mxfp8")
 class MXFP8(WeightFormat):
     Options = MXOptions
+    row_parts = frozenset({"weight", "weight_scale_inv"})
 
     def refuses(self, shape):
         return block_refuses(shape, mx.BLOCK)

@@ -9,12 +9,14 @@ import torch
 
 from miles_core.precision import fp8, nvfp4
 from miles_core.precision.format import FORMATS, Parts, WeightFormat
+from miles_core.precision.formats.fp8 import amax_or_zero
 from miles_core.precision.formats.mxfp8 import block_refuses
 
 
 @FORMATS.register("nvfp4")
 class NVFP4(WeightFormat):
     shares_amax = True
+    row_parts = frozenset({"weight", "weight_scale"})
 
     def refuses(self, shape):
         return block_refuses(shape, nvfp4.BLOCK)
@@ -33,6 +35,12 @@ class NVFP4(WeightFormat):
 
     def dequantize(self, parts: Parts) -> torch.Tensor:
         return nvfp4.dequantize(parts["weight"], parts["weight_scale"], parts["weight_scale_2"])
+
+    def stats(self, rows, start, shape):
+        return amax_or_zero(rows)
+
+    def quantize_rows(self, rows, start, shape, stats) -> Parts:
+        return self.quantize(rows, stats)
 
     def quantization_config(self, ignore):
         return {

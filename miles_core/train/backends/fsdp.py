@@ -38,6 +38,7 @@ from miles_core.device import resolve_device
 from miles_core.models.family import family_of
 from miles_core.precision import qat
 from miles_core.precision.plan import QuantPlan
+from miles_core.precision.shards import quantized_shards
 from miles_core.train import distributed as spmd
 from miles_core.train import step as steps
 from miles_core.train.backend import BACKENDS
@@ -256,14 +257,28 @@ class FSDPBackend(SPMDCalls):
 
     # ------------------------------------------------------------------ how weights leave
     # (miles_core.weights.source.TrainerWeights; this block is the weight-sync stream's)
-    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+    def shard_plan(
+        self, dtype: torch.dtype | None = None, precision: dict | None = None
+    ) -> ShardPlan:
         """For every parameter, in `send_shards` order: its HF name, full shape, the dtype sent
         and the slice each rank holds. FSDP2 shards along the dim of its `Shard` placement
-        (dim 0) in torch.chunk pieces; an unsharded parameter is sent whole by rank 0."""
+        (dim 0) in torch.chunk pieces; an unsharded parameter is sent whole by rank 0. With
+        `precision` (rollout.precision), quantized weights as their parts (precision/shards.py)."""
+        floats = self._float_shard_plan(dtype, precision)
+        if precision is None:
+            return floats
+        return quantized_shards(self._quant_plan(precision), floats)[0]
+
+    def _quant_plan(self, precision: dict) -> QuantPlan:
+        return QuantPlan.from_spec(precision, int(self.config.num_hidden_layers))
+
+    def _float_shard_plan(self, dtype: torch.dtype | None, precision: dict | None) -> ShardPlan:
+        quant = self._quant_plan(precision) if precision else None
         plan = []
         for name, p in self.model.named_parameters():
             shape = list(p.shape)
-            sent = dtype_name(dtype or p.dtype)
+            quantized = quant is not None and quant.quantized(name, tuple(shape))
+            sent = dtype_name(p.dtype if quantized else dtype or p.dtype)
             placement = p.placements[0] if isinstance(p, DTensor) else None
             if isinstance(placement, Shard) and shape:
                 pieces = [
@@ -280,25 +295,35 @@ class FSDPBackend(SPMDCalls):
             plan.append(TensorPlan(name, shape, sent, pieces))
         return plan
 
-    def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+    def _send_shards(
+        self, engine_ranks: list[int], dtype: torch.dtype | None = None, precision=None
+    ) -> int:
         from miles_core.weights.group import Scratch, send_pieces
 
         scratch = self.__dict__.setdefault("_send_scratch", Scratch())  # kept from push to push
-        plan = self.shard_plan(dtype)
+        plan = self._float_shard_plan(dtype, precision)
         pieces = {}  # tensor index in the plan: this rank's slice, sent in one flat buffer
+        local = {}  # by name: the same slices (quantized weights' in float32)
         with torch.no_grad():
             params = self.model.named_parameters()
-            for i, ((_, param), t) in enumerate(zip(params, plan, strict=True)):
+            for i, ((name, param), t) in enumerate(zip(params, plan, strict=True)):
                 mine = [p for p in t.pieces if p.rank == self.rank and p.length > 0]
                 if not mine:
                     continue
                 piece = mine[0]
                 if isinstance(param, DTensor):
-                    local = param.to_local()
+                    held = param.to_local()
                 else:
-                    local = param.detach().reshape(-1) if not t.shape else param.detach()
-                    local = local.narrow(piece.dim, piece.start, piece.length)
-                pieces[i] = local.detach().to(dtype or local.dtype)
+                    held = param.detach().reshape(-1) if not t.shape else param.detach()
+                    held = held.narrow(piece.dim, piece.start, piece.length)
+                pieces[i] = local[name] = held.detach().to(getattr(torch, t.dtype))
+            if precision is not None:  # each rank quantizes its rows (precision/shards.py)
+                reduce = None
+                if self.world > 1:
+                    reduce = lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX)  # noqa: E731
+                plan, pieces = quantized_shards(
+                    self._quant_plan(precision), plan, local, self.rank, reduce
+                )
             pg = self._transfer_group[1]
             return send_pieces(pg, plan, self.rank, pieces, engine_ranks, scratch)
 

@@ -576,10 +576,13 @@ class MegatronBackend(SPMDCalls):
             out.update((n, t.contiguous()) for n, t in bucket)
         return out
 
-    def shard_plan(self, dtype: torch.dtype | None = None) -> ShardPlan:
+    def shard_plan(
+        self, dtype: torch.dtype | None = None, precision: dict | None = None
+    ) -> ShardPlan:
         """Every HF tensor, in `send_shards` order: the slice each holding rank sends (data-
         parallel replica 0 of each stage and tensor-parallel rank; replicated norms from
         tensor-parallel rank 0)."""
+        _refuse_quantized_shards(precision)
         s, tp = self.shapes, self.layout.tp
         sent = dtype_name(dtype or self.dtype)
         shapes: dict[str, list[int]] = {}  # HF tensors in order, with their pieces
@@ -608,9 +611,12 @@ class MegatronBackend(SPMDCalls):
     def _empty_full(self, name: str) -> torch.Tensor:
         return torch.empty(self._full_shape(name), dtype=torch.float32, device="meta")
 
-    def _send_shards(self, engine_ranks: list[int], dtype: torch.dtype | None = None) -> int:
+    def _send_shards(
+        self, engine_ranks: list[int], dtype: torch.dtype | None = None, precision=None
+    ) -> int:
         """Every holding rank sends its tensor-parallel shards, converted to HF slices (no
         gather); the engine assembles them from `shard_plan`."""
+        _refuse_quantized_shards(precision)
         from miles_core.weights.group import Scratch, send_pieces
 
         scratch = self.__dict__.setdefault("_send_scratch", Scratch())
@@ -642,3 +648,11 @@ class MegatronBackend(SPMDCalls):
 def _is_buffer(name: str) -> bool:
     """A router's correction bias: a buffer of the model, not a parameter."""
     return name.endswith("router.expert_bias")
+
+
+def _refuse_quantized_shards(precision: dict | None) -> None:
+    if precision:
+        raise ValueError(
+            "rollout.precision with weight_sync.transport p2p needs train.backend: fsdp (tensor-"
+            "parallel shards split the blocks a format scales over)"
+        )
