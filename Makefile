@@ -39,7 +39,6 @@ system:
 $(STAMP): pyproject.toml infra/install.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m infra.install '.[test,openenv,server]'
-	$(BIN)/python -m infra.warm_imports
 	touch $(STAMP)
 
 # torchao 0.18, an independent MX quantizer the precision tests compare against, kept out of the
