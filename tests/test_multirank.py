@@ -89,8 +89,6 @@ def _megatron_configs(
                 common
                 | {"model": str(moe), "backend": "megatron", "parallel": {"ep": 2}, "push": True},
             ),
-            # FSDP2 on two ranks, one step, then a p2p push of its NVFP4 weights
-            ("moe_fsdp2_nvfp4", {"model": str(moe), "steps": 1, "push_quantized": NVFP4}),
         ],
     }
     runs = [
@@ -127,7 +125,9 @@ def parity_runs(tiny_dir, tmp_path_factory):
     moe = save_hf_dir(*build_model("tiny-moe-shared", seed=1), tmp / "moe")
     fsdp, megatron = [], {}
     for world, out in ((1, tmp / "one"), (2, tmp / "two"), (4, tmp / "four")):
-        plain = CONFIGS if world < 4 else []
+        plain = [dict(c) for c in CONFIGS] if world < 4 else []
+        if world == 2:  # after its steps, a p2p push of its NVFP4 weights, each rank its rows
+            plain[0]["push_quantized"] = NVFP4
         extra = _megatron_configs(world, out, len(plain), ckpt, moe)
         results = _run(world, tiny_dir, out, [*plain, *(c for _, c in extra)])
         fsdp.append(results[: len(plain)])
@@ -362,8 +362,9 @@ def test_an_agentic_run_on_two_ranks_pushes_shards_and_trains_as_on_one(prefect_
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_push_quantized_rows_that_land_as_the_whole_weights(parity_runs):
-    """rollout.precision over p2p: each of two FSDP2 ranks quantizes the rows it holds (the
-    MoE model's fused experts by expert, NVFP4's global amax all-reduced); the engine server's
-    bytes are the plan's export of the gathered weights."""
-    _, _, megatron = parity_runs
-    assert megatron["moe_fsdp2_nvfp4"][1]["quantized_p2p"] is True
+    """rollout.precision over p2p: each of two FSDP2 ranks quantizes the rows it holds
+    (NVFP4's global amax all-reduced, gate and up sharing it); the engine server's bytes are
+    the plan's export of the gathered weights. (Fused experts split by expert:
+    test_precision_plan.py, on simulated ranks.)"""
+    _, two, _ = parity_runs
+    assert two[0][1]["quantized_p2p"] is True
