@@ -29,12 +29,12 @@ MEGATRON_GROUPS = {
 }
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-EMBEDDINGS = ("model.embed_tokens.", "embedding.word_embeddings.")
+EMBEDDING = "model.embed_tokens."
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     """A tensor a format may quantize: a linear layer's weight (HF names)."""
-    if name.startswith(EMBEDDINGS[0]):
+    if name.startswith(EMBEDDING):
         return False
     if len(shape) == 2 and name.endswith(".weight"):
         return True

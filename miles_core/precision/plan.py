@@ -54,6 +54,11 @@ def pieces(name: str, shape: tuple[int, ...]) -> list[Piece] | None:
     return out
 
 
+def pair_amax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The one global amax of a gate/up pair (float32 scalar)."""
+    return torch.maximum(a.float().abs().amax(), b.float().abs().amax())
+
+
 def split(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """`t` as 2-D weights: itself, or a fused expert tensor's per-expert pieces."""
     ps = pieces(name, tuple(t.shape))
@@ -175,7 +180,7 @@ class QuantPlan:
             amax = None
             other = partner(name)
             if self.fmt.shares_amax and other in named:
-                amax = torch.maximum(w.float().abs().amax(), named[other].float().abs().amax())
+                amax = pair_amax(w, named[other])
             p = prefix_of(name)
             for part, t in self.fmt.quantize(w, amax).items():
                 yield p + part, t
@@ -248,9 +253,7 @@ class QuantPlan:
         if ps is None:
             amax = None
             if partner_w is not None:
-                amax = torch.maximum(
-                    w.detach().float().abs().amax(), partner_w.detach().float().abs().amax()
-                )
+                amax = pair_amax(w.detach(), partner_w.detach())
             return fake_quantize(w, self.fmt, amax)
         rows = []
         for e in range(w.shape[0]):

@@ -23,6 +23,7 @@ class ServedWeights:
         self.plan = plan
         self.parts: dict[str, torch.Tensor] = {}
         self._owner: dict[str, str] = {}  # part name → the weight it belongs to
+        self.quantized: frozenset[str] = frozenset()  # the weights held as parts
         if plan is None:
             return
         self.layout = plan.layout(params)
@@ -30,13 +31,10 @@ class ServedWeights:
             if plan.quantized(name, p.shape):
                 for part in plan.parts_of(name, tuple(p.shape)):
                     self._owner[part] = name
+        self.quantized = frozenset(self._owner.values())
         # the engine starts on the quantized values of the weights it was built with
         initial = plan.export((n, p.detach()) for n, p in params.items() if n in self.quantized)
         self.load(initial.items())
-
-    @property
-    def quantized(self) -> set[str]:
-        return set(self._owner.values())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {n: p.detach() for n, p in self.params.items() if n not in self.quantized}
@@ -61,8 +59,7 @@ class ServedWeights:
                        if p not in parts]  # fmt: skip
             if missing:
                 raise ValueError(f"{w}: a push must carry all its parts; missing {missing}")
-        quantized = self.quantized
-        floats = [n for n, _ in plain if n in quantized]
+        floats = [n for n, _ in plain if n in self.quantized]
         if floats:
             raise KeyError(
                 f"engine holds {floats[0]!r} quantized ({self.plan.name}): push its parts "
