@@ -456,6 +456,9 @@ CATALOGUE = [
     ("rollout.precision a model's shapes cannot take, INT4 group_size not dividing an input dim, keep_bf16 naming no tensor", "refused in preflight, the setting and the weights named", "test_precision_plan.py::test_a_model_the_precision_cannot_take_is_refused_before_start"),
     ("train.qat without a format, megatron QAT or p2p with a format, true on-policy without QAT", "the setting named", "test_precision_plan.py::test_precision_settings_that_cannot_work_are_refused_naming_them"),
     ("quantized push missing a part, in the wrong dtype, or in float for a quantized weight", "refused, engine unchanged", "test_precision_plan.py::test_a_bad_push_to_a_quantized_engine_changes_nothing"),
+    ("train.lora with rank 0, a module the model lacks, megatron, QAT or a quantized rollout", "refused before start, the setting named", "test_lora.py::test_lora_settings_that_cannot_work_are_refused_before_start"),
+    ("request naming an adapter not loaded, none while LoRA is on, a load past --max-loaded-loras, unloading one in use, an adapter of another base", "4xx / refused, the adapter table unchanged", "test_lora.py::test_requests_and_loads_the_adapter_table_cannot_take_are_refused"),
+    ("adapter directory outside the weight roots, a pickled tensor payload", "400, nothing read or unpickled", "test_lora.py::test_the_servers_lora_routes_answer_as_sglangs"),
     ("miles convert to a format SGLang cannot load, or with an INT4 group that does not divide", "exit 2 with the reason, nothing written", "contract/test_sglang_quant_contract.py::test_the_cli_converts_with_a_runs_settings_and_refuses_what_cannot_load"),
 ]  # fmt: skip
 

@@ -33,6 +33,11 @@ class RolloutConfig(Strict):
         "weight_sync.transport shared_memory, disk, broadcast or p2p)",
     )
     engine_options: PluginOptionsField = options_field("engine")
+    adapter: str | None = Field(
+        None,
+        description="the LoRA adapter every rollout request names (lora_path); default with "
+        "train.lora: its adapter",
+    )
     mode: str = Field(
         "sync",
         description="a module of miles_core/rollout/modes/ or 'package.module:Mode'. sync: "

@@ -104,6 +104,7 @@ class RunConfig(Strict):
             )
         self._check_transport_fits_engine()
         self._check_precision()
+        self._check_lora()
         self._check_eval()
         if t.true_on_policy:
             from miles_core.true_on_policy.contract import TRUE_ON_POLICY
@@ -186,6 +187,25 @@ class RunConfig(Strict):
             raise ValueError(
                 f"train.true_on_policy with rollout.precision {r.precision} needs train.qat: the "
                 "trainer must compute with the quantized values the engine serves"
+            )
+
+    def _check_lora(self) -> None:
+        """train.lora against the rollout: requests name the run's adapter."""
+        r, lora = self.rollout, self.train.lora
+        if lora is None:
+            if r.adapter is not None:
+                raise ValueError(f"rollout.adapter {r.adapter!r} is set but train.lora is not")
+            return
+        if r.adapter is None:
+            r.adapter = lora.adapter
+        elif r.adapter not in lora.adapters:
+            raise ValueError(
+                f"rollout.adapter {r.adapter!r} is none of train.lora.adapters {lora.adapters}"
+            )
+        if r.precision != "none":
+            raise ValueError(
+                f"train.lora with rollout.precision {r.precision}: adapters over a quantized "
+                "base are not built yet"
             )
 
     def _check_eval(self) -> None:

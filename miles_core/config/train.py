@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
+from miles_core.config.lora import LoraSettings
 
 
 def _registry(name: str):
@@ -132,6 +133,12 @@ class TrainConfig(OptimConfig):
         "engine serves (rollout.precision, precision.keep_bf16), gradients pass straight "
         "through to the float weights",
     )
+    lora: LoraSettings | None = Field(
+        None,
+        description="train LoRA adapters on the frozen base instead of the model (peft; only the "
+        "adapters get gradients and optimizer state, and only they are pushed to the engines, "
+        "which serve them per request, unmerged)",
+    )
     check_routing_replay: bool = Field(
         False,
         description="MoE models: compare, per token and MoE layer, the experts the trainer's "
@@ -156,6 +163,17 @@ class TrainConfig(OptimConfig):
                 f"train.global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"micro_batch_size × data-parallel ranks ({unit})"
             )
+        if self.lora is not None:
+            from miles_core.train.backend import BACKENDS
+
+            refused = getattr(BACKENDS.get(self.backend), "lora_refused", None)
+            if refused:
+                raise ValueError(f"train.lora with train.backend {self.backend}: {refused}")
+            if self.qat:
+                raise ValueError(
+                    "train.lora with train.qat: adapters over a fake-quantized base are not "
+                    "built yet; use one or the other"
+                )
         p = self.parallel
         if p.model_parallel > 1 or p.ep > 1:
             from miles_core.train.backend import BACKENDS

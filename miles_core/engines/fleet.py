@@ -37,6 +37,7 @@ class EngineFleet:
     checks) and its supervisor (from `supervise`), and the router in front of several."""
 
     def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path):
+        from miles_core.lora.adapter import engine_spec
         from miles_core.precision.plan import QuantPlan
         from miles_core.processes.auth import run_key
 
@@ -67,6 +68,7 @@ class EngineFleet:
             mode.ahead,
             config.train.true_on_policy,
             QuantPlan.spec_of(config),
+            engine_spec(config.train.lora, model),
         )
         built = ENGINES.get(r.engine).build(setup)
         self.config = config

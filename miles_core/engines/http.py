@@ -11,6 +11,7 @@ watchdog, and a call the engine's death interrupted is re-issued once on the rep
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ def generate_payload(req: GenerateRequest) -> dict:
     }
     for name in req.return_fields:  # each field by its own request key
         body[token_field(name).request_flag] = True
+    if req.lora_path is not None:
+        body["lora_path"] = req.lora_path
     return body
 
 
@@ -53,6 +56,8 @@ def batch_payload(requests: list[GenerateRequest]) -> dict:
         body["rid"] = [r.rid for r in requests]
     for name in dict.fromkeys(n for r in requests for n in r.return_fields):
         body[token_field(name).request_flag] = [name in r.return_fields for r in requests]
+    if any(r.lora_path is not None for r in requests):
+        body["lora_path"] = [r.lora_path for r in requests]
     return body
 
 
@@ -301,8 +306,36 @@ class HttpEngine:
             body["weight_version"] = str(version)
         self.post("/update_weights_from_tensor", body)
 
-    def weights_checksum(self) -> str:
-        return str(self.post("/weights_checker", {"action": "checksum"})["message"])
+    def weights_checksum(self, scope: str = "all") -> str:
+        body = {"action": "checksum"} | ({} if scope == "all" else {"scope": scope})
+        return str(self.post("/weights_checker", body)["message"])
+
+    # ------------------------------------------------------------------ LoRA (SGLang's routes)
+    def load_lora_adapter(self, name: str, path: str) -> dict:
+        return self.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    def unload_lora_adapter(self, name: str) -> dict:
+        return self.post("/unload_lora_adapter", {"lora_name": name})
+
+    def load_lora_adapter_from_tensors(
+        self, name: str, config: dict, tensors: dict, upsert: bool = False
+    ) -> dict:
+        """`tensors`: peft-keyed; sent as a safetensors payload (base64)."""
+        from safetensors.torch import save
+
+        payload = save({k: v.detach().contiguous() for k, v in tensors.items()})
+        body = {
+            "lora_name": name,
+            "config_dict": config,
+            "serialized_named_tensors": [base64.b64encode(payload).decode()],
+            "load_format": "safetensors",
+            "upsert": upsert,
+        }
+        return self.post("/load_lora_adapter_from_tensors", body)
+
+    def lora_adapters(self) -> list[dict]:
+        """The loaded adapters (our server's `/get_server_info` lists them)."""
+        return list(self.server_info().get("lora_adapters", []))
 
     def close(self) -> None:
         self._sync.close()

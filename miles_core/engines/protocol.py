@@ -84,9 +84,10 @@ class RolloutEngine(Protocol):
         Differences across a rollout give its mean active requests and queue depth."""
         ...
 
-    def weights_checksum(self) -> str:
+    def weights_checksum(self, scope: str = "all") -> str:
         """sha256 (weights/checker.py order) of the weights that generate: an engine that
-        decodes from derived copies (packed, fused) verifies them against these first."""
+        decodes from derived copies (packed, fused) verifies them against these first.
+        `scope`: all, base (the model's tensors) or adapters (LoRA adapters, wire names)."""
         ...
 
     def close(self) -> None: ...

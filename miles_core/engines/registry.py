@@ -32,6 +32,9 @@ class EngineSetup:
     beside_trainer: bool = False  # generates while the trainer trains (else they take turns)
     true_on_policy: bool = False  # generate with the invariant forward (train.true_on_policy)
     precision: dict | None = None  # quantized weights (rollout.precision: QuantPlan.spec_of)
+    lora: dict | None = (
+        None  # adapters served per request (train.lora: lora/adapter.py engine_spec)
+    )
 
     @property
     def batch(self) -> int:

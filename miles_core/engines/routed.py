@@ -59,8 +59,8 @@ class RoutedEngine(HttpEngine):
             return {}
         return {k: sum(c[k] for c in per_engine) for k in per_engine[0]}
 
-    def weights_checksum(self) -> str:
-        sums = {m.url: m.weights_checksum() for m in self.members}
+    def weights_checksum(self, scope: str = "all") -> str:
+        sums = {m.url: m.weights_checksum(scope) for m in self.members}
         if len(set(sums.values())) > 1:
             raise EnginesDisagree(f"the engines hold different weights: {sums}")
         return next(iter(sums.values()))

@@ -47,6 +47,8 @@ class GenerateRequest(BaseModel):
     # by each field's request flag
     return_fields: list[str] = Field(default_factory=list)
     rid: str | None = None
+    # the LoRA adapter to generate with, by name (None: the base model), as SGLang's
+    lora_path: str | None = None
     routing_key: str | None = (
         None  # session affinity through the router (never sent as a body field)
     )

@@ -120,17 +120,20 @@ def estimate_parameters(
     return total
 
 
-def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """The shape of every parameter of the HF model `cfg` describes, by name, from a copy on
-    the meta device (no memory, no weights)."""
+def meta_model(cfg: dict):
+    """The HF model `cfg` describes, on the meta device (no memory, no weights)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     config = AutoConfig.for_model(cfg["model_type"], **fields)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+        return AutoModelForCausalLM.from_config(config)
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter of the HF model `cfg` describes, by name."""
+    return {n: tuple(p.shape) for n, p in meta_model(cfg).named_parameters()}
 
 
 def check_memory(

@@ -14,13 +14,24 @@ from collections.abc import Iterable
 import torch
 
 from miles_core.engines.cpu.loading import load_named_tensors
+from miles_core.lora.names import is_wire_name
+from miles_core.lora.served import ServedAdapters
 from miles_core.precision.plan import QuantPlan
+
+# what a weights checksum covers: everything served, the base model's tensors, or the adapters
+SCOPES = ("all", "base", "adapters")
 
 
 class ServedWeights:
-    def __init__(self, params: dict[str, torch.Tensor], plan: QuantPlan | None = None):
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        plan: QuantPlan | None = None,
+        adapters: ServedAdapters | None = None,
+    ):
         self.params = params
         self.plan = plan
+        self.adapters = adapters  # LoRA: pushed adapter tensors (wire names) are loaded there
         self.parts: dict[str, torch.Tensor] = {}
         self._owner: dict[str, str] = {}  # part name → the weight it belongs to
         self.quantized: frozenset[str] = frozenset()  # the weights held as parts
@@ -36,12 +47,27 @@ class ServedWeights:
         initial = plan.export((n, p.detach()) for n, p in params.items() if n in self.quantized)
         self.load(initial.items())
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self, scope: str = "all") -> dict[str, torch.Tensor]:
+        """The served tensors by name: the base model's (quantized ones as their parts), the
+        loaded adapters' (wire names), or both."""
+        if scope not in SCOPES:
+            raise ValueError(f"unknown weights scope {scope!r}; choose one of {SCOPES}")
+        adapters = self.adapters.tensors() if self.adapters is not None else {}
+        if scope == "adapters":
+            return adapters
         out = {n: p.detach() for n, p in self.params.items() if n not in self.quantized}
-        return out | self.parts
+        base = out | self.parts
+        return base if scope == "base" else base | adapters
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]], adopt: bool = False) -> int:
         pairs = list(named)
+        lora = [(n, t) for n, t in pairs if is_wire_name(n)]
+        if lora:
+            if self.adapters is None:
+                raise KeyError(f"engine serves no adapters, but the push carries {lora[0][0]!r}")
+            if len(lora) != len(pairs):
+                raise ValueError("a push carries adapters or base weights, not both")
+            return self.adapters.load_wire(lora)
         if self.plan is None:
             return load_named_tensors(self.params, pairs, adopt=adopt)
         parts = {n: t for n, t in pairs if n in self._owner}

@@ -83,6 +83,7 @@ def group_requests(
             else sp,
             rid=f"{step}-{g}-{k}",
             return_fields=requested(cfg.token_fields),
+            lora_path=cfg.adapter,
         )
         for k in range(n)
     ]

@@ -208,6 +208,7 @@ def _check_model(config: RunConfig, model_config: dict) -> None:
         if reason is not None:
             raise ValueError(f"train.true_on_policy cannot run {where}: {reason}")
     _check_precision(config, model_config, where)
+    _check_lora(config, model_config, where)
     if config.model.path:
         check_model_dir(config.model.path, model_config, config.checkpoint.storage_options)
 
@@ -225,6 +226,23 @@ def _check_precision(config: RunConfig, model_config: dict, where: str) -> None:
     if refused:
         more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
         raise ValueError(f"{where}: {'; '.join(refused[:3])}{more}")
+
+
+def _check_lora(config: RunConfig, model_config: dict, where: str) -> None:
+    """train.lora's target and excluded modules name linear layers of the model the engines
+    can serve adapters on (read from a weightless copy)."""
+    lora = config.train.lora
+    if lora is None:
+        return
+    from miles_core.lora.targets import linear_modules, resolve_targets
+    from miles_core.models.check import meta_model
+
+    try:
+        resolve_targets(
+            linear_modules(meta_model(model_config)), lora.target_modules, lora.exclude_modules
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _field_for(path: str, model_config: dict, where: str):

@@ -81,6 +81,8 @@ class RLRuntime:
             plan = QuantPlan.of(config, int(model.config.num_hidden_layers))
             self.weights = WeightSync(config, self.trainer, self.fleet, self.workdir, plan)
             started.callback(self.weights.close)
+            if config.train.lora is not None and config.weight_sync.check_equal:
+                self.weights.check_base(dict(model.named_parameters()))
             version = lambda: self.weights.engine_version  # noqa: E731 — what the engines serve
             self.rollouts = make_rollouts(
                 config, self.fleet, self.tokenizer, self.task, self.source, version, self.workdir

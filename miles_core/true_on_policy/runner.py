@@ -33,6 +33,15 @@ class InvariantRunner:
             routes=self.routes_shape,
         )
 
+    @property
+    def lora(self):
+        """The engine's adapters (lora/served.py), whose terms the invariant forward adds."""
+        return self.inv.lora
+
+    @lora.setter
+    def lora(self, adapters) -> None:
+        self.inv.lora = adapters
+
     def routes_of(self, slot: int, length: int) -> torch.Tensor | None:
         return self.cache.routes_of(slot, length)
 

@@ -63,6 +63,9 @@ class WeightSync:
         self.engine_version = 0
         self.trained_since_push = False  # the trainer is one version ahead of policy_version
         self.plan = plan  # rollout.precision: pushes carry quantized weights (precision/push.py)
+        # train.lora: pushes carry the adapters alone, and checks compare them (the frozen base
+        # is compared once, `check_base`)
+        self.scope = "adapters" if config.train.lora is not None else "all"
         context = TransportContext.of_run(config, workdir, dist_backend(trainer.device))
         self.transport = TRANSPORTS.get(ws.transport).build(context, ws.transport_options)
         try:  # a transport/engine mismatch refused here leaves nothing open
@@ -143,9 +146,8 @@ class WeightSync:
         def push_and_check():
             with self.push_lock:
                 stats = self.transport.push(self._source(snap.source), snap.version, pause_mode)
-                if snap.checksum is not None and self.fleet.engine.weights_checksum() != (
-                    snap.checksum
-                ):
+                held = self.fleet.engine.weights_checksum(self.scope)
+                if snap.checksum is not None and held != snap.checksum:
                     raise RuntimeError(
                         f"engine weights ({self.fleet.where}) differ from the snapshot of "
                         f"version {snap.version} after its push"
@@ -199,16 +201,26 @@ class WeightSync:
     def check_now(self) -> None:
         with self.lock, self.push_lock:
             expected = self._as_loaded(self.trainer)
-            if self.fleet.engine.weights_checksum() != weights_checksum(expected):
+            if self.fleet.engine.weights_checksum(self.scope) != weights_checksum(expected):
                 raise RuntimeError(
                     f"engine weights ({self.fleet.where}) differ from the trainer's after the push"
                 )
+
+    def check_base(self, base: dict[str, torch.Tensor]) -> None:
+        """LoRA: the engines serve the frozen base the trainer holds (`base`: the run's starting
+        model, which a LoRA trainer never changes)."""
+        expected = weights_checksum(base.items())
+        held = self.fleet.surviving(
+            "base weights check", self.fleet.engine.weights_checksum, "base"
+        )
+        if held != expected:
+            raise RuntimeError(f"engine base weights ({self.fleet.where}) differ from the run's")
 
     def trainer_checksum(self, engine_checksum: str) -> str:
         """sha256 of the trainer's weights (what a checkpoint's files hold): the engine's, which
         holds them as they are unless pushes round or quantize them (weight_sync.dtype,
         rollout.precision)."""
-        if self.push_dtype is None and self.plan is None:
+        if self.push_dtype is None and self.plan is None and self.scope == "all":
             return engine_checksum
         with self.lock:
             return weights_checksum(

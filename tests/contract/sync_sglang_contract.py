@@ -30,6 +30,9 @@ STRUCTS = (
     "ReleaseMemoryOccupationReqInput",
     "ResumeMemoryOccupationReqInput",
     "CheckWeightsReqInput",
+    "LoadLoRAAdapterReqInput",
+    "UnloadLoRAAdapterReqInput",
+    "LoadLoRAAdapterFromTensorsReqInput",
     "BaseReq",
 )
 

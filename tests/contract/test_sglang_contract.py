@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from miles_core.engines.cpu.lora_routes import LoadLoraBody, LoraTensorsBody, UnloadLoraBody
 from miles_core.engines.cpu.server import (
     AbortBody,
     CheckerBody,
@@ -92,6 +93,9 @@ def test_the_generate_payload_uses_sglang_field_names():
         (DistributedBody, "UpdateWeightsFromDistributedReqInput"),
         (MemoryBody, "ReleaseMemoryOccupationReqInput"),
         (CheckerBody, "CheckWeightsReqInput"),
+        (LoadLoraBody, "LoadLoRAAdapterReqInput"),
+        (UnloadLoraBody, "UnloadLoRAAdapterReqInput"),
+        (LoraTensorsBody, "LoadLoRAAdapterFromTensorsReqInput"),
     ],
 )
 def test_server_request_bodies_are_subsets_of_sglang_structs(ours, theirs):

@@ -39,6 +39,11 @@ class BatchForward(Protocol):
         """Feeds one token per row (ids [B]); returns next-token logits [B, V]."""
         ...
 
+    def use_adapters(self, adapters) -> None:
+        """Adds the adapter terms of `adapters` (lora/served.py: its current rows) to the
+        adapted linear layers from now on."""
+        ...
+
     def invalidate(self) -> None:
         """The model's weights changed: drop anything derived from them."""
         ...

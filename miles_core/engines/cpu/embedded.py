@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from miles_core.engines.cpu.adapter_calls import AdapterCalls, check_adapter, rows_using
 from miles_core.engines.cpu.batch_forward import batch_forward_for
 from miles_core.engines.cpu.loading import PackedWeightsDiffer, tensors_checksum
 from miles_core.engines.cpu.sampler import sample_next
@@ -28,6 +29,7 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
+from miles_core.lora.served import served_adapters
 from miles_core.precision.plan import QuantPlan
 from miles_core.precision.served import ServedWeights
 from miles_core.true_on_policy import token_versions
@@ -35,7 +37,7 @@ from miles_core.true_on_policy.runner import invariant_runner
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(AdapterCalls):
     weight_routes = frozenset({TENSOR})
     per_request_seeds = False  # one batch, one shared generator (`generator`)
 
@@ -49,6 +51,7 @@ class EmbeddedEngine:
         fast: bool = True,
         true_on_policy: bool = False,
         precision: dict | None = None,
+        lora: dict | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -60,12 +63,16 @@ class EmbeddedEngine:
         self._version = 0
         self._lock = threading.Lock()
         plan = QuantPlan.from_spec(precision, int(model.config.num_hidden_layers))
-        self.weights = ServedWeights(dict(model.named_parameters()), plan)
+        # LoRA: adapters served per request, unmerged (lora/served.py)
+        self.adapters = served_adapters(self.model, lora)
+        self.weights = ServedWeights(dict(model.named_parameters()), plan, self.adapters)
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
             self.forward = SlotBatchForward(invariant_runner(self.model, slots=0))
         else:
             self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
+        if self.adapters is not None:
+            self.forward.use_adapters(self.adapters)
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}
         # per-step thread counts (threads.py), when no trainer computes beside `generate`
         cpu = next(model.parameters()).device.type == "cpu"
@@ -107,16 +114,17 @@ class EmbeddedEngine:
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return self.weights.tensors()
 
-    def weights_checksum(self) -> str:
-        """sha256 of the weights that generate: whatever the forward derived from the model's
-        parameters (the runner's packed copies) is first checked bitwise against them."""
+    def weights_checksum(self, scope: str = "all") -> str:
+        """sha256 of the weights that generate (`scope`: all, base or adapters): whatever the
+        forward derived from the model's parameters (the runner's packed copies) is first
+        checked bitwise against them."""
         # no lock: a paused engine holds it (pause → push → check)
         stale = self.forward.stale() + self.weights.stale()
         if stale:
             raise PackedWeightsDiffer(
                 f"the engine forward's weight copies differ from its tensors: {stale[:5]}"
             )
-        return tensors_checksum(self.named_tensors())
+        return tensors_checksum(self.weights.tensors(scope))
 
     def close(self) -> None:
         """Nothing to stop: it runs only inside `generate`."""
@@ -124,6 +132,7 @@ class EmbeddedEngine:
     # ---------------------------------------------------------------- generation
     def validate(self, req: GenerateRequest) -> None:
         validate_request(req, self.vocab_size, self.max_context)
+        check_adapter(self.adapters, req)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         for r in requests:
@@ -137,10 +146,15 @@ class EmbeddedEngine:
     def _generate_batch(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         bsz = len(requests)
         prompt_lens = [len(r.input_ids) for r in requests]
-        # each distinct prompt is prefilled once (a GRPO group's n samples share one)
-        distinct: dict[tuple[int, ...], int] = {}
-        row_prompt = [distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in requests]
-        prompts = [list(p) for p in distinct]
+        # each distinct prompt is prefilled once (a GRPO group's n samples share one); with
+        # adapters, once per (prompt, adapter)
+        distinct: dict[tuple, int] = {}
+        row_prompt = [
+            distinct.setdefault((tuple(r.input_ids), r.lora_path), len(distinct)) for r in requests
+        ]
+        prompts = [list(p) for p, _ in distinct]
+        prompt_adapters = [a for _, a in distinct]
+        row_adapters = [r.lora_path for r in requests]
         sps = [r.sampling_params for r in requests]
         temperature = torch.tensor([sp.effective_temperature() for sp in sps], dtype=torch.float32)
         top_k = torch.tensor([sp.effective_top_k() for sp in sps], dtype=torch.long)
@@ -163,9 +177,11 @@ class EmbeddedEngine:
             fed = bsz if tokens is not None else sum(len(p) for p in prompts)
             with self.step_threads.around(fed):
                 if tokens is None:
-                    logits = self.forward.prefill(prompts, row_prompt, length)
+                    with rows_using(self.adapters, prompt_adapters):
+                        logits = self.forward.prefill(prompts, row_prompt, length)
                 else:
-                    logits = self.forward.decode(tokens)
+                    with rows_using(self.adapters, row_adapters):
+                        logits = self.forward.decode(tokens)
                 uniforms = torch.rand(bsz, generator=self.generator, dtype=torch.float64)
                 tokens, token_lp = sample_next(
                     logits, temperature, top_k, top_p, uniforms, truncate, self.true_on_policy

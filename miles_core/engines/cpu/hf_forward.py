@@ -4,10 +4,19 @@ weights, so there is nothing to invalidate."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import DynamicCache
 
+from miles_core.lora.delta import lora_term
+from miles_core.lora.targets import SERVED
 from miles_core.train.padding import pad_rows
+
+
+def _add_term(adapters, name: str, module, inputs, output):
+    term = lora_term(inputs[0], adapters.groups(name))
+    return output if term is None else output + term.to(output.dtype)
 
 
 class HFForward:
@@ -42,6 +51,13 @@ class HFForward:
             input_ids=ids, attention_mask=mask, position_ids=pos, cache=self._cache, use_cache=True
         )
         return out.logits[:, -1, :]
+
+    def use_adapters(self, adapters) -> None:
+        """Each adapted linear module adds its rows' adapter terms (a forward hook)."""
+        modules = dict(self.model.named_modules())
+        for name in adapters.linears:
+            if SERVED.fullmatch(name):
+                modules[name].register_forward_hook(functools.partial(_add_term, adapters, name))
 
     def invalidate(self) -> None:
         """Nothing derived from the weights."""

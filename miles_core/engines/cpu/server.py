@@ -33,6 +33,7 @@ from miles_core.engines.cpu.disk_loads import (
     max_load_bytes,
 )
 from miles_core.engines.cpu.loading import PackedWeightsDiffer
+from miles_core.engines.cpu.lora_routes import add_lora_routes
 from miles_core.engines.cpu.serving import PAUSE_MODES, ServingEngine
 from miles_core.engines.protocol import SERVER_ROUTES
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
@@ -62,6 +63,8 @@ class GenerateBody(_Body):
     # ours: the weight version of each output token (true on-policy's `token_versions` field)
     return_token_versions: bool | list[bool] = False
     rid: str | list[str] | None = None
+    # the LoRA adapter by name, one per prompt in a batch (None: the base model)
+    lora_path: str | list[str | None] | None = None
     stream: bool = False
 
 
@@ -131,6 +134,9 @@ class MemoryBody(_Body):
 
 class CheckerBody(_Body):
     action: str = "checksum"
+    # ours: what a checksum covers (all, base, adapters)
+    scope: str = "all"
+    extensions: ClassVar[frozenset[str]] = frozenset({"scope"})
 
 
 def parse_version(value: str) -> int:
@@ -188,6 +194,7 @@ def create_app(
     snapshot: dict[str, torch.Tensor] = {}
     disk = DiskLoader(weight_roots, timeout_s=load_timeout_s)
     app.state.disk_loader = disk
+    add_lora_routes(app, engine, disk.roots)
 
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
@@ -242,6 +249,7 @@ def create_app(
             "gemm_dtype": str(engine.runner.gemm_dtype).removeprefix("torch."),
             "true_on_policy": engine.true_on_policy,
             "precision": engine.weights.plan.name if engine.weights.plan else "none",
+            "lora_adapters": engine.lora_adapters(),
             "device": str(engine.device),
             "paused": engine.paused,
             "prefix_cache_hit_rate": engine.prefix_cache_hit_rate(),
@@ -462,9 +470,9 @@ def create_app(
             try:
                 return {
                     "success": True,
-                    "message": await asyncio.to_thread(engine.weights_checksum),
+                    "message": await asyncio.to_thread(engine.weights_checksum, body.scope),
                 }
-            except PackedWeightsDiffer as e:
+            except (PackedWeightsDiffer, ValueError) as e:
                 return _error(400, str(e))
         return _error(400, f"unknown weights_checker action {body.action!r}")
 
@@ -510,9 +518,10 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
     rids = _listify(body.rid, n, "rid") if body.rid is not None else [None] * n
     routed = _listify(body.return_routed_experts, n, "return_routed_experts")
     versioned = _listify(body.return_token_versions, n, "return_token_versions")
+    adapters = _listify(body.lora_path, n, "lora_path")
     out = []
-    for ids, sp, rid, want_routes, want_versions in zip(
-        prompts, params, rids, routed, versioned, strict=True
+    for ids, sp, rid, want_routes, want_versions, adapter in zip(
+        prompts, params, rids, routed, versioned, adapters, strict=True
     ):
         try:
             sampling = SamplingParams.model_validate(sp)
@@ -524,7 +533,11 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
         fields = [ROUTES.name] if want_routes else []  # SGLang's flag for the routes field
         fields += [TOKEN_VERSIONS.name] if want_versions else []
         req = GenerateRequest(
-            input_ids=ids, sampling_params=sampling, rid=rid, return_fields=fields
+            input_ids=ids,
+            sampling_params=sampling,
+            rid=rid,
+            return_fields=fields,
+            lora_path=adapter,
         )
         engine.validate(req)
         out.append(req)
@@ -584,6 +597,20 @@ def main(argv: list[str] | None = None) -> None:
         "precision.keep_bf16); pushes then carry the quantized tensors",
     )
     ap.add_argument(
+        "--lora",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help='serve LoRA adapters: {"adapters": {name: peft config}, "max_loaded", "required"} '
+        "(a LoRA run's engines: its adapters declared, every request naming one)",
+    )
+    ap.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="serve LoRA adapters, at most this many loaded at once (SGLang's flag)",
+    )
+    ap.add_argument(
         "--weight-roots",
         nargs="*",
         action="extend",
@@ -605,6 +632,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--weight-roots: {e}")
     if not args.weight_load_timeout > 0:
         ap.error("--weight-load-timeout must be > 0")
+    lora = args.lora
+    if args.max_loaded_loras is not None:
+        if args.max_loaded_loras < 1:
+            ap.error("--max-loaded-loras must be at least 1")
+        lora = {**(lora or {}), "max_loaded": args.max_loaded_loras}
     from miles_core.processes.parent_watch import watch_parent
     from miles_core.weights.shm import unlink_mapped
 
@@ -628,6 +660,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         true_on_policy=args.true_on_policy,
         precision=args.precision,
+        lora=lora,
     )
     app = create_app(engine, args.model, weight_roots, args.weight_load_timeout)
     app = protect(app, args.api_key)  # every route but /health

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from miles_core.device import resolve_device
+from miles_core.engines.cpu.adapter_calls import AdapterCalls, check_adapter, rows_using
 from miles_core.engines.cpu.loading import PackedWeightsDiffer, tensors_checksum
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slots import Slot, SlotState, SlotTable
@@ -39,6 +40,7 @@ from miles_core.engines.wire import (
     MetaInfo,
     validate_request,
 )
+from miles_core.lora.served import served_adapters
 from miles_core.models.family import serving_runner
 from miles_core.models.moe import ROUTES
 from miles_core.models.moe import encode as encode_routes
@@ -107,7 +109,7 @@ class RequestHandle:
         return self._r.response
 
 
-class ServingEngine:
+class ServingEngine(AdapterCalls):
     per_request_seeds = True
     weight_routes = frozenset({TENSOR})  # in-process; behind the HTTP server: the server's
 
@@ -126,6 +128,7 @@ class ServingEngine:
         adapt_threads: bool | None = None,
         true_on_policy: bool = False,
         precision: dict | None = None,
+        lora: dict | None = None,
     ):
         # auto | cpu | cuda: weights, packed copies and the KV cache live there; sampling
         # uniforms are drawn on the CPU either way (the same random stream on every device)
@@ -141,7 +144,9 @@ class ServingEngine:
         # with rollout.precision: quantized weights as pushed, parameters their values
         plan = QuantPlan.from_spec(precision, int(model.config.num_hidden_layers))
         self._params = dict(model.named_parameters())
-        self.weights = ServedWeights(self._params, plan)
+        # LoRA: adapters served per request, unmerged (lora/served.py)
+        self.adapters = served_adapters(self.model, lora, self.device)
+        self.weights = ServedWeights(self._params, plan, self.adapters)
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
             self.runner = invariant_runner(
@@ -151,6 +156,8 @@ class ServingEngine:
             self.runner = serving_runner(
                 model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
             )
+        if self.adapters is not None:
+            self.runner.lora = self.adapters
         if self.runner.emulate_bf16:
             log.warning(
                 "this CPU has no bf16 GEMMs (oneDNN needs AVX512-BF16/AMX or avx_ne_convert): "
@@ -208,19 +215,21 @@ class ServingEngine:
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return self.weights.tensors()
 
-    def weights_checksum(self) -> str:
-        """sha256 of the weights that generate: the packed copies the runner decodes with are
-        first checked bitwise against the named tensors (a stale or corrupt pack fails loudly)."""
+    def weights_checksum(self, scope: str = "all") -> str:
+        """sha256 of the weights that generate (`scope`: all, base or adapters): the packed
+        copies the runner decodes with are first checked bitwise against the named tensors (a
+        stale or corrupt pack fails loudly)."""
         with self.between_steps():
             stale = self.runner.verify_packed() + self.weights.stale()
             if stale:
                 raise PackedWeightsDiffer(
                     f"the runner's packed weights differ from the engine's tensors: {stale[:5]}"
                 )
-            return tensors_checksum(self.named_tensors())
+            return tensors_checksum(self.weights.tensors(scope))
 
     def validate(self, req: GenerateRequest) -> None:
         validate_request(req, self.vocab_size, self.max_context)
+        check_adapter(self.adapters, req)
         seed = req.sampling_params.sampling_seed
         if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
             raise EngineRequestError(f"sampling_seed {seed} is outside [-2**63, 2**64)")
@@ -254,6 +263,8 @@ class ServingEngine:
             if rid in self._by_rid:
                 raise EngineRequestError(f"request id {rid!r} is already in flight")
             self._by_rid[rid] = r
+            if req.lora_path is not None:  # an adapter a request names is never unloaded
+                self.adapters.in_use[req.lora_path] += 1
             self._inbox.append(r)
             self._wake.notify()
         return RequestHandle(r)
@@ -371,6 +382,16 @@ class ServingEngine:
             self.runner.invalidate()
             self.table.new_epoch(flush=flush_cache)
         return copied
+
+    def _rows(self, names: list[str | None]):
+        return rows_using(self.adapters, names)
+
+    @contextlib.contextmanager
+    def _adapter_turn(self):
+        """An adapter table change, between steps; prefixes cached before it are not reused."""
+        with self.between_steps():
+            yield
+            self.table.new_epoch()
 
     def flush_cache(self) -> bool:
         with self.between_steps():
@@ -490,7 +511,8 @@ class ServingEngine:
         if admitted:
             self.stats["prefill_steps"] += 1
             chunks = [r.tokens[r.kv_len :] for r in admitted]
-            with self.step_threads.around(sum(len(c) for c in chunks)):
+            adapters = [r.req.lora_path for r in admitted]
+            with self.step_threads.around(sum(len(c) for c in chunks)), self._rows(adapters):
                 logits = self.runner.prefill(
                     [r.slot.index for r in admitted], [r.kv_len for r in admitted], chunks
                 )
@@ -504,7 +526,8 @@ class ServingEngine:
         if decoding:
             self._compact()
             decoding.sort(key=lambda r: r.slot.index)
-            with self.step_threads.around(len(decoding)):
+            adapters = [r.req.lora_path for r in decoding]
+            with self.step_threads.around(len(decoding)), self._rows(adapters):
                 logits = self.runner.decode(
                     [r.slot.index for r in decoding],
                     [len(r.input_ids) + len(r.output) - 1 for r in decoding],
@@ -540,7 +563,7 @@ class ServingEngine:
         while self._waiting and len(self._running) < self.max_running:
             r = self._waiting.popleft()
             tokens = r.tokens
-            match, lcp = self.table.best_match(tokens, exclude=set())
+            match, lcp = self.table.best_match(tokens, exclude=set(), adapter=r.req.lora_path)
             if match is not None and match.index in new_slots:
                 deferred.append(r)
                 continue
@@ -557,6 +580,7 @@ class ServingEngine:
                     lcp = 0
             r.slot, r.kv_len = slot, lcp
             slot.tokens = tokens  # what the slot holds once this step's prefill ran
+            slot.adapter = r.req.lora_path  # its keys and values were computed with
             new_slots.add(slot.index)
             if not r.output:  # a request's first admission counts for the prefix-cache rate
                 r.cached_tokens = lcp
@@ -657,6 +681,8 @@ class ServingEngine:
         with self._wake:
             if self._by_rid.get(r.rid) is r:
                 del self._by_rid[r.rid]
+            if r.req.lora_path is not None:
+                self.adapters.in_use[r.req.lora_path] -= 1
         r.response = GenerateResponse(
             text=self.tokenizer.decode(r.output, skip_special_tokens=True)
             if self.tokenizer

@@ -60,6 +60,9 @@ class SlotBatchForward:
         length = min(r.max_len, max(held, -(-length // 64) * 64))
         r.cache = cache.resized(max(rows, cache.slots), length)
 
+    def use_adapters(self, adapters) -> None:
+        self.runner.lora = adapters
+
     def invalidate(self) -> None:
         self.runner.invalidate()
 

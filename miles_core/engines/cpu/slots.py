@@ -25,6 +25,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is valid in this slot
     last_used: int = 0
     epoch: int = 0  # the weights epoch its KV was computed with
+    adapter: str | None = None  # the LoRA adapter its KV was computed with (None: the base)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -48,9 +49,11 @@ class SlotTable:
         self._clock += 1
         return self._clock
 
-    def best_match(self, tokens: list[int], exclude: set[int]) -> tuple[Slot | None, int]:
+    def best_match(
+        self, tokens: list[int], exclude: set[int], adapter: str | None = None
+    ) -> tuple[Slot | None, int]:
         """The RUNNING or CACHED slot sharing the longest prefix with `tokens` (at most len-1, so
-        the last token is always computed and yields logits)."""
+        the last token is always computed and yields logits), computed with the same adapter."""
         limit = len(tokens) - 1
         best, best_len = None, 0
         first = tokens[0] if tokens else None
@@ -61,6 +64,7 @@ class SlotTable:
                 or s.index in exclude
                 or not s.tokens
                 or s.tokens[0] != first
+                or s.adapter != adapter
             ):
                 continue
             if best_len:

@@ -32,5 +32,6 @@ class Embedded(EngineKind):
             adapt_threads=not setup.beside_trainer,
             true_on_policy=setup.true_on_policy,
             precision=setup.precision,
+            lora=setup.lora,
         )
         return BuiltEngine(engine)

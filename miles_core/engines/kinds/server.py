@@ -80,6 +80,8 @@ class Server(Serving):
             args += ["--true-on-policy"]
         if s.precision:
             args += ["--precision", json.dumps(s.precision)]
+        if s.lora:
+            args += ["--lora", json.dumps(s.lora)]
         supervision = Supervision(o.health_interval_s, o.health_timeout_s, o.max_engine_restarts)
         servers: list[tuple[Any, RolloutEngine]] = []
         router = None

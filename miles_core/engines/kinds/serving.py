@@ -84,5 +84,6 @@ class Serving(EngineKind):
             adapt_threads=not setup.beside_trainer,
             true_on_policy=setup.true_on_policy,
             precision=setup.precision,
+            lora=setup.lora,
         )
         return BuiltEngine(engine)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_core.lora.delta import LoraTerms, lora_term
 from miles_core.models.family import family_of
 from miles_core.models.moe import is_moe_layer
 from miles_core.precision.qat import served, served_param
@@ -74,6 +75,9 @@ class InvariantQwen3:
         self.record_routes = False  # keep each forward's experts in `last_routes` (engines)
         self.last_routes: torch.Tensor | None = None  # [B, T, MoE layers, k]
         self._routes: list[torch.Tensor] = []
+        # LoRA: where a linear layer gets its adapters' terms (lora/delta.py; None: no adapters)
+        self.lora: LoraTerms | None = None
+        self._prefixes: dict[int, str] = {}
 
     # ------------------------------------------------------------------ where the weights are
     def decoder_layers(self) -> list[torch.nn.Module]:
@@ -117,15 +121,42 @@ class InvariantQwen3:
         """x rounded to the compute dtype, held in float32 (exact; nothing for float32)."""
         return x if self.dtype == torch.float32 else x.to(self.dtype).float()
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, module: str | None = None) -> torch.Tensor:
+        """x·wᵀ; with adapters on `module` (an HF module name), plus their term, computed by
+        the same kernel (rows without an adapter add an exact zero)."""
+        y = self.round(ops.dot(x, self.round(w)))
+        if module is None or self.lora is None:
+            return y
+        term = lora_term(x, self.lora.groups(module), self._dot)
+        return y if term is None else self.round(y + self.round(term))
+
+    def _dot(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.round(ops.dot(x, self.round(w)))
+
+    def site(self, layer: torch.nn.Module, path: str) -> str | None:
+        """The HF module name of `path` in a decoder layer (`model.layers.<i>.<path>`), where a
+        linear layer's adapters are looked up; None without adapters."""
+        if self.lora is None:
+            return None
+        if not self._prefixes:
+            layers = enumerate(self.decoder_layers())
+            self._prefixes = {id(m): f"model.layers.{i}" for i, m in layers}
+        return f"{self._prefixes[id(layer)]}.{path}"
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.round(ops.rms_norm(x, self.round(w), self.eps))
 
-    def swiglu(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
-        act = self.round(ops.silu(self.linear(x, gate)))
-        return self.linear(self.round(act * self.linear(x, up)), down)
+    def swiglu(
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        down: torch.Tensor,
+        sites: tuple[str | None, str | None, str | None] = (None, None, None),
+    ):
+        """`sites`: the module names of gate, up and down, where adapters apply."""
+        act = self.round(ops.silu(self.linear(x, gate, sites[0])))
+        return self.linear(self.round(act * self.linear(x, up, sites[1])), down, sites[2])
 
     # ------------------------------------------------------------------ one decoder layer
     def layer(
@@ -141,9 +172,12 @@ class InvariantQwen3:
         keys, row r at position r (a full forward of sequences starting at 0)."""
         w, b, t = self.weights(layer), h.shape[0], h.shape[1]
         x = self.norm(h, w.input_norm)
-        q = self.linear(x, w.q).view(b, t, self.heads, self.head_dim)
-        k = self.linear(x, w.k).view(b, t, self.kv_heads, self.head_dim)
-        v = self.linear(x, w.v).view(b, t, self.kv_heads, self.head_dim)
+        q = self.linear(x, w.q, self.site(layer, "self_attn.q_proj"))
+        k = self.linear(x, w.k, self.site(layer, "self_attn.k_proj"))
+        v = self.linear(x, w.v, self.site(layer, "self_attn.v_proj"))
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        v = v.view(b, t, self.kv_heads, self.head_dim)
         q = self.norm(q, w.q_norm).transpose(1, 2)
         k = self.norm(k, w.k_norm).transpose(1, 2)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -169,11 +203,12 @@ class InvariantQwen3:
         allowed = torch.arange(n, device=h.device) <= positions.unsqueeze(-1)
         o = self.round(ops.attention(q, keys, values, allowed, self.scale))
         o = o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        h = self.round(h + self.linear(o, w.o))
+        h = self.round(h + self.linear(o, w.o, self.site(layer, "self_attn.o_proj")))
         x = self.norm(h, w.post_norm)
         if w.mlp is not None:
             return self.round(h + self.experts(w.mlp, x))
-        return self.round(h + self.swiglu(x, w.gate, w.up, w.down))
+        sites = tuple(self.site(layer, f"mlp.{p}_proj") for p in ("gate", "up", "down"))
+        return self.round(h + self.swiglu(x, w.gate, w.up, w.down, sites))
 
     def experts(self, mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A mixture-of-experts MLP (HF's modules: a router `gate`, fused `experts`, maybe
@@ -211,7 +246,7 @@ class InvariantQwen3:
     # ------------------------------------------------------------------ the whole model
     def head(self, h: torch.Tensor) -> torch.Tensor:
         norm, out = self.head_weights()
-        return self.linear(self.norm(h, norm), out)
+        return self.linear(self.norm(h, norm), out, None if self.lora is None else "lm_head")
 
     def logits(
         self,

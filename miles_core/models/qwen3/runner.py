@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from miles_core.device import bf16_gemms_native
 from miles_core.engines.cpu.kv_cache import SlotKVCache
+from miles_core.lora.delta import lora_term
+from miles_core.lora.served import ServedAdapters
 from miles_core.models.family import runner_refuses
 from miles_core.models.moe import is_moe_layer
 from miles_core.models.qwen3.runner_moe import MoEBlock
@@ -124,6 +126,7 @@ class Qwen3Runner:
         self.emulate_bf16 = dtype == torch.bfloat16 and not bf16_gemms_native(self.device)
         self.gemm_dtype = torch.float32 if self.emulate_bf16 else dtype
         self._w: _Weights | None = None
+        self.lora: ServedAdapters | None = None  # the engine's adapters (lora/served.py)
         self.last_routes: torch.Tensor | None = None  # MoE models: the last forward's experts
 
     @property
@@ -264,8 +267,13 @@ class Qwen3Runner:
         cos = self.cos[positions].unsqueeze(2)  # [B, T, 1, hd], shared by every layer
         sin = self.sin_signed[positions].unsqueeze(2)
         routes: list[torch.Tensor] = []
+        lora = self.lora if self.lora is not None and self.lora.active else None
         for i, lw in enumerate(w.layers):
-            qkv = self._mm(self._rms(h), lw.qkv).view(b, t, nh + 2 * nkv, hd).float()
+            xn = self._rms(h)
+            qkv = self._mm(xn, lw.qkv)
+            if lora is not None:
+                qkv = self._qkv_terms(lora, i, xn, qkv)
+            qkv = qkv.view(b, t, nh + 2 * nkv, hd).float()
             qk = self._rms(qkv[:, :, : nh + nkv]) * lw.qk_norm
             # RoPE for q and k at once: qk·cos + rotate_half(qk)·sin
             swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
@@ -283,19 +291,58 @@ class Qwen3Runner:
             )
             o = o.transpose(1, 2).reshape(b, t, nh * hd).to(self.dtype)
             h = self._mm_add(o, h, lw.o)
+            if lora is not None:
+                h = self._plus(h, lora, f"model.layers.{i}.self_attn.o_proj", o)
             x = self._rms(h)
             if lw.moe is not None:
                 out, experts = lw.moe(x)
                 h = h + out.to(h.dtype)
                 routes.append(experts)
+            elif lora is not None:
+                h = self._mlp_with_adapters(lora, i, lw, x, h)
             else:
                 h = self._mm_add(self._mm_mul(x, self._mm_silu(x, lw.gate), lw.up), h, lw.down)
         # [B, T, MoE layers, top_k]: the experts each position of this forward was routed to
         self.last_routes = torch.stack(routes, dim=2) if routes else None
         return h
 
+    # ------------------------------------------------------------------ LoRA adapters
+    # each row's adapter term (lora/delta.py) added to the base projection; the norm weights
+    # folded into the packed GEMMs are applied to the adapters' input here
+    def _plus(self, y: torch.Tensor, lora, module: str, x: torch.Tensor) -> torch.Tensor:
+        term = lora_term(x.float(), lora.groups(module))
+        return y if term is None else (y.float() + term).to(y.dtype)
+
+    def _qkv_terms(self, lora, i: int, xn: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        layer = self.model.model.layers[i]
+        x = xn.float() * layer.input_layernorm.weight.float()
+        widths = (
+            self.n_heads * self.head_dim,
+            self.n_kv * self.head_dim,
+            self.n_kv * self.head_dim,
+        )
+        parts = list(qkv.split(widths, dim=-1))
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            parts[j] = self._plus(parts[j], lora, f"model.layers.{i}.self_attn.{name}", x)
+        return torch.cat(parts, dim=-1)
+
+    def _mlp_with_adapters(self, lora, i: int, lw: _LayerWeights, x: torch.Tensor, h):
+        """The dense MLP unfused (the adapters' terms enter before the activation)."""
+        mlp = f"model.layers.{i}.mlp"
+        x_in = x.float() * self.model.model.layers[i].post_attention_layernorm.weight.float()
+        gate = self._plus(self._mm(x, lw.gate), lora, f"{mlp}.gate_proj", x_in)
+        up = self._plus(self._mm(x, lw.up), lora, f"{mlp}.up_proj", x_in)
+        act = (F.silu(gate.float()) * up.float()).to(self.dtype)
+        down = self._plus(self._mm(act, lw.down), lora, f"{mlp}.down_proj", act)
+        return h + down.to(h.dtype)
+
     def _logits(self, w: _Weights, h_last: torch.Tensor) -> torch.Tensor:
-        return self._mm(self._rms(h_last), w.lm_head).float()
+        xn = self._rms(h_last)
+        logits = self._mm(xn, w.lm_head).float()
+        if self.lora is not None and self.lora.active:
+            x = xn.float() * self.model.model.norm.weight.float()
+            logits = self._plus(logits, self.lora, "lm_head", x)
+        return logits
 
     def _ids(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

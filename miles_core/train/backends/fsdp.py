@@ -35,6 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from miles_core.device import resolve_device
+from miles_core.lora import trainer as lora_trainer
+from miles_core.lora.adapter import ADAPTERS_DIR, Adapter, read_adapter_dir
 from miles_core.models.family import family_of
 from miles_core.precision import qat
 from miles_core.precision.plan import QuantPlan
@@ -108,6 +110,9 @@ class FSDPBackend(SPMDCalls):
         # train.qat: linear modules compute with the values the engine serves (precision/qat.py)
         plan = QuantPlan.from_spec(optim.get("qat_precision"), int(model.config.num_hidden_layers))
         self.qat_weights = qat.install(model, plan) if plan is not None else []
+        # train.lora: peft's adapters on the target modules, everything else frozen (lora/)
+        self.lora = optim.get("lora")
+        self.lora_modules = lora_trainer.inject(model, self.lora) if self.lora else []
         self.true_on_policy = bool(optim.get("true_on_policy"))
         invariant = None
         if self.true_on_policy:  # the engines' forward, layer by layer (true_on_policy/)
@@ -116,6 +121,8 @@ class FSDPBackend(SPMDCalls):
                 raise ValueError(f"no model family for {model.config.model_type!r}")
             invariant = family.invariant(model)
             invariant.dtype = trainer_dtype(optim)
+            if self.lora:  # the adapters' terms, computed by the invariant kernels
+                invariant.lora = lora_trainer.PeftTerms(model)
             invariant.install()
         self.routing = None  # MoE routing replay / its checker (routing_replay.py)
         replay, check = bool(optim.get("routing_replay")), bool(optim.get("check_routing_replay"))
@@ -141,7 +148,9 @@ class FSDPBackend(SPMDCalls):
         # reduce-scatter hooks and DTensor optimizer ops cost 20 % of the tiny preset's train
         # step; the plain module runs the same fp32 AdamW over the same parameters, bitwise
         self.model = model
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+        # optimizer state only for what trains (with LoRA: the adapters)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(trained, optim, total_steps)
         self.micro_batch_size = int(optim["micro_batch_size"])
         # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
         # where the group's rows would share one dropout draw over their prompt
@@ -224,11 +233,18 @@ class FSDPBackend(SPMDCalls):
     # ------------------------------------------------------------------ checkpoints (all ranks)
     def _save(self, directory: str) -> None:
         path = Path(directory)
-        sd = self.full_state_dict()
+        if self.lora:  # the adapters alone, each a peft directory; the base never changes
+            adapters = self.adapters()
+            if self.rank == 0:
+                for adapter in adapters:
+                    adapter.save(path / ADAPTERS_DIR / adapter.name)
+        else:
+            sd = self.full_state_dict()
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             self.config.save_pretrained(str(path))
-            save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+            if not self.lora:
+                save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
             with open(path / "trainer_state.json", "w") as f:
                 json.dump({"scheduler": self.scheduler.state_dict(), "world_size": self.world}, f)
         osd = get_optimizer_state_dict(self.model, self.optimizer)
@@ -238,13 +254,18 @@ class FSDPBackend(SPMDCalls):
 
     def _load(self, directory: str) -> None:
         path = Path(directory)
-        sd = load_file(str(path / "model.safetensors")) if self.rank == 0 else {}
-        if getattr(self.config, "tie_word_embeddings", False) and self.rank == 0:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        if self.lora:
+            sd = self._adapter_state(path) if self.rank == 0 else {}
+        else:
+            sd = load_file(str(path / "model.safetensors")) if self.rank == 0 else {}
+            if getattr(self.config, "tie_word_embeddings", False) and self.rank == 0:
+                sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         set_model_state_dict(
             self.model,
             sd,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+            options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=not self.lora
+            ),
         )
         if (path / "optimizer").exists():
             osd = get_optimizer_state_dict(self.model, self.optimizer)
@@ -257,6 +278,13 @@ class FSDPBackend(SPMDCalls):
 
     # ------------------------------------------------------------------ how weights leave
     # (miles_core.weights.source.TrainerWeights; this block is the weight-sync stream's)
+    def _pushed(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """What a push sends, by name: every parameter (HF names), or with LoRA only the
+        adapters (wire names, lora/names.py); the frozen base never travels."""
+        if self.lora:
+            return lora_trainer.pushed_parameters(self.model, self.lora["adapters"])
+        return list(self.model.named_parameters())
+
     def shard_plan(
         self, dtype: torch.dtype | None = None, precision: dict | None = None
     ) -> ShardPlan:
@@ -275,7 +303,7 @@ class FSDPBackend(SPMDCalls):
     def _float_shard_plan(self, dtype: torch.dtype | None, precision: dict | None) -> ShardPlan:
         quant = self._quant_plan(precision) if precision else None
         plan = []
-        for name, p in self.model.named_parameters():
+        for name, p in self._pushed():
             shape = list(p.shape)
             quantized = quant is not None and quant.quantized(name, tuple(shape))
             sent = dtype_name(p.dtype if quantized else dtype or p.dtype)
@@ -305,7 +333,7 @@ class FSDPBackend(SPMDCalls):
         pieces = {}  # tensor index in the plan: this rank's slice, sent in one flat buffer
         local = {}  # by name: the same slices (quantized weights' in float32)
         with torch.no_grad():
-            params = self.model.named_parameters()
+            params = self._pushed()
             for i, ((name, param), t) in enumerate(zip(params, plan, strict=True)):
                 mine = [p for p in t.pieces if p.rank == self.rank and p.length > 0]
                 if not mine:
@@ -333,7 +361,7 @@ class FSDPBackend(SPMDCalls):
         """Buckets of full tensors (rank 0). Every rank runs one all-gather per parameter, so if
         rank 0's consumer stops early (an error mid-push), the rest are still run in `finally`:
         the followers never wait in a collective that rank 0 skipped."""
-        params = list(self.model.named_parameters())
+        params = self._pushed()
         done = 0
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -358,6 +386,31 @@ class FSDPBackend(SPMDCalls):
                 for _, param in params[done:]:
                     if isinstance(param, DTensor):
                         param.full_tensor()
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapters(self) -> list[Adapter]:
+        """Every adapter as rank 0 holds it, full tensors (every rank runs the gathers)."""
+        full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
+        return [
+            lora_trainer.adapter_of(self.model, self.lora, name, self.lora_modules, full)
+            for name in self.lora["adapters"]
+        ]
+
+    def _adapter_state(self, path: Path) -> dict[str, torch.Tensor]:
+        """The adapters of a checkpoint as this model's state-dict entries; every adapter
+        and module the run trains must be there."""
+        sd = {}
+        for name in self.lora["adapters"]:
+            adapter = read_adapter_dir(path / ADAPTERS_DIR / name, name)
+            if sorted(adapter.weights) != sorted(self.lora_modules):
+                raise ValueError(
+                    f"{path}: adapter {name} covers {len(adapter.weights)} modules, this run "
+                    f"trains {len(self.lora_modules)} (train.lora changed?)"
+                )
+            for module, (a, b) in adapter.weights.items():
+                sd[f"{module}.lora_A.{name}.weight"] = a
+                sd[f"{module}.lora_B.{name}.weight"] = b
+        return sd
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0: every tensor unsharded, HF names, tied duplicates dropped."""

@@ -73,6 +73,11 @@ def init_model_parallel(layout: Layout) -> None:
 
 class MegatronBackend(SPMDCalls):
     model_parallel = True  # train.parallel: tensor, pipeline and expert parallel layouts
+    # why train.lora is refused before a run starts
+    lora_refused = (
+        "megatron-core ships no LoRA layers (adapters live in Megatron-Bridge's PEFT, which is "
+        "not part of this stack); train adapters with train.backend: fsdp"
+    )
 
     def __init__(
         self,

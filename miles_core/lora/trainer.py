@@ -1,0 +1,108 @@
+"""The trainer's side: peft's LoRA layers injected into the HF model in place (module and
+parameter names stay the model's: `<module>.base_layer.weight`, `<module>.lora_A.<adapter>.weight`),
+the base frozen and never merged.
+
+Imports peft only when a run trains adapters."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from miles_core.lora.adapter import Adapter, peft_config
+from miles_core.lora.delta import LoraGroup
+from miles_core.lora.names import wire_name
+from miles_core.lora.targets import linear_modules, resolve_targets
+
+
+def inject(model: torch.nn.Module, settings: dict[str, Any]) -> list[str]:
+    """Adds the adapter of `settings` (train.lora, as a dict) to every target module; freezes
+    everything else. Returns the adapted module names. peft initialises A by Kaiming-uniform and
+    B to zero, so the adapted model computes exactly what the base does."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    modules = resolve_targets(
+        linear_modules(model), settings["target_modules"], settings["exclude_modules"]
+    )
+    config = LoraConfig(
+        r=settings["rank"],
+        lora_alpha=settings["alpha"],
+        lora_dropout=settings["dropout"],
+        use_rslora=settings["rslora"],
+        target_modules=modules,
+        bias="none",
+    )
+    with warnings.catch_warnings():
+        # a tied output layer adapted: peft warns about merging it, which is never done here
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        for name in settings["adapters"]:
+            inject_adapter_in_model(config, model, adapter_name=name)
+    for n, p in model.named_parameters():
+        p.requires_grad_(".lora_A." in n or ".lora_B." in n)
+    return modules
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """{HF module name: peft LoRA layer}."""
+    return {
+        n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+    }
+
+
+class PeftTerms:
+    """`LoraTerms` (delta.py) of the trainer's peft layers: each module's active adapter over
+    every row, with its dropout (an identity outside training)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = lora_layers(model)
+
+    def groups(self, module: str) -> list[LoraGroup]:
+        m = self.layers.get(module)
+        if m is None or m.disable_adapters:
+            return []
+        return [
+            LoraGroup(m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a], None, m.lora_dropout[a])
+            for a in m.active_adapters
+            if a in m.lora_A
+        ]
+
+
+def adapter_parameters(
+    model: torch.nn.Module, adapter: str
+) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(module, part, parameter) of one adapter, in the model's parameter order."""
+    out = []
+    for n, p in model.named_parameters():
+        for part in ("lora_A", "lora_B"):
+            suffix = f".{part}.{adapter}.weight"
+            if n.endswith(suffix):
+                out.append((n[: -len(suffix)], part, p))
+    return out
+
+
+def pushed_parameters(
+    model: torch.nn.Module, adapters: list[str]
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """What a weight push sends with LoRA on: every adapter's parameters, by wire name."""
+    return [
+        (wire_name(a, module, part), p)
+        for a in adapters
+        for module, part, p in adapter_parameters(model, a)
+    ]
+
+
+def adapter_of(
+    model: torch.nn.Module, settings: dict[str, Any], name: str, modules: list[str], full=None
+) -> Adapter:
+    """Adapter `name` as the trainer holds it (full tensors: `full(param)` unshards one)."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for module, part, p in adapter_parameters(model, name):
+            t = full(p) if full is not None else p.detach()
+            pairs.setdefault(module, {})[part] = t.detach().clone().cpu()
+    config = peft_config(
+        settings["rank"], settings["alpha"], modules, settings["dropout"], settings["rslora"]
+    )
+    return Adapter(name, config, {m: (p["lora_A"], p["lora_B"]) for m, p in pairs.items()})

@@ -1,0 +1,401 @@
+"""LoRA (train.lora, miles_core/lora/): adapters trained with peft on a frozen base, pushed alone,
+served per request unmerged; step 0 computes the base exactly, the engine's forward with an
+adapter is the trainer's (bitwise under true on-policy), bad adapters and requests are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_core.config import load_config
+from miles_core.engines.cpu.embedded import EmbeddedEngine
+from miles_core.engines.cpu.serving import ServingEngine
+from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
+from miles_core.lora.adapter import Adapter, engine_spec, read_adapter_dir
+from miles_core.lora.served import AdapterRefused
+from miles_core.models import load_hf_dir
+from miles_core.run.training import build_trainer
+from miles_core.train.batch import TrainBatch
+from miles_core.types import Sample
+
+SMALL = [
+    "rollout.prompts_per_step=2",
+    "rollout.n_samples_per_prompt=4",
+    "rollout.max_new_tokens=6",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=8",
+    "train.lora.rank=4",
+]
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8, 12]]
+
+
+def _config(*sets):
+    return load_config(None, [*SMALL, *sets])
+
+
+def _request(ids, adapter, n=6):
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0)  # greedy: any batch, same tokens
+    return GenerateRequest(input_ids=ids, sampling_params=sp, lora_path=adapter)
+
+
+def _batch(samples_ids: list[tuple[list[int], list[int]]], advantages=None) -> TrainBatch:
+    samples = [
+        Sample(
+            group_index=0,
+            index=i,
+            rollout_id=f"r{i}",
+            prompt="x",
+            tokens=p + r,
+            response_length=len(r),
+            loss_mask=[1] * len(r),
+            rollout_log_probs=[0.0] * len(r),
+            reward=0.0,
+        )
+        for i, (p, r) in enumerate(samples_ids)
+    ]
+    return TrainBatch.from_samples(samples, advantages, 1.0)
+
+
+def _step(trainer, pairs) -> None:
+    """One optimizer step that moves the adapters (rewards that differ within the group)."""
+    batch = _batch(pairs, [1.0 if i % 2 else -1.0 for i in range(len(pairs))])
+    batch.old_is_current = True
+    trainer.train_step(batch)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir):
+    """A LoRA trainer (true on-policy) after two optimizer steps, and the engine inputs."""
+    cfg = _config(
+        "train.true_on_policy=true",
+        "train.lr=0.05",
+        "train.lora.target_modules=[q_proj, k_proj, o_proj, up_proj, down_proj, lm_head]",
+    )
+    trainer = build_trainer(cfg, tiny_dir)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    pairs = [(PROMPTS[i % 2], [20 + i, 21, 22 + i, 23]) for i in range(8)]
+    _step(trainer, pairs)
+    _step(trainer, pairs)
+    yield cfg, trainer, base, pairs
+    trainer.close()
+
+
+def test_only_the_adapters_train_and_the_base_never_changes(trained):
+    cfg, trainer, base, _ = trained
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    state = trainer.optimizer.state
+    with_state = {id(p) for p in state}
+    adapters = {id(p) for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert with_state == adapters  # AdamW moments for the adapters alone
+    for n, p in trainer.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), n  # never merged, never drifted
+    b = [p for n, p in trainer.model.named_parameters() if ".lora_B." in n]
+    assert any(t.abs().sum() > 0 for t in b)  # B left zero: the steps moved it
+
+
+def test_step_zero_computes_the_base_model_bitwise(tiny_dir):
+    """A fresh adapter (B = 0) adds exact zeros: the trainer's log-probs and an engine's tokens
+    and log-probs equal the base model's bit for bit."""
+    cfg = _config()
+    lora = build_trainer(cfg, tiny_dir)
+    plain = build_trainer(load_config(None, SMALL[:-1]), tiny_dir)
+    try:
+        batch = _batch([(PROMPTS[0], [20, 21, 22]), (PROMPTS[1], [23, 24])])
+        assert lora.compute_log_probs(batch) == plain.compute_log_probs(batch)
+    finally:
+        lora.close(), plain.close()
+    model, tok = load_hf_dir(tiny_dir)
+    served = EmbeddedEngine(model, tok, lora=engine_spec(cfg.train.lora, model))
+    bare = EmbeddedEngine(load_hf_dir(tiny_dir)[0], tok)
+    a = served.generate([_request(PROMPTS[0], "default")])[0]
+    b = bare.generate([_request(PROMPTS[0], None)])[0]
+    assert (a.output_ids, a.output_log_probs) == (b.output_ids, b.output_log_probs)
+
+
+@pytest.mark.parametrize("engine_class", [EmbeddedEngine, ServingEngine])
+def test_the_engine_serves_the_trained_adapter_with_the_trainers_bits(
+    trained, tiny_dir, engine_class
+):
+    """After a push of the adapters alone, the engine's log-probs of its own samples are the
+    trainer's recompute bit for bit (true on-policy), in a batch that mixes the adapter and the
+    base model row by row."""
+    cfg, trainer, _, _ = trained
+    model, tok = load_hf_dir(tiny_dir)
+    spec = engine_spec(cfg.train.lora, model) | {"required": False}
+    kw = {"scheduler": "caller"} if engine_class is ServingEngine else {}
+    engine = engine_class(model, tok, true_on_policy=True, lora=spec, **kw)
+    try:
+        pushed = [nt for b in trainer.named_weights(1 << 20) for nt in b]
+        assert all(n.startswith("lora.default.") for n, _ in pushed)
+        engine.update_weights_from_tensor(pushed)
+        mixed = engine.generate([_request(p, a) for p in PROMPTS for a in ("default", None)])
+        alone = engine.generate([_request(p, "default") for p in PROMPTS])
+        base = EmbeddedEngine(load_hf_dir(tiny_dir)[0], tok, true_on_policy=True)
+        base_out = base.generate([_request(p, None) for p in PROMPTS])
+    finally:
+        engine.close()
+    adapted = mixed[0::2]
+    for m, a in zip(adapted, alone, strict=True):
+        assert (m.output_ids, m.output_log_probs) == (a.output_ids, a.output_log_probs)
+    for m, b in zip(mixed[1::2], base_out, strict=True):  # base rows beside adapter rows
+        assert (m.output_ids, m.output_log_probs) == (b.output_ids, b.output_log_probs)
+    recomputed = trainer.compute_log_probs(
+        _batch([(p, r.output_ids) for p, r in zip(PROMPTS, alone, strict=True)])
+    )
+    assert recomputed == [r.output_log_probs for r in alone]
+    assert any(a.output_ids != b.output_ids for a, b in zip(alone, base_out, strict=True))
+
+
+def test_the_fast_forward_serves_the_adapter_within_float32_rounding(trained, tiny_dir):
+    cfg, trainer, _, _ = trained
+    model, tok = load_hf_dir(tiny_dir)
+    engine = EmbeddedEngine(model, tok, lora=engine_spec(cfg.train.lora, model))
+    engine.update_weights_from_tensor([nt for b in trainer.named_weights(1 << 20) for nt in b])
+    out = engine.generate([_request(p, "default") for p in PROMPTS])
+    got = trainer.compute_log_probs(
+        _batch([(p, r.output_ids) for p, r in zip(PROMPTS, out, strict=True)])
+    )
+    eps = torch.finfo(torch.float32).eps
+    bound = 64 * eps * model.config.hidden_size  # a reduction of hidden_size terms, a few layers
+    for g, r in zip(got, out, strict=True):
+        assert max(abs(x - y) for x, y in zip(g, r.output_log_probs, strict=True)) < bound
+
+
+def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, tmp_path):
+    model, tok = load_hf_dir(tiny_dir)
+    cfg = _config()
+    spec = engine_spec(cfg.train.lora, model) | {"max_loaded": 2}
+    engine = ServingEngine(model, tok, scheduler="caller", lora=spec)
+    try:
+        with pytest.raises(EngineRequestError, match="every request must name its adapter"):
+            engine.generate([_request(PROMPTS[0], None)])
+        with pytest.raises(EngineRequestError, match="'nope': no such adapter is loaded"):
+            engine.generate([_request(PROMPTS[0], "nope")])
+        held = engine.adapters.loaded["default"]
+        second = Adapter("second", held.config, dict(held.weights))
+        second.save(tmp_path / "second")
+        engine.load_lora_adapter("second", tmp_path / "second")
+        with pytest.raises(AdapterRefused, match=r"2 adapters are loaded.*unload one first"):
+            engine.load_lora_adapter_from_tensors("third", held.config, second.peft_tensors())
+        engine.adapters.in_use["second"] += 1  # a queued request names it
+        with pytest.raises(AdapterRefused, match="in use by 1 queued or running requests"):
+            engine.unload_lora_adapter("second")
+        engine.adapters.in_use["second"] -= 1
+        engine.unload_lora_adapter("second")
+        wrong = {
+            k: v[:, :-1] if k.endswith("lora_A.weight") else v
+            for k, v in second.peft_tensors().items()
+        }
+        with pytest.raises(AdapterRefused, match="an adapter for another base"):
+            engine.load_lora_adapter_from_tensors("other", held.config, wrong)
+        names = ["default"]
+        assert [a["name"] for a in engine.lora_adapters()] == names
+    finally:
+        engine.close()
+    plain = EmbeddedEngine(load_hf_dir(tiny_dir)[0], tok)
+    with pytest.raises(EngineRequestError, match="serves no adapters"):
+        plain.generate([_request(PROMPTS[0], "default")])
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.lora.rank=0"], "train.lora.rank must be a positive integer, got 0"),
+        (["train.lora.target_modules=[wq]"], "module 'wq' matches no linear layer of this model"),
+        (["train.lora.exclude_modules=[embed_tokens]"], "module 'embed_tokens' matches no linear"),
+        (["train.backend=megatron"], "megatron-core ships no LoRA layers"),
+        (["rollout.precision=fp8", "train.qat=true"], "train.lora with train.qat"),
+        (["rollout.precision=fp8"], "train.lora with rollout.precision fp8"),
+        (["train.lora.adapters=[a, b]"], "several adapters in one run"),
+        (["train.lora.adapters=['a b']"], "is not a name of 1-64 letters"),
+    ],
+)
+def test_lora_settings_that_cannot_work_are_refused_before_start(sets, message):
+    from miles_core.run.preflight import _check_lora, _model_config
+
+    with pytest.raises(ValueError, match=message):
+        config = _config(*sets)
+        _check_lora(config, _model_config(config), "model.preset")
+
+
+def test_a_checkpoint_holds_a_peft_adapter_that_peft_loads_on_the_base(trained, tiny_dir, tmp_path):
+    """The saved adapter directory is peft's: `PeftModel.from_pretrained` on the base computes
+    the trainer's logits; loading it back restores the adapters bit for bit."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg, trainer, _, pairs = trained
+    trainer.save(str(tmp_path / "ck"))
+    adapter = read_adapter_dir(tmp_path / "ck" / "adapters" / "default", "default")
+    assert adapter.config["r"] == 4 and adapter.weights
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "ck" / "adapters" / "default").eval()
+    ids = torch.tensor([pairs[0][0] + pairs[0][1]])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+        trainer.model.eval()
+        ours = trainer.model(input_ids=ids).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)
+    again = build_trainer(cfg, tiny_dir)
+    try:
+        again.load(str(tmp_path / "ck"))
+        mine = dict(trainer.model.named_parameters())
+        for n, p in again.model.named_parameters():
+            assert torch.equal(p, mine[n]), n
+    finally:
+        again.close()
+
+
+# ---------------------------------------------------------------------- the engine server
+@pytest.fixture(scope="module")
+def lora_server(tiny_dir, tmp_path_factory):
+    """An engine server serving the run's adapter (declared by config) and up to 2 adapters."""
+    import json
+
+    from miles_core.engines.http import EngineProcess, HttpEngine
+
+    model, _ = load_hf_dir(tiny_dir)
+    spec = engine_spec(_config().train.lora, model) | {"max_loaded": 2}
+    proc = EngineProcess(
+        tiny_dir,
+        args=["--threads", "1", "--lora", json.dumps(spec)],
+        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
+        weight_roots=[tmp_path_factory.getbasetemp()],
+    )
+    proc.start()
+    client = HttpEngine(proc.url)
+    yield client, spec["adapters"]["default"]
+    client.close()
+    proc.stop()
+
+
+def _adapter_tensors(config, seed) -> dict[str, torch.Tensor]:
+    """Random tensors for every module of an adapter, by wire name."""
+    from miles_core.lora.names import wire_name
+
+    model, _ = load_hf_dir(_TINY[0])
+    shapes = {
+        n: (m.out_features, m.in_features)
+        for n, m in model.named_modules()
+        if n in config["target_modules"]
+    }
+    g = torch.Generator().manual_seed(seed)
+    r = config["r"]
+    out = {}
+    for module, (o, i) in shapes.items():
+        out[wire_name("default", module, "lora_A")] = torch.randn(r, i, generator=g)
+        out[wire_name("default", module, "lora_B")] = torch.randn(o, r, generator=g)
+    return out
+
+
+_TINY: list = []
+
+
+def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@pytest.fixture(autouse=True)
+def _tiny_path(tiny_dir):
+    _TINY[:] = [tiny_dir]
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast", "p2p"])
+def test_every_transport_pushes_the_adapter_alone_bitwise(lora_server, tmp_path, name):
+    from miles_core.weights import TRANSPORTS, weights_checksum
+    from miles_core.weights.source import TensorBuckets
+    from miles_core.weights.transports.disk import DiskTransport
+    from tests.test_transports import _TwoRankShards
+
+    server, config = lora_server
+    base = server.weights_checksum("base")
+    transport = (
+        DiskTransport(root=str(tmp_path / "w"), keep=1)
+        if name == "disk"
+        else TRANSPORTS.get(name)()
+    )
+    transport.connect([server])
+    ranks = _TwoRankShards({})  # p2p: two trainer ranks, the group formed once
+    try:
+        for version, seed in ((31, 1), (32, 2)):
+            tensors = _adapter_tensors(config, seed)
+            if name == "p2p":
+                ranks.weights = tensors
+                source = ranks
+            else:
+                source = TensorBuckets(tensors, per=7)
+            stats = transport.push(source, version=version, pause_mode="retract")
+            assert server.weights_checksum("adapters") == weights_checksum(tensors.items())
+            # the adapter's bytes (a disk push adds its file headers and manifest)
+            assert adapter_bytes(tensors) <= stats.bytes < 2 * adapter_bytes(tensors)
+            assert server.weight_version == version
+    finally:
+        getattr(transport, "close", lambda: None)()
+    assert server.weights_checksum("base") == base  # the base never travels, never changes
+
+
+def test_the_servers_lora_routes_answer_as_sglangs(lora_server, tiny_dir, tmp_path):
+    """Load from a peft directory (under the weight roots only) or from tensors, per-request
+    and per-item `lora_path`, the adapter limit and unknown adapters as 4xx, unload."""
+    import httpx
+
+    server, config = lora_server
+    tensors = {k.split(".", 2)[2]: v for k, v in _adapter_tensors(config, 3).items()}
+    peft_keyed = {f"base_model.model.{k}": v for k, v in tensors.items()}
+    adapter = Adapter("x", config, {})
+    from miles_core.lora.adapter import pairs_of
+
+    adapter.weights = pairs_of(peft_keyed)
+    adapter.save(tmp_path / "x")
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=30)  # noqa: E731
+    ok = post("/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "x")})
+    assert ok.status_code == 200 and set(ok.json()["loaded_adapters"]) == {"default", "x"}
+    outside = post("/load_lora_adapter", {"lora_name": "y", "lora_path": "/etc"})
+    assert outside.status_code == 400 and "not under the roots" in outside.json()["message"]
+    full = server.load_lora_adapter_from_tensors
+    with pytest.raises(Exception, match="2 adapters are loaded"):
+        full("y", config, peft_keyed)
+    body = {"input_ids": [PROMPTS[0], PROMPTS[1]], "sampling_params": {"max_new_tokens": 3},
+            "lora_path": ["x", "default"]}  # fmt: skip
+    out = post("/generate", body)
+    assert out.status_code == 200 and len(out.json()) == 2
+    unknown = post("/generate", {"input_ids": PROMPTS[0], "lora_path": "nope"})
+    assert unknown.status_code == 400 and "no such adapter is loaded" in unknown.json()["message"]
+    missing = post("/generate", {"input_ids": PROMPTS[0]})
+    assert missing.status_code == 400 and "must name its adapter" in missing.json()["message"]
+    pickled = post("/load_lora_adapter_from_tensors", {"lora_name": "z", "config_dict": config,
+                   "serialized_named_tensors": ["gASV"]})  # fmt: skip
+    assert pickled.status_code == 400 and "never unpickles" in pickled.json()["message"]
+    server.unload_lora_adapter("x")
+    full("y", config, peft_keyed)  # room again
+    assert sorted(a["name"] for a in server.lora_adapters()) == ["default", "y"]
+    server.unload_lora_adapter("y")
+
+
+def test_a_lora_run_is_on_policy_and_pushes_only_the_adapter(tmp_path):
+    """Two steps of a LoRA run with true on-policy and the bitwise check: the log-prob gap is 0
+    at every step, each push carries the adapter's bytes (a small fraction of the model's), and
+    the engine's adapter is the trainer's after it."""
+    from miles_core.run import runtime
+
+    config = _config(
+        "train.true_on_policy=true",
+        "weight_sync.check_equal=true",
+        "train.num_steps=2",
+        f"checkpoint.root={tmp_path / 'ckpt'}",
+    )
+    rt = runtime.RLRuntime(config, runtime.prepare_model_dir(config, tmp_path / "init"), None)
+    try:
+        model_bytes = sum(
+            t.numel() * t.element_size() for t in rt.fleet.engine.weights.tensors("base").values()
+        )
+        for step in range(2):
+            metrics = rt.train(rt.rollout(step))
+            assert metrics["train/train_rollout_logprob_abs_diff"] == 0.0
+            pushed = rt.update_weights()["perf/weight_sync_bytes"]
+            held = rt.fleet.engine.weights.tensors("adapters")
+            assert pushed == adapter_bytes(held) < model_bytes / 10
+    finally:
+        rt.close()
