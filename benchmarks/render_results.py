@@ -200,6 +200,26 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
         ["preset", "disk delta / full push, bf16, 1st step", "bf16, 10th step", "fp32, 1st step"],
         delta_rows,
     )
+    lora = r.get("lora")
+    if lora:  # a LoRA run's push: the adapter alone
+        out += [""] + _table(
+            ["preset", "adapter MB (rank 8)", "of a full push", "colocated ms", "shared memory ms"],
+            [
+                [
+                    preset,
+                    _num(row["bytes"] / 1e6, ".2f"),
+                    _num(row["fraction_of_full"] * 100, ".2f") + " %",
+                    _num(row["push_ms"]["colocated"], ".2f"),
+                    _num(row["push_ms"]["shared_memory"], ".2f"),
+                ]
+                for preset, row in lora.items()
+            ],
+        )
+        out += [
+            "",
+            "LoRA (train.lora rank 8 on every linear layer): a push carries the adapter alone, "
+            "checked bitwise on the engine after it.",
+        ]
     t = r.get("targets", {})
     if t:
         out += [
@@ -211,7 +231,12 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
                 if "fraction_of_raw" in t
                 else ""
             )
-            + f"disk delta ≤ {t.get('delta_bytes_fraction')} of a full push.",
+            + f"disk delta ≤ {t.get('delta_bytes_fraction')} of a full push"
+            + (
+                f", a LoRA push ≤ {t['lora_fraction_of_full'] * 100:g} % of it."
+                if "lora_fraction_of_full" in t
+                else "."
+            ),
         ]
     return out
 
@@ -660,6 +685,50 @@ def time_to_result(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def lora(r: dict[str, Any]) -> list[str]:
+    mem_rows = [
+        [
+            preset,
+            mode,
+            f"{m['trained_params']:,}",
+            _num(m["grad_bytes"] / 1e6, ".2f"),
+            _num(m["optimizer_bytes"] / 1e6, ".2f"),
+            _num(m.get("trainer_rss_mb"), ".0f"),
+            _num(m["peak_rss_mb"], ".0f"),
+        ]
+        for preset, modes in r["memory"].items()
+        for mode, m in modes.items()
+    ]
+    out = _table(
+        ["preset", "training", "trained params", "gradients MB", "AdamW state MB",
+         "trainer RSS MB", "peak RSS MB"],
+        mem_rows,
+    )  # fmt: skip
+    out += [
+        "",
+        "One RL train step in a fresh process each: full fine-tuning against rank-8 adapters on "
+        "every linear layer (gradients and optimizer state exist only for what trains). Trainer "
+        "RSS: what building the trainer and its step added to the process; peak RSS includes the "
+        "imports (peft's, in both).",
+        "",
+    ]
+    target = r["target_reward"]
+    rows = []
+    for mode, per_seed in r["steps_to_target"].items():
+        for seed, steps in per_seed.items():
+            rewards = r["rewards"][mode][seed]
+            rows.append(
+                [mode, seed, "never" if steps is None else str(steps), _num(rewards[-1], ".3f")]
+            )
+    out += _table(["training", "seed", f"first step with reward ≥ {target}", "last reward"], rows)
+    out += [
+        "",
+        f"`{r['example']}` (rank 8, small preset) and the same run without `train.lora` at the "
+        "full fine-tuning learning rate, same seeds.",
+    ]
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_vs_hf": engine_vs_hf,
     "prefix_cache": prefix_cache,
@@ -673,6 +742,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "routing_replay_megatron": routing_replay,
     "true_on_policy": true_on_policy,
     "precision": precision,
+    "lora": lora,
     "session_load": session_load,
     "vs_trl": vs_trl,
     "time_to_result": time_to_result,

@@ -1,5 +1,8 @@
 """GB/s of each weight transport against a plain memcpy of the same tensors, in one run.
 
+A LoRA row: a rank-8 adapter's push (colocated and shared memory), its bytes against the full
+model's, bitwise on the engine.
+
 For each preset: memcpy (one `copy_` of every tensor into preallocated storage: the floor any
 transport pays at least once), colocated (in-process engine), then shared_memory, broadcast
 (gloo), p2p (from a 1-rank FSDP trainer's own shards) and disk (an engine server subprocess on
@@ -124,6 +127,48 @@ def bench(preset: str, reps: int) -> dict[str, float]:
     results["delta_bytes_fraction_fp32"] = delta_fraction(model, torch.float32)
     model.load_state_dict(state)
     results["delta_bytes_fraction_step10"] = delta_fraction(model, torch.bfloat16, warm=9)
+    results |= lora_push(preset, reps)
+    return results
+
+
+def lora_push(preset: str, reps: int, rank: int = 8) -> dict[str, float]:
+    """A LoRA run's push (train.lora rank `rank` on every linear layer, peft's all-linear): the
+    adapter alone, through colocated and shared memory, bitwise on the engine after each push;
+    its bytes against the full model's."""
+    from miles_core.config.lora import LoraSettings
+    from miles_core.lora.adapter import engine_spec
+    from miles_core.lora.names import wire_name
+
+    model, tok = build_model(preset, seed=0)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    spec = engine_spec(LoraSettings(rank=rank), model)
+    config = spec["adapters"]["default"]
+    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for module in config["target_modules"]:
+        out_f, in_f = shapes[module]
+        tensors[wire_name("default", module, "lora_A")] = torch.randn(rank, in_f, generator=gen)
+        tensors[wire_name("default", module, "lora_B")] = torch.randn(out_f, rank, generator=gen)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    results = {"lora_bytes": float(nbytes), "lora_fraction": nbytes / full}
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_dir(model, tok, tmp)
+        colocated = EmbeddedEngine(build_model(preset, seed=1)[0], tok, lora=spec)
+        args = ["--threads", "1", "--lora", json.dumps(spec)]
+        with EngineProcess(tmp, args=args) as proc:
+            server = HttpEngine(proc.url)
+            for name, target in (("colocated", colocated), ("shared_memory", server)):
+                transport = TRANSPORTS.get(name)()
+                transport.connect([target])
+                stats = transport.push(buckets(tensors), version=1, pause_mode="retract")
+                assert target.weights_checksum("adapters") == weights_checksum(tensors.items())
+                results[f"lora_{name}_bytes"] = float(stats.bytes)
+                results[f"lora_{name}_s"] = _median(
+                    lambda t=transport: t.push(buckets(tensors), version=2), reps
+                )
+                getattr(transport, "close", lambda: None)()
+            server.close()
     return results
 
 
@@ -306,7 +351,29 @@ def main() -> None:
         + "; bf16 at the 10th step: "
         + ", ".join(f"{p} {r['delta_bytes_fraction_step10']:.3f}" for p, r in results.items())
     )
+    print(
+        "LoRA (rank 8, every linear layer): adapter bytes per push / full push: "
+        + ", ".join(
+            f"{p} {r['lora_bytes'] / 1e6:.2f} MB / {r['bytes'] / 1e6:.1f} MB = "
+            f"{r['lora_fraction']:.4f}"
+            for p, r in results.items()
+        )
+    )
     result = {
+        # a LoRA run's push: the adapter alone (rank 8, all-linear), bitwise on the engine
+        "lora": {
+            p: {
+                "bytes": int(r["lora_bytes"]),
+                "fraction_of_full": round(r["lora_fraction"], 4),
+                "pushed_bytes": {
+                    t: int(r[f"lora_{t}_bytes"]) for t in ("colocated", "shared_memory")
+                },
+                "push_ms": {
+                    t: round(r[f"lora_{t}_s"] * 1e3, 2) for t in ("colocated", "shared_memory")
+                },
+            }
+            for p, r in results.items()
+        },
         "delta_bytes_fraction": {
             p: round(r["delta_bytes_fraction"], 3) for p, r in results.items()
         },
@@ -342,6 +409,7 @@ def main() -> None:
             "broadcast": 0.25,
             "fraction_of_raw": 0.8,
             "delta_bytes_fraction": 0.1,
+            "lora_fraction_of_full": 0.02,
         },
     }
     print(json.dumps(result))

@@ -98,14 +98,18 @@ def test_two_agentic_steps_train_on_session_samples_and_stop_everything(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pause_mode, steps", [("retract", 30), ("in_place", 10)])
+@pytest.mark.parametrize(
+    "pause_mode, steps, extra",
+    [("retract", 30, ()), ("in_place", 10, ("train.lora.rank=4",))],
+)
 def test_fully_async_agentic_steps_keep_the_staleness_bound_in_each_pause_mode(
-    tmp_path, pause_mode, steps
+    tmp_path, pause_mode, steps, extra
 ):
     """fully_async steps (30 in the default pause mode) of one group of two episodes, pushes in
     `pause_mode` while episodes run: every step trains exactly its own episodes (none lost,
     none twice, across every push), and no sample's oldest model call is more than
-    max_staleness versions behind the step."""
+    max_staleness versions behind the step. In place: a LoRA run (every turn names the
+    adapter, which the engine requires; pushes carry it alone)."""
     staleness = 2
     cfg = _config(
         tmp_path,
@@ -120,6 +124,7 @@ def test_fully_async_agentic_steps_keep_the_staleness_bound_in_each_pause_mode(
         "agent.eval_episodes=0",
         "weight_sync.check_equal=false",
         f"train.num_steps={steps}",
+        *extra,
     )
     rt = RLRuntime(cfg, prepare_model_dir(cfg, Path(tempfile.mkdtemp())), None)
     trained: list[str] = []

@@ -210,6 +210,7 @@ def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, 
         (["rollout.precision=fp8"], "train.lora with rollout.precision fp8"),
         (["train.lora.adapters=[a, b]"], "several adapters in one run"),
         (["train.lora.adapters=['a b']"], "is not a name of 1-64 letters"),
+        (["eval.mode=dedicated"], "train.lora with eval.mode dedicated"),
     ],
 )
 def test_lora_settings_that_cannot_work_are_refused_before_start(sets, message):
@@ -374,28 +375,63 @@ def test_the_servers_lora_routes_answer_as_sglangs(lora_server, tiny_dir, tmp_pa
     server.unload_lora_adapter("y")
 
 
-def test_a_lora_run_is_on_policy_and_pushes_only_the_adapter(tmp_path):
-    """Two steps of a LoRA run with true on-policy and the bitwise check: the log-prob gap is 0
-    at every step, each push carries the adapter's bytes (a small fraction of the model's), and
-    the engine's adapter is the trainer's after it."""
+def test_a_lora_run_is_on_policy_pushes_only_the_adapter_and_resumes_bitwise(
+    tmp_path, mlflow_store
+):
+    """A LoRA run with true on-policy and the bitwise check: the log-prob gap is 0 at every
+    step and each push carries the adapter's bytes (a small fraction of the model's). Each
+    checkpoint's adapter is a model version in MLflow whose config names the base saved once
+    beside the checkpoints; resuming step 0 trains step 1 to the same bits."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
     from miles_core.run import runtime
+    from miles_core.run.tracking import Tracker
 
     config = _config(
         "train.true_on_policy=true",
         "weight_sync.check_equal=true",
         "train.num_steps=2",
+        "checkpoint.interval=1",
         f"checkpoint.root={tmp_path / 'ckpt'}",
+        f"tracking.tracking_uri={mlflow_store}",
     )
-    rt = runtime.RLRuntime(config, runtime.prepare_model_dir(config, tmp_path / "init"), None)
-    try:
-        model_bytes = sum(
-            t.numel() * t.element_size() for t in rt.fleet.engine.weights.tensors("base").values()
-        )
-        for step in range(2):
-            metrics = rt.train(rt.rollout(step))
-            assert metrics["train/train_rollout_logprob_abs_diff"] == 0.0
-            pushed = rt.update_weights()["perf/weight_sync_bytes"]
-            held = rt.fleet.engine.weights.tensors("adapters")
-            assert pushed == adapter_bytes(held) < model_bytes / 10
-    finally:
-        rt.close()
+    init = runtime.prepare_model_dir(config, tmp_path / "init")
+
+    def run(steps, resume=None):
+        tracker = Tracker(mlflow_store, "lora", config.name)
+        rt = runtime.RLRuntime(config, init, tracker)
+        out = []
+        try:
+            if resume is not None:
+                rt.resume(resume)
+            held = rt.fleet.engine.weights.tensors
+            model_bytes = adapter_bytes(held("base"))
+            for step in steps:
+                metrics = rt.train(rt.rollout(step))
+                assert metrics["train/train_rollout_logprob_abs_diff"] == 0.0
+                pushed = rt.update_weights()["perf/weight_sync_bytes"]
+                assert pushed == adapter_bytes(held("adapters")) < model_bytes / 10
+                rt.save(step, metrics)
+                out.append((metrics, {n: t.clone() for n, t in held("adapters").items()}))
+        finally:
+            rt.close()
+            tracker.finish()
+        return out
+
+    first = run([0, 1])
+    again = run([1], resume=0)
+    assert again[0][0] == first[1][0]  # the step's metrics, and the adapter it trained
+    assert all(torch.equal(t, first[1][1][n]) for n, t in again[0][1].items())
+    base = tmp_path / "ckpt" / config.name / "base_model"
+    assert (base / "model.safetensors").is_file()
+    saved = tmp_path / "ckpt" / config.name / "step_000001" / "adapters" / "default"
+    assert json.loads((saved / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(base)
+    versions = MlflowClient(mlflow_store).search_model_versions(f"name='{config.name}'")
+    assert {v.source for v in versions} >= {str(saved)}
+    assert all(v.tags.get("lora_adapter") == "default" for v in versions), [
+        v.tags.get("lora_adapter") for v in versions
+    ]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from miles_core.checkpoint.registration import register_checkpoint
+
 log = logging.getLogger("miles")
 
 
@@ -26,11 +28,6 @@ def record_what_the_dead_process_missed(tracker, config, step: int, state: dict,
         found = t.client.search_model_versions(f"name='{config.name}' and run_id='{t.run_id}'")
         if not any(mv.tags.get("step") == str(step) for mv in found):
             log.warning("checkpoint %s was never registered: registering it now", uri)
-            t.log_policy_version(
-                config.name,
-                step,
-                int(state["policy_version"]),
-                uri,
-                {"weights_sha256": state.get("saved_weights_sha256", state["weights_sha256"])},
-            )
+            sha = state.get("saved_weights_sha256", state["weights_sha256"])
+            register_checkpoint(t, config, step, int(state["policy_version"]), uri, sha)
             t.set_tags({"miles.last_checkpoint": uri})

@@ -11,10 +11,12 @@ from pathlib import Path
 from miles_core.checkpoint import rng_state
 from miles_core.checkpoint.catch_up import record_what_the_dead_process_missed
 from miles_core.checkpoint.ledger import LEDGER_FILE, TrainedLedger
+from miles_core.checkpoint.registration import register_checkpoint
 from miles_core.checkpoint.resume_checks import check_buffer_resumable, shape_changes
 from miles_core.checkpoint.store import CheckpointStore, check_checkpoint_matches
 from miles_core.engines.fleet import EngineFleet
 from miles_core.engines.protocol import shared_generator
+from miles_core.lora.adapter import ADAPTERS_DIR, set_base_model
 from miles_core.precision.convert import save_quantized
 from miles_core.rollout.buffer_state import BUFFER_FILE
 from miles_core.weights.sync import WeightSync
@@ -36,8 +38,10 @@ class Checkpointing:
         prompts,  # PromptSource
         tokenizer,
         architecture: dict,
+        model_dir: Path | None = None,
     ):
         self.config = config
+        self.model_dir = model_dir  # the run's starting model (a LoRA run's base)
         self.tracker = tracker
         self.fleet = fleet
         self.weights = weights
@@ -89,10 +93,16 @@ class Checkpointing:
         if buffer is not None:
             files[BUFFER_FILE] = buffer
 
+        lora = config.train.lora
+        base = self.store.save_base(self.model_dir) if lora is not None else None
+
         def write(directory: Path) -> None:
             with w.exclusive():  # never beside a push to a replaced engine (SPMD calls)
                 w.trainer.save(str(directory))
             self.tokenizer.save_pretrained(str(directory))
+            if lora is not None:  # each adapter names the base it was trained on
+                for name in lora.adapters:
+                    set_base_model(directory / ADAPTERS_DIR / name, base)
             if w.plan is not None:  # rollout.precision: the weights as SGLang serves them too
                 save_quantized(directory, w.plan)
 
@@ -102,8 +112,8 @@ class Checkpointing:
         model_version = None
         if self.tracker:
             if config.tracking.register_policy:
-                model_version = self.tracker.log_policy_version(
-                    config.name, step, w.policy_version, uri, {"weights_sha256": saved_sha}
+                model_version = register_checkpoint(
+                    self.tracker, config, step, w.policy_version, uri, saved_sha
                 )
             self.tracker.set_tags({"miles.last_checkpoint": uri})
         return uri, model_version, saved_sha

@@ -34,6 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 from miles_core.models.builder import architecture_of, check_same_architecture
 
 STATE_FILE = "state.json"
+BASE_MODEL_DIR = "base_model"  # a LoRA run's frozen base, saved once
 
 
 class CheckpointSaveError(OSError):
@@ -104,6 +105,23 @@ class CheckpointStore:
         finally:
             if not self.is_local:
                 shutil.rmtree(local, ignore_errors=True)
+        return self._url(target)
+
+    def base_uri(self) -> str:
+        """Where a LoRA run's base model is saved, once, beside its checkpoints."""
+        return self._url(f"{self.base}/{BASE_MODEL_DIR}")
+
+    def save_base(self, model_dir: Path) -> str:
+        """Copies the HF directory `model_dir` to `base_uri` unless it is there; returns it."""
+        target = f"{self.base}/{BASE_MODEL_DIR}"
+        if not self.fs.exists(f"{target}/config.json"):
+            if self.is_local:
+                partial = Path(f"{target}.tmp")
+                shutil.rmtree(partial, ignore_errors=True)
+                shutil.copytree(model_dir, partial)
+                partial.rename(target)
+            else:
+                self.fs.put(str(model_dir), target, recursive=True)
         return self._url(target)
 
     def latest_step_or_none(self) -> int | None:

@@ -207,6 +207,13 @@ class RunConfig(Strict):
                 f"train.lora with rollout.precision {r.precision}: adapters over a quantized "
                 "base are not built yet"
             )
+        from miles_core.eval.mode import EVAL_MODES
+
+        if EVAL_MODES.get(self.eval.mode).background:
+            raise ValueError(
+                f"train.lora with eval.mode {self.eval.mode}: evaluating saved adapters beside "
+                "training is not built yet; use eval.mode shared (the run's own engines)"
+            )
 
     def _check_eval(self) -> None:
         e, interval = self.eval, self.checkpoint.interval

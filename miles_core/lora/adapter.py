@@ -92,6 +92,14 @@ class Adapter:
         return path
 
 
+def set_base_model(directory: Path, base: str | None) -> None:
+    """Points a saved adapter's config at its base model (`base_model_name_or_path`)."""
+    file = Path(directory) / CONFIG_FILE
+    config = json.loads(file.read_text())
+    config["base_model_name_or_path"] = base
+    file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def pairs_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module: (A, B)} from peft checkpoint keys; ValueError for a key that is not an adapter
     tensor or a module with one half missing."""

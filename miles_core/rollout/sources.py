@@ -164,6 +164,7 @@ class AgentSessions:
             agent.rollout_function, needs + (("evaluate",) if agent.eval_episodes else ())
         )
         budget = agent.max_session_tokens
+        adapter = config.rollout.adapter  # train.lora: every turn names the run's adapter
         self.process = SessionServerProcess(
             fleet.url,  # the router over several engine servers: sessions stick to one
             agent.family,
@@ -173,6 +174,7 @@ class AgentSessions:
                 str(agent.max_tokens),
                 *(() if budget is None else ("--token-budget", str(budget))),
                 *_token_field_args(config),
+                *(() if adapter is None else ("--lora-path", adapter)),
             ),
             port_range=config.network.ports,
             api_key=fleet.api_key,  # the run's key: its engine requires it too

@@ -97,6 +97,7 @@ class RLRuntime:
                 self.source,
                 self.tokenizer,
                 self.architecture,
+                model_dir,
             )
             started.callback(self.checkpoints.close)
             self.evaluation = self._start_evaluation()

@@ -135,13 +135,15 @@ def create_app(
     api_key: str | None = None,
     token_budget: int | None = None,
     request_fields: list[str] | None = None,
+    lora_path: str | None = None,
 ) -> FastAPI:
     """`token_budget`: a turn's prompt plus its new tokens at most this many ids (the new
     tokens are capped to what is left; a turn with nothing left answers 400
     `context_length_exceeded`). `session_ttl_s`: a session nobody used for that long (a harness that crashed without
     deleting it) is dropped by the sweep that runs every `sweep_s` (default: a quarter of the
     TTL, at most 30 s) and when a session is created, counted in `expired_sessions`.
-    `max_sessions` live sessions (429 past it), `max_session_ids` stored ids per session (413)."""
+    `max_sessions` live sessions (429 past it), `max_session_ids` stored ids per session (413).
+    `lora_path`: the LoRA adapter every turn generates with (a LoRA run's)."""
     app = FastAPI(title="miles session server")
     app.add_middleware(BodyLimit, limit=max_body_bytes, respond=_error)
     sweep_every = sweep_s if sweep_s is not None else min(max(session_ttl_s / 4, 0.5), 30.0)
@@ -352,6 +354,7 @@ def create_app(
             sampling_params=sampling,
             rid=f"{s.id}-{len(t.nodes)}",
             return_fields=list(request_fields or ()),  # each turn's rows join per turn
+            lora_path=lora_path,
         )
         try:
             # behind a router, every turn of the session reaches one engine (its prefix there)
@@ -490,6 +493,12 @@ def main(argv: list[str] | None = None) -> None:
         help="a per-token field declared for the run's model, as JSON (TokenField.declaration; "
         "repeatable): what a run passes for the fields it records",
     )
+    ap.add_argument(
+        "--lora-path",
+        default=None,
+        metavar="ADAPTER",
+        help="the LoRA adapter every turn generates with (the engine's adapter name)",
+    )
     args = ap.parse_args(argv)
     if args.token_budget is not None and args.token_budget < 1:
         ap.error("--token-budget must be > 0")
@@ -520,6 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         token_budget=args.token_budget,
         # the engine fills the fields it is asked for by their request flags
         request_fields=[f.name for f in fields if f.request_flag],
+        lora_path=args.lora_path,
     )
     config = uvicorn.Config(
         app,

@@ -217,7 +217,15 @@ def create_app(
     @app.get("/health_generate")
     async def health_generate():
         ids = [engine.tokenizer.eos_token_id or 0]
-        req = GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=1))
+        # a LoRA run's engine takes only requests naming an adapter: one it holds
+        held = engine.adapters.loaded if engine.adapters is not None else {}
+        req = GenerateRequest(
+            input_ids=ids,
+            sampling_params=SamplingParams(max_new_tokens=1),
+            lora_path=next(iter(held), None)
+            if engine.adapters and engine.adapters.required
+            else None,
+        )
         handle = engine.submit(req)
         try:
             await asyncio.wait_for(_wait(handle), 30)
