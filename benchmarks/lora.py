@@ -6,8 +6,10 @@
 2. Learning: `examples/say_a_lora.yaml` (rank 8 on the small preset) and the same config without
    `train.lora` at its full fine-tuning learning rate, same seeds: the reward per step and the
    first step whose mean reward reaches 0.8.
+3. Multi-LoRA: `examples/multi_lora.yaml` (an SFT warm start on reverse, then two adapters, say_a
+   and reverse): each adapter's mean reward over its first and last 5 steps.
 
-Prints two tables, then one JSON object.
+Prints three tables, then one JSON object.
 
     python benchmarks/lora.py [--seeds 0,1] [--presets small,medium]
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "say_a_lora.yaml"
+MULTI = HERE.parent / "examples" / "multi_lora.yaml"
 TARGET = 0.8
 FULL_LR = 3e-3  # examples/say_a.yaml's
 
@@ -123,6 +126,31 @@ def learning(seed: int, lora: bool) -> list[float]:
     return rewards
 
 
+def multi_lora(seed: int) -> dict[str, list[float]]:
+    """`examples/multi_lora.yaml`: its SFT warm start, then the two adapters' RL; each
+    adapter's mean reward per step."""
+    from miles_core.config import load_config
+    from miles_core.run import runtime
+    from miles_core.train.sft import run_sft
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(str(MULTI), [f"seed={seed}", f"checkpoint.root={tmp}/ckpt"])
+        start = run_sft(cfg, runtime.prepare_model_dir(cfg, Path(tmp) / "init"), None)
+        cfg = cfg.with_model_path(start)
+        rt = runtime.RLRuntime(cfg, runtime.prepare_model_dir(cfg, Path(tmp) / "rl"), None)
+        curves: dict[str, list[float]] = {name: [] for name in cfg.train.lora.adapters}
+        try:
+            for step in range(cfg.train.num_steps):
+                result = rt.rollout(step)
+                rt.train(result)
+                rt.update_weights()
+                for name, curve in curves.items():
+                    curve.append(result.metrics[f"rollout/reward_mean/{name}"])
+        finally:
+            rt.close()
+    return curves
+
+
 def first_reaching(rewards: list[float], target: float) -> int | None:
     return next((i for i, r in enumerate(rewards) if r >= target), None)
 
@@ -158,7 +186,16 @@ def main() -> None:
     for k, per_seed in curves.items():
         for s, rewards in per_seed.items():
             print(f"{k:6}{s:>6}{str(first_reaching(rewards, TARGET)):>14}{rewards[-1]:>13.3f}")
+    multi = multi_lora(seeds[0])
+    print(f"{'adapter':10}{'first 5 steps':>15}{'last 5 steps':>14}")
+    for name, curve in multi.items():
+        print(f"{name:10}{sum(curve[:5]) / 5:>15.3f}{sum(curve[-5:]) / 5:>14.3f}")
     result = {
+        "multi_lora": {
+            "example": "examples/multi_lora.yaml",
+            "seed": seeds[0],
+            "rewards": {name: [round(r, 4) for r in c] for name, c in multi.items()},
+        },
         "memory": mem,
         "rewards": {
             k: {str(s): [round(r, 4) for r in v] for s, v in c.items()} for k, c in curves.items()

@@ -203,22 +203,27 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
     lora = r.get("lora")
     if lora:  # a LoRA run's push: the adapter alone
         out += [""] + _table(
-            ["preset", "adapter MB (rank 8)", "of a full push", "colocated ms", "shared memory ms"],
+            ["preset", "targets", "adapter MB (rank 8)", "of a full push", "colocated ms",
+             "shared memory ms"],
             [
                 [
                     preset,
+                    targets,
                     _num(row["bytes"] / 1e6, ".2f"),
                     _num(row["fraction_of_full"] * 100, ".2f") + " %",
                     _num(row["push_ms"]["colocated"], ".2f"),
                     _num(row["push_ms"]["shared_memory"], ".2f"),
                 ]
-                for preset, row in lora.items()
+                for preset, variants in lora.items()
+                for targets, row in variants.items()
             ],
-        )
+        )  # fmt: skip
         out += [
             "",
-            "LoRA (train.lora rank 8 on every linear layer): a push carries the adapter alone, "
-            "checked bitwise on the engine after it.",
+            "LoRA (train.lora rank 8): a push carries the adapter alone, checked bitwise on the "
+            "engine after it. Per adapted projection the adapter is r·(1/in + 1/out) of its "
+            "weight: these presets' widths (256, 512) make rank 8 a larger share than on a "
+            "model thousands wide.",
         ]
     t = r.get("targets", {})
     if t:
@@ -726,6 +731,18 @@ def lora(r: dict[str, Any]) -> list[str]:
         f"`{r['example']}` (rank 8, small preset) and the same run without `train.lora` at the "
         "full fine-tuning learning rate, same seeds.",
     ]
+    multi = r.get("multi_lora")
+    if multi:
+        rows = [
+            [name, _num(sum(c[:5]) / 5, ".3f"), _num(sum(c[-5:]) / 5, ".3f"), str(len(c))]
+            for name, c in multi["rewards"].items()
+        ]
+        out += [""] + _table(["adapter", "reward, first 5 steps", "last 5 steps", "steps"], rows)
+        out += [
+            "",
+            f"`{multi['example']}` (seed {multi['seed']}): two adapters on one SFT-warm-started "
+            "base, each stepping on its own task's rows.",
+        ]
     return out
 
 

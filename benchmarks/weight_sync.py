@@ -131,43 +131,62 @@ def bench(preset: str, reps: int) -> dict[str, float]:
     return results
 
 
+LORA_TARGETS = {  # train.lora.target_modules of the LoRA rows
+    "all-linear": "all-linear",
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+
+
 def lora_push(preset: str, reps: int, rank: int = 8) -> dict[str, float]:
-    """A LoRA run's push (train.lora rank `rank` on every linear layer, peft's all-linear): the
-    adapter alone, through colocated and shared memory, bitwise on the engine after each push;
-    its bytes against the full model's."""
+    """A LoRA run's push (train.lora rank `rank`, on every linear layer and on the attention
+    projections): the adapter alone, through colocated and shared memory, bitwise on the engine
+    after each push; its bytes against the full model's."""
     from miles_core.config.lora import LoraSettings
     from miles_core.lora.adapter import engine_spec
     from miles_core.lora.names import wire_name
+    from miles_core.lora.targets import linear_modules
 
     model, tok = build_model(preset, seed=0)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    spec = engine_spec(LoraSettings(rank=rank), model)
-    config = spec["adapters"]["default"]
-    shapes = {n: (m.out_features, m.in_features) for n, m in model.named_modules()}
+    shapes = linear_modules(model)
     gen = torch.Generator().manual_seed(0)
-    tensors = {}
-    for module in config["target_modules"]:
-        out_f, in_f = shapes[module]
-        tensors[wire_name("default", module, "lora_A")] = torch.randn(rank, in_f, generator=gen)
-        tensors[wire_name("default", module, "lora_B")] = torch.randn(out_f, rank, generator=gen)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    results = {"lora_bytes": float(nbytes), "lora_fraction": nbytes / full}
+    spec: dict = {"adapters": {}, "max_loaded": 8, "required": True}
+    adapters = {}
+    for variant, targets in LORA_TARGETS.items():
+        declared = engine_spec(LoraSettings(rank=rank, target_modules=targets), model)
+        config = declared["adapters"]["default"]
+        spec["adapters"][variant] = config
+        adapters[variant] = {}
+        for module in config["target_modules"]:
+            out_f, in_f = shapes[module]
+            a, b = torch.randn(rank, in_f, generator=gen), torch.randn(out_f, rank, generator=gen)
+            adapters[variant][wire_name(variant, module, "lora_A")] = a
+            adapters[variant][wire_name(variant, module, "lora_B")] = b
+    results: dict[str, float] = {}
+    # what the engines hold before the pushes: every declared adapter's zeros
+    held = {n: torch.zeros_like(t) for tensors in adapters.values() for n, t in tensors.items()}
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_dir(model, tok, tmp)
         colocated = EmbeddedEngine(build_model(preset, seed=1)[0], tok, lora=spec)
         args = ["--threads", "1", "--lora", json.dumps(spec)]
         with EngineProcess(tmp, args=args) as proc:
             server = HttpEngine(proc.url)
-            for name, target in (("colocated", colocated), ("shared_memory", server)):
-                transport = TRANSPORTS.get(name)()
-                transport.connect([target])
-                stats = transport.push(buckets(tensors), version=1, pause_mode="retract")
-                assert target.weights_checksum("adapters") == weights_checksum(tensors.items())
-                results[f"lora_{name}_bytes"] = float(stats.bytes)
-                results[f"lora_{name}_s"] = _median(
-                    lambda t=transport: t.push(buckets(tensors), version=2), reps
-                )
-                getattr(transport, "close", lambda: None)()
+            for variant, tensors in adapters.items():
+                nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                results[f"lora_{variant}_bytes"] = float(nbytes)
+                results[f"lora_{variant}_fraction"] = nbytes / full
+                for name, target in (("colocated", colocated), ("shared_memory", server)):
+                    transport = TRANSPORTS.get(name)()
+                    transport.connect([target])
+                    stats = transport.push(buckets(tensors), version=1, pause_mode="retract")
+                    assert stats.bytes == nbytes  # the adapter's bytes, nothing else
+                    served = {**held, **tensors}  # the engine's adapters: this one replaced
+                    assert target.weights_checksum("adapters") == weights_checksum(served.items())
+                    results[f"lora_{variant}_{name}_s"] = _median(
+                        lambda t=transport, x=tensors: t.push(buckets(x), version=2), reps
+                    )
+                    getattr(transport, "close", lambda: None)()
+                held |= tensors
             server.close()
     return results
 
@@ -351,26 +370,28 @@ def main() -> None:
         + "; bf16 at the 10th step: "
         + ", ".join(f"{p} {r['delta_bytes_fraction_step10']:.3f}" for p, r in results.items())
     )
-    print(
-        "LoRA (rank 8, every linear layer): adapter bytes per push / full push: "
-        + ", ".join(
-            f"{p} {r['lora_bytes'] / 1e6:.2f} MB / {r['bytes'] / 1e6:.1f} MB = "
-            f"{r['lora_fraction']:.4f}"
-            for p, r in results.items()
+    for v in LORA_TARGETS:
+        print(
+            f"LoRA rank 8 on {v}: adapter bytes per push / full push: "
+            + ", ".join(
+                f"{p} {r[f'lora_{v}_bytes'] / 1e6:.2f} MB / {r['bytes'] / 1e6:.1f} MB = "
+                f"{r[f'lora_{v}_fraction']:.4f}"
+                for p, r in results.items()
+            )
         )
-    )
     result = {
-        # a LoRA run's push: the adapter alone (rank 8, all-linear), bitwise on the engine
+        # a LoRA run's push: the adapter alone (rank 8), bitwise on the engine
         "lora": {
             p: {
-                "bytes": int(r["lora_bytes"]),
-                "fraction_of_full": round(r["lora_fraction"], 4),
-                "pushed_bytes": {
-                    t: int(r[f"lora_{t}_bytes"]) for t in ("colocated", "shared_memory")
-                },
-                "push_ms": {
-                    t: round(r[f"lora_{t}_s"] * 1e3, 2) for t in ("colocated", "shared_memory")
-                },
+                v: {
+                    "bytes": int(r[f"lora_{v}_bytes"]),
+                    "fraction_of_full": round(r[f"lora_{v}_fraction"], 4),
+                    "push_ms": {
+                        t: round(r[f"lora_{v}_{t}_s"] * 1e3, 2)
+                        for t in ("colocated", "shared_memory")
+                    },
+                }
+                for v in LORA_TARGETS
             }
             for p, r in results.items()
         },

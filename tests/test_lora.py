@@ -208,7 +208,16 @@ def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, 
         (["train.backend=megatron"], "megatron-core ships no LoRA layers"),
         (["rollout.precision=fp8", "train.qat=true"], "train.lora with train.qat"),
         (["rollout.precision=fp8"], "train.lora with rollout.precision fp8"),
-        (["train.lora.adapters=[a, b]"], "several adapters in one run"),
+        (
+            [
+                "train.lora.adapters=[a, b]",
+                "agent.function=miles_core.envs.sandbox_agent:run_agent",
+                "rollout.engine=server",
+                "weight_sync.transport=shared_memory",
+                "data.task=terminal",
+            ],
+            "several adapters with agent.function",
+        ),  # fmt: skip
         (["train.lora.adapters=['a b']"], "is not a name of 1-64 letters"),
         (["eval.mode=dedicated"], "train.lora with eval.mode dedicated"),
     ],
@@ -435,3 +444,131 @@ def test_a_lora_run_is_on_policy_pushes_only_the_adapter_and_resumes_bitwise(
     assert all(v.tags.get("lora_adapter") == "default" for v in versions), [
         v.tags.get("lora_adapter") for v in versions
     ]
+
+
+# ---------------------------------------------------------------------- several adapters
+def test_each_adapter_steps_as_if_trained_alone_and_leaves_the_others(tiny_dir):
+    """Multi-LoRA: stepping adapter a (its own AdamW state, its loss over its own samples)
+    gives a the bits a one-adapter run gets from the same step, and leaves b as it was."""
+    pairs = [(PROMPTS[i % 2], [20 + i, 21, 22 + i]) for i in range(4)]
+    both = build_trainer(_config("train.lora.adapters=[a, b]", "train.lr=0.05"), tiny_dir)
+    alone = build_trainer(_config("train.lora.adapters=[a]", "train.lr=0.05"), tiny_dir)
+    try:
+        b_before = {n: p.clone() for n, p in both.model.named_parameters() if ".b." in n}
+        both.use_adapter("a")
+        _step(both, pairs)
+        _step(alone, pairs)
+        mine = dict(alone.model.named_parameters())
+        stepped = [
+            (n, p)
+            for n, p in both.model.named_parameters()
+            if ".lora_A.a." in n or ".lora_B.a." in n
+        ]
+        assert stepped and all(torch.equal(p, mine[n]) for n, p in stepped)
+        assert all(
+            torch.equal(p, b_before[n]) for n, p in both.model.named_parameters() if ".b." in n
+        )
+        assert {id(p) for p in both.optimizer.state} == {id(p) for _, p in stepped}
+        both.use_adapter("b")
+        assert not both.optimizer.state  # b's own AdamW: nothing yet
+    finally:
+        both.close(), alone.close()
+
+
+def test_stepping_one_adapter_leaves_anothers_served_bytes_and_outputs(tiny_dir):
+    """A push of adapter a alone: b's tensors on the engine and its greedy outputs are
+    unchanged, a's are the pushed ones."""
+    from miles_core.weights import weights_checksum
+
+    model, tok = load_hf_dir(tiny_dir)
+    spec = engine_spec(_config("train.lora.adapters=[a, b]").train.lora, model)
+    engine = EmbeddedEngine(model, tok, true_on_policy=True, lora=spec)
+    config = spec["adapters"]["a"]
+    g = torch.Generator().manual_seed(5)
+    for name in ("a", "b"):  # both adapters move off zero first
+        tensors = {k.replace("lora.default.", f"lora.{name}."): torch.randn(v.shape, generator=g)
+                   for k, v in _adapter_tensors(config, 1).items()}  # fmt: skip
+        engine.update_weights_from_tensor(tensors.items())
+    b_bytes = weights_checksum(
+        (n, t) for n, t in engine.weights.tensors("adapters").items() if n.startswith("lora.b.")
+    )
+    b_out = engine.generate([_request(p, "b") for p in PROMPTS])
+    a_out = engine.generate([_request(p, "a") for p in PROMPTS])
+    new_a = {
+        k.replace("lora.default.", "lora.a."): v for k, v in _adapter_tensors(config, 9).items()
+    }
+    engine.update_weights_from_tensor(new_a.items())
+    held = engine.weights.tensors("adapters")
+    assert all(torch.equal(held[n], t) for n, t in new_a.items())
+    assert weights_checksum((n, t) for n, t in held.items() if n.startswith("lora.b.")) == b_bytes
+    after = engine.generate([_request(p, "b") for p in PROMPTS])
+    assert [(r.output_ids, r.output_log_probs) for r in after] == [
+        (r.output_ids, r.output_log_probs) for r in b_out
+    ]
+    moved = engine.generate([_request(p, "a") for p in PROMPTS])
+    assert [r.output_log_probs for r in moved] != [r.output_log_probs for r in a_out]
+
+
+def test_a_multi_lora_run_trains_each_adapter_on_its_rows_and_pushes_those_that_stepped(tmp_path):
+    """Two adapters on a mixture of say_a and reverse rows, each row naming its adapter; the
+    data in order, two prompts a step: step 0 has only a's rows, step 1 only b's. Each push
+    carries the adapter that stepped, the engine then holds the trainer's bytes of both."""
+    import json
+
+    from miles_core.run import runtime
+
+    rows = [{"prompt": "say a", "label": {"task": "say_a"}, "adapter": "a"}] * 2
+    rows += [
+        {"prompt": "reverse abcd", "label": {"task": "reverse", "label": "dcba"}, "adapter": "b"}
+    ] * 2
+    data = tmp_path / "mix.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = _config(
+        "train.lora.adapters=[a, b]",
+        "data.task=mixture",
+        f"data.path={data}",
+        "data.shuffle=false",
+        "weight_sync.check_equal=true",
+        "train.num_steps=2",
+        f"checkpoint.root={tmp_path / 'ckpt'}",
+    )
+    from miles_core.run.preflight import preflight
+
+    preflight(config)
+    rt = runtime.RLRuntime(config, runtime.prepare_model_dir(config, tmp_path / "init"), None)
+    try:
+        held = rt.fleet.engine.weights.tensors
+        for step, name in ((0, "a"), (1, "b")):
+            result = rt.rollout(step)
+            assert {s.metadata["adapter"] for s in result.samples} == {name}
+            metrics = rt.train(result)
+            other = "b" if name == "a" else "a"
+            assert f"train/loss/{name}" in metrics and f"train/loss/{other}" not in metrics
+            pushed = rt.update_weights()["perf/weight_sync_bytes"]
+            mine = {n: t for n, t in held("adapters").items() if n.startswith(f"lora.{name}.")}
+            assert pushed == adapter_bytes(mine)  # that adapter alone
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"prompt": "x", "label": {"task": "say_a"}}], "row 1 names no adapter"),
+        (
+            [{"prompt": "x", "label": {"task": "say_a"}, "adapter": "c"}],
+            "names adapter 'c', none of",
+        ),
+    ],
+)
+def test_multi_lora_rows_must_name_one_of_the_adapters(tmp_path, rows, message):
+    import json
+
+    from miles_core.data import read_jsonl
+    from miles_core.run.preflight import _check_adapters
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = _config("train.lora.adapters=[a, b]", "data.task=mixture", f"data.path={data}")
+    with pytest.raises(ValueError, match=message):
+        _check_adapters(config, read_jsonl(str(data)), str(data))

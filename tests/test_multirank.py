@@ -33,8 +33,12 @@ CONFIGS = [
     # an agentic batch: 15 rows (odd: the second rank gets a row that trains nothing), rollouts
     # of 3 leaves each, one of them split across the two ranks
     {"rows": 15, "leaves": 3, "loss_agg": "rollout_mean_token_mean", "lr": 1e-3},
+    # LoRA adapters on every linear layer and the output layer: FSDP2 shards them with the frozen
+    # base (the weights compared are the adapters')
+    {"lora": {"rank": 4, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"]}},
 ]
-CONFIG_IDS = ["token_mean", "seq_mean+kl+entropy", "odd_rows+rollout_mean"]
+CONFIG_IDS = ["token_mean", "seq_mean+kl+entropy", "odd_rows+rollout_mean", "lora"]
+LORA_CASE = CONFIG_IDS.index("lora")
 
 
 def _run(nproc: int, model_dir: Path, out: Path, configs: list[dict]) -> list[tuple[dict, dict]]:
@@ -128,6 +132,7 @@ def parity_runs(tiny_dir, tmp_path_factory):
         plain = [dict(c) for c in CONFIGS] if world < 4 else []
         if world == 2:  # after its steps, a p2p push of its NVFP4 weights, each rank its rows
             plain[0]["push_quantized"] = NVFP4
+            plain[LORA_CASE]["push"] = True  # the adapters through every transport
         extra = _megatron_configs(world, out, len(plain), ckpt, moe)
         results = _run(world, tiny_dir, out, [*plain, *(c for _, c in extra)])
         fsdp.append(results[: len(plain)])
@@ -358,6 +363,15 @@ def test_an_agentic_run_on_two_ranks_pushes_shards_and_trains_as_on_one(prefect_
     assert two["rollout/reward_mean"][0] == one["rollout/reward_mean"]
     assert two["train/loss"][0] == pytest.approx(one["train/loss"], abs=1e-5)
     assert two["train/grad_norm"][0] == pytest.approx(one["train/grad_norm"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_lora_adapters_and_push_them_alone(parity_runs):
+    """LoRA on two FSDP2 ranks (the adapters sharded with the frozen base): the pushes carry
+    the adapters alone, and every transport lands them bitwise (p2p: each rank its own rows)."""
+    weights, result = parity_runs[1][LORA_CASE]
+    assert weights and all(n.startswith("lora.default.") for n in weights)
+    assert result["pushes"] and all(result["pushes"].values()), result["pushes"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from miles_core.config.base import Strict
 
@@ -32,7 +32,9 @@ class LoraSettings(Strict):
     rslora: bool = Field(False, description="rank-stabilised scaling alpha / sqrt(r)")
     adapters: list[str] = Field(
         default_factory=lambda: ["default"],
-        description="the adapters trained (one for now), named in requests and checkpoints",
+        description="the adapters trained, named in requests, pushes and checkpoints; with "
+        "several (multi-LoRA), each data row names its adapter in its 'adapter' field, and each "
+        "adapter has its own optimizer state and steps on its own rows alone",
     )
 
     @field_validator("rank")
@@ -56,20 +58,11 @@ class LoraSettings(Strict):
             raise ValueError("train.lora.adapters: a name is listed twice")
         return v
 
-    @model_validator(mode="after")
-    def _one_adapter(self) -> LoraSettings:
-        if len(self.adapters) > 1:
-            raise ValueError(
-                "train.lora.adapters: several adapters in one run (multi-LoRA) are not built "
-                "yet; name one"
-            )
-        return self
-
     @property
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
     @property
     def adapter(self) -> str:
-        """The run's adapter (its one name)."""
+        """The adapter of a request whose prompt names none (the first)."""
         return self.adapters[0]

@@ -207,6 +207,11 @@ class RunConfig(Strict):
                 f"train.lora with rollout.precision {r.precision}: adapters over a quantized "
                 "base are not built yet"
             )
+        if len(lora.adapters) > 1 and self.agent.function is not None:
+            raise ValueError(
+                "train.lora.adapters: several adapters with agent.function: an episode's "
+                "session names one adapter for the whole run; train one adapter"
+            )
         from miles_core.eval.mode import EVAL_MODES
 
         if EVAL_MODES.get(self.eval.mode).background:

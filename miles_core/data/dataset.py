@@ -17,7 +17,8 @@ class DatasetError(ValueError):
 
 
 def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
-    """Rows need a `prompt` (string or chat messages); `label` and `answer` are optional."""
+    """Rows need a `prompt` (string or chat messages); `label`, `answer` and `adapter` (the LoRA
+    adapter the prompt trains, in a multi-LoRA run) are optional."""
     examples = []
     try:
         with fsspec.open(url, "rt", **(storage_options or {})) as f:
@@ -51,7 +52,14 @@ def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
             raise DatasetError(
                 f"{url}: row {row_number}: every message needs string 'role' and 'content'"
             )
-        examples.append(Example(prompt=prompt, label=row.get("label"), answer=row.get("answer")))
+        adapter = row.get("adapter")
+        if adapter is not None and not isinstance(adapter, str):
+            raise DatasetError(f"{url}: row {row_number}: 'adapter' must be an adapter's name")
+        examples.append(
+            Example(
+                prompt=prompt, label=row.get("label"), answer=row.get("answer"), adapter=adapter
+            )
+        )
     if not examples:
         raise DatasetError(f"dataset {url!r} has no rows")
     return examples

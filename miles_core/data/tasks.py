@@ -26,6 +26,7 @@ class Example:
     prompt: str | list[dict[str, Any]]  # a string, or chat messages
     label: Any
     answer: str | None = None  # a reference completion, used for SFT demonstrations
+    adapter: str | None = None  # the LoRA adapter this prompt trains (a multi-LoRA run's data)
 
 
 class Task(Protocol):
@@ -107,3 +108,23 @@ class Add:
     def score(self, completion: str, label: Any) -> Score:
         exact = float(completion.strip() == str(label))
         return Score(exact, {"exact_match": exact})
+
+
+@TASKS.register("mixture")
+class Mixture:
+    """Rows of several tasks in one dataset (data.path): a row's label is
+    {"task": <a task's name>, "label": <that task's label>}, scored by that task (its metrics
+    prefixed with its name). A multi-LoRA run trains one adapter per task this way."""
+
+    name = "mixture"
+    needs_label = True
+
+    def generate(self, n: int, seed: int) -> list[Example]:
+        raise ValueError("data.task mixture has no generator: give its rows in data.path")
+
+    def score(self, completion: str, label: Any) -> Score:
+        if not isinstance(label, dict) or "task" not in label:
+            raise ValueError('a mixture row\'s label is {"task": name, "label": ...}')
+        task = TASKS.get(label["task"])
+        inner = task.score(completion, label.get("label"))
+        return Score(inner.reward, {f"{task.name}/{k}": v for k, v in inner.metrics.items()})

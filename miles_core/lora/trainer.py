@@ -37,11 +37,20 @@ def inject(model: torch.nn.Module, settings: dict[str, Any]) -> list[str]:
     with warnings.catch_warnings():
         # a tied output layer adapted: peft warns about merging it, which is never done here
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+        # several adapters are injected one by one (multi-LoRA), which peft warns about
+        warnings.filterwarnings("ignore", message=".*Already found a `peft_config`.*")
         for name in settings["adapters"]:
             inject_adapter_in_model(config, model, adapter_name=name)
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     return modules
+
+
+def activate(model: torch.nn.Module, name: str) -> None:
+    """Adapter `name` computes in every adapted layer (and only its parameters take
+    gradients); the others are kept as they are."""
+    for layer in lora_layers(model).values():
+        layer.set_adapter(name)
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -21,6 +21,7 @@ from miles_core.engines.http import HttpEngine, batches
 from miles_core.engines.wire import FinishReason, GenerateRequest, GenerateResponse
 from miles_core.rollout.group_source import GroupWork, ProducerState
 from miles_core.rollout.rollout_fn import (
+    adapter_of,
     build_group,
     continuation_seed,
     encode_prompt,
@@ -80,7 +81,8 @@ class EngineGroups:
     async def generate(self, work: GroupWork) -> SampleGroup:
         assert self._client is not None and self._state is not None, "open() first"
         ids = encode_prompt(self.tokenizer, work.example.prompt)
-        requests = group_requests(ids, self.sp, self.cfg, work.step, work.g, seeded=True)
+        adapter = adapter_of(work.example, self.cfg)
+        requests = group_requests(ids, self.sp, self.cfg, work.step, work.g, True, adapter)
         # few HTTP calls per group (the engine's batch_size; a whole group for our engine server):
         # one call per sample made the client's connection pool hold the GIL against the trainer
         start_version = self._state.version()
@@ -100,6 +102,7 @@ class EngineGroups:
             [r for r, _ in results],
             [v for _, v in results],
             reward_timeout_s=self.cfg.reward_timeout_s,
+            adapter=adapter,
         )
 
     async def _post(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:

@@ -67,11 +67,23 @@ def sampling_params(cfg: RolloutConfig, tokenizer) -> SamplingParams:
     )
 
 
+def adapter_of(ex: Example, cfg: RolloutConfig) -> str | None:
+    """The LoRA adapter a prompt's requests name: its own (a multi-LoRA run's data), else the
+    run's (rollout.adapter; None without LoRA)."""
+    return ex.adapter or cfg.adapter
+
+
 def group_requests(
-    ids: list[int], sp: SamplingParams, cfg: RolloutConfig, step: int, g: int, seeded: bool
+    ids: list[int],
+    sp: SamplingParams,
+    cfg: RolloutConfig,
+    step: int,
+    g: int,
+    seeded: bool,
+    adapter: str | None = None,
 ) -> list[GenerateRequest]:
     """The n requests of group g of a step (rid `step-g-k`; per-request seeds unless the engine
-    samples a whole batch from one generator)."""
+    samples a whole batch from one generator), naming LoRA adapter `adapter`."""
     n = cfg.n_samples_per_prompt
     return [
         GenerateRequest(
@@ -83,7 +95,7 @@ def group_requests(
             else sp,
             rid=f"{step}-{g}-{k}",
             return_fields=requested(cfg.token_fields),
-            lora_path=cfg.adapter,
+            lora_path=adapter,
         )
         for k in range(n)
     ]
@@ -100,6 +112,7 @@ def build_group(
     responses: list[GenerateResponse],
     versions: list[list[int]] | None = None,
     reward_timeout_s: float = 30.0,
+    adapter: str | None = None,
 ) -> SampleGroup:
     """Scores the responses of one prompt; `versions[k]` are the weight versions of sample k's
     generation calls (default: the version its single response reports). A response whose
@@ -132,7 +145,8 @@ def build_group(
                 "metrics": score.metrics,
                 "cached_tokens": resp.meta_info.cached_tokens,
             }
-            | ({"error": error} if error else {}),
+            | ({"error": error} if error else {})
+            | ({"adapter": adapter} if adapter else {}),
         )
         sample.validate()
         samples.append(sample)
@@ -152,8 +166,11 @@ def generate_groups(
     n = cfg.n_samples_per_prompt
     encoded = [encode_prompt(tokenizer, ex.prompt) for _, ex in prompts]
     seeded = engine.per_request_seeds  # continuous batching: seed per request, not per batch
+    adapters = [adapter_of(ex, cfg) for _, ex in prompts]
     requests = [
-        r for g, ids in enumerate(encoded) for r in group_requests(ids, sp, cfg, step, g, seeded)
+        r
+        for g, ids in enumerate(encoded)
+        for r in group_requests(ids, sp, cfg, step, g, seeded, adapters[g])
     ]
     load_before = engine.load_counters()
     responses = engine.generate(requests)
@@ -170,6 +187,7 @@ def generate_groups(
             ids,
             responses[g * n : (g + 1) * n],
             reward_timeout_s=cfg.reward_timeout_s,
+            adapter=adapters[g],
         )
         for g, ((data_index, ex), ids) in enumerate(zip(prompts, encoded, strict=True))
     ]
@@ -212,6 +230,11 @@ def rollout_metrics(samples: list[Sample], seconds: float) -> dict[str, float]:
         "rollout/weight_version/max": float(max(versions)),
         "perf/rollout_generate_time_s": seconds,
     }
+    adapters = {s.metadata.get("adapter") for s in samples}
+    if len(adapters) > 1:  # a multi-LoRA run: each adapter's reward
+        for name in sorted(a for a in adapters if a):
+            mine = [float(s.reward or 0.0) for s in samples if s.metadata.get("adapter") == name]
+            metrics[f"rollout/reward_mean/{name}"] = statistics.fmean(mine)
     extra_keys = {k for s in samples for k in s.metadata.get("metrics", {})}
     for key in sorted(extra_keys):
         vals = [s.metadata["metrics"][key] for s in samples if key in s.metadata.get("metrics", {})]

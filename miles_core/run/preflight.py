@@ -170,6 +170,28 @@ def _check_roles(rows: list[Example], where: str) -> None:
                     )
 
 
+def _check_adapters(config: RunConfig, rows: list[Example], where: str) -> None:
+    """Each row's `adapter` is one the run trains; with several, every row names one."""
+    lora = config.train.lora
+    named = [(i, ex.adapter) for i, ex in enumerate(rows, start=1) if ex.adapter is not None]
+    if lora is None:
+        if named:
+            raise ValueError(f"{where}: row {named[0][0]} names an adapter, but train.lora is off")
+        return
+    for i, adapter in named:
+        if adapter not in lora.adapters:
+            raise ValueError(
+                f"{where}: row {i} names adapter {adapter!r}, none of train.lora.adapters "
+                f"{lora.adapters}"
+            )
+    if len(lora.adapters) > 1 and len(named) < len(rows):
+        first = next(i for i, ex in enumerate(rows, start=1) if ex.adapter is None)
+        raise ValueError(
+            f"{where}: row {first} names no adapter: a multi-LoRA run's rows each name one of "
+            f"{lora.adapters} in their 'adapter' field"
+        )
+
+
 def _check_model(config: RunConfig, model_config: dict) -> None:
     """The starting model, read by header only: sizes, safetensors files, the memory the run
     needs against what the machine has (models/check.py)."""
@@ -364,6 +386,7 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
                 f"{where}: row {missing} has no 'label' (task {data.task!r} scores against it)"
             )
     _check_roles(rows, where)
+    _check_adapters(config, rows, where)
     if tok is not None and context:
         _check_lengths(rows, tok, _call_budget(config), context, where, "rl")
     if config.agent.function is not None and hasattr(TASKS.get(data.task), "environment_of"):

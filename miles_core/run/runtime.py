@@ -32,7 +32,7 @@ from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.rollout.sources import make_rollouts
 from miles_core.run.tracking import Tracker
-from miles_core.run.training import build_trainer, train_on_rollout
+from miles_core.run.training import adapters_of, build_trainer, train_on_rollout
 from miles_core.token_fields import declare_for_model
 from miles_core.weights.sync import WeightSnapshot, WeightSync
 
@@ -81,8 +81,13 @@ class RLRuntime:
             plan = QuantPlan.of(config, int(model.config.num_hidden_layers))
             self.weights = WeightSync(config, self.trainer, self.fleet, self.workdir, plan)
             started.callback(self.weights.close)
-            if config.train.lora is not None and config.weight_sync.check_equal:
-                self.weights.check_base(dict(model.named_parameters()))
+            if config.train.lora is not None:
+                # the engines declared the adapters as zeros (the base's outputs); they start
+                # on the trainer's own (its random A), so every byte check holds from step 0
+                self.weights.push(self.weights.policy_version, "abort")
+                if config.weight_sync.check_equal:
+                    self.weights.check_base(dict(model.named_parameters()))
+                    self.weights.check_equal()
             version = lambda: self.weights.engine_version  # noqa: E731 — what the engines serve
             self.rollouts = make_rollouts(
                 config, self.fleet, self.tokenizer, self.task, self.source, version, self.workdir
@@ -133,7 +138,7 @@ class RLRuntime:
         with self.weights.exclusive():
             version = self.weights.trainer_version
             metrics = train_on_rollout(self.trainer, self.config, result, version)
-            self.weights.trained()
+            self.weights.trained(list(adapters_of(result.groups)))
             self.checkpoints.ledger.record(self._rollout_step, result.groups)
         return metrics
 

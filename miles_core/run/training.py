@@ -17,6 +17,7 @@ from miles_core.train.backend import BACKENDS, TrainerBackend
 from miles_core.train.batch import TrainBatch, rollout_slices
 from miles_core.true_on_policy.behaviour import behaviour_log_probs
 from miles_core.true_on_policy.contract import TRUE_ON_POLICY
+from miles_core.types import SampleGroup
 
 
 def build_trainer(config, model_dir: Path) -> TrainerBackend:
@@ -40,15 +41,44 @@ def build_trainer(config, model_dir: Path) -> TrainerBackend:
     )
 
 
+def adapters_of(groups: list[SampleGroup]) -> dict[str, list[SampleGroup]]:
+    """A multi-LoRA rollout's groups by the adapter they were generated with."""
+    out: dict[str, list[SampleGroup]] = {}
+    for g in groups:
+        if g.samples:
+            out.setdefault(g.samples[0].metadata.get("adapter", ""), []).append(g)
+    return out
+
+
 def train_on_rollout(
     trainer: TrainerBackend, config, result: RolloutResult, version: int = 0
 ) -> dict[str, float]:
     """The optimizer steps of one rollout by `trainer`, which holds policy `version`; returns
-    their `train/*` metrics, averaged."""
+    their `train/*` metrics, averaged. With several LoRA adapters, each adapter steps on its own
+    groups alone (its loss normalised over them, its own optimizer): the update each would get
+    trained alone; `train/<key>/<adapter>` beside the mean over adapters."""
+    lora = config.train.lora
+    if lora is None or len(lora.adapters) == 1:
+        return _train_groups(trainer, config, result.groups, version)
+    per_adapter = {}
+    for name, groups in adapters_of(result.groups).items():
+        trainer.use_adapter(name)
+        per_adapter[name] = _train_groups(trainer, config, groups, version)
+    keys = next(iter(per_adapter.values())).keys()
+    metrics = {k: sum(m[k] for m in per_adapter.values()) / len(per_adapter) for k in keys}
+    for name, m in per_adapter.items():
+        metrics |= {f"{k}/{name}": v for k, v in m.items()}
+    return metrics
+
+
+def _train_groups(
+    trainer: TrainerBackend, config, groups: list[SampleGroup], version: int
+) -> dict[str, float]:
     train = config.train
     estimate = ADVANTAGES.get(train.advantage_estimator)
-    advantages = estimate(result.groups, train.advantage_estimator_options)
-    batch = TrainBatch.from_samples(result.samples, advantages, config.rollout.temperature)
+    advantages = estimate(groups, train.advantage_estimator_options)
+    samples = [s for g in groups for s in g.samples]
+    batch = TrainBatch.from_samples(samples, advantages, config.rollout.temperature)
     # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
     slices = rollout_slices(batch.sample_ids, config.train.global_batch_size)
     if len(slices) == 1 and not trainer.stochastic_forward:  # π_old is the policy it trains

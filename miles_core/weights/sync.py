@@ -20,6 +20,7 @@ import torch
 
 from miles_core.device import dist_backend
 from miles_core.engines.fleet import EngineFleet
+from miles_core.lora.names import WIRE_PREFIX
 from miles_core.precision.plan import QuantPlan
 from miles_core.precision.push import QuantizedSource
 from miles_core.train.backend import TrainerBackend
@@ -39,6 +40,15 @@ class WeightSnapshot:
     version: int
     source: TensorBuckets
     checksum: str | None = None  # weights_checksum the engines must answer (check_equal)
+    # multi-LoRA: the adapters the push carries (those that stepped; None: everything copied)
+    adapters: list[str] | None = None
+
+
+def adapter_buckets(snap: WeightSnapshot) -> TensorBuckets:
+    """The snapshot's buckets with the tensors of its `adapters` alone (wire names)."""
+    keep = tuple(f"{WIRE_PREFIX}{a}." for a in snap.adapters or ())
+    buckets = [[(n, t) for n, t in b if n.startswith(keep)] for b in snap.source.buckets]
+    return TensorBuckets([b for b in buckets if b])
 
 
 class WeightSync:
@@ -66,6 +76,9 @@ class WeightSync:
         # train.lora: pushes carry the adapters alone, and checks compare them (the frozen base
         # is compared once, `check_base`)
         self.scope = "adapters" if config.train.lora is not None else "all"
+        # multi-LoRA: the adapters that took a step since the last push (only they are pushed)
+        lora = config.train.lora
+        self.stepped: set[str] | None = set() if lora and len(lora.adapters) > 1 else None
         context = TransportContext.of_run(config, workdir, dist_backend(trainer.device))
         self.transport = TRANSPORTS.get(ws.transport).build(context, ws.transport_options)
         try:  # a transport/engine mismatch refused here leaves nothing open
@@ -95,9 +108,19 @@ class WeightSync:
         when it trained since the last push)."""
         return self.policy_version + int(self.trained_since_push)
 
-    def trained(self) -> None:
-        """The trainer took an optimizer step since the last push (call under the lock)."""
+    def trained(self, adapters: list[str] | None = None) -> None:
+        """The trainer took an optimizer step since the last push (call under the lock); with
+        several LoRA adapters, those of `adapters` did."""
         self.trained_since_push = True
+        if self.stepped is not None:
+            self.stepped |= set(adapters or ())
+
+    def _take_stepped(self) -> list[str] | None:
+        """The adapters the next push carries (None: all the trainer pushes)."""
+        if not self.stepped:
+            return None
+        names, self.stepped = sorted(self.stepped), set()
+        return names
 
     def next_version(self) -> int:
         """The version the next push carries; a replacement engine gets it from now on."""
@@ -107,16 +130,25 @@ class WeightSync:
         return self.policy_version
 
     def push(self, version: int, pause_mode: str):
-        """Pushes the trainer's weights as `version`; a push that meets a dead engine server
-        waits for its replacement (which got the trainer's weights) and is made once more."""
+        """Pushes the trainer's weights as `version` (multi-LoRA: the adapters that stepped); a
+        push that meets a dead engine server waits for its replacement (which got the
+        trainer's weights) and is made once more."""
+        with self.lock:
+            adapters = self._take_stepped()
         return self.fleet.surviving(
-            f"push of version {version}", self.push_now, version, pause_mode
+            f"push of version {version}", self.push_now, version, pause_mode, adapters
         )
 
-    def push_now(self, version: int, pause_mode: str):
+    def push_now(self, version: int, pause_mode: str, adapters: list[str] | None = None):
         # the transport reads the trainer (buckets or shards) with weight_sync's bucket and dtype
         with self.lock, self.push_lock:
-            return self.transport.push(self._source(self.trainer), version, pause_mode)
+            if adapters is None:
+                return self.transport.push(self._source(self.trainer), version, pause_mode)
+            self.trainer.push_only(adapters)
+            try:
+                return self.transport.push(self._source(self.trainer), version, pause_mode)
+            finally:
+                self.trainer.push_only(None)
 
     @property
     def snapshots(self) -> bool:
@@ -133,10 +165,11 @@ class WeightSync:
                 [(n, t.detach().clone()) for n, t in bucket]
                 for bucket in self.trainer.named_weights(self.transport.bucket_bytes)
             ]
+            adapters = self._take_stepped()
         checksum = None
         if self.config.weight_sync.check_equal:
             checksum = weights_checksum(self._as_loaded(TensorBuckets(buckets)))
-        return WeightSnapshot(version, TensorBuckets(buckets), checksum)
+        return WeightSnapshot(version, TensorBuckets(buckets), checksum, adapters)
 
     def push_snapshot(self, snap: WeightSnapshot, pause_mode: str):
         """Pushes `snap` as its version (the trainer's weights are not read: no weights lock);
@@ -145,7 +178,8 @@ class WeightSync:
 
         def push_and_check():
             with self.push_lock:
-                stats = self.transport.push(self._source(snap.source), snap.version, pause_mode)
+                source = snap.source if snap.adapters is None else adapter_buckets(snap)
+                stats = self.transport.push(self._source(source), snap.version, pause_mode)
                 held = self.fleet.engine.weights_checksum(self.scope)
                 if snap.checksum is not None and held != snap.checksum:
                     raise RuntimeError(

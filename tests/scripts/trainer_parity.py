@@ -10,7 +10,8 @@ written, the trainer pushes through every transport in turn, a step between two 
 JSON gets {transport: engine checksum == trainer's} under "pushes", `push_through_transports`)
 and `push_quantized` (a rollout.precision spec: one p2p push of the quantized weights, each rank
 quantizing its own rows, to an engine server holding that format; "quantized_p2p" in the JSON
-says whether its checksum is the plan's export of the trainer's weights)."""
+says whether its checksum is the plan's export of the trainer's weights). `lora` (train.lora's
+settings) trains adapters; their pushes carry them alone."""
 
 import json
 import random
@@ -23,9 +24,11 @@ from safetensors.torch import save_file
 
 import miles_core  # noqa: F401
 from miles_core.config import ParallelConfig, RunConfig
+from miles_core.config.lora import LoraSettings
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.http import EngineProcess, HttpEngine
 from miles_core.engines.wire import GenerateRequest, SamplingParams
+from miles_core.lora.adapter import engine_spec
 from miles_core.models import load_hf_dir
 from miles_core.rollout.rollout_fn import encode_prompt
 from miles_core.train import distributed
@@ -36,17 +39,20 @@ from miles_core.weights import TRANSPORTS, weights_checksum
 from miles_core.weights.transports.disk import DiskTransport
 
 
-def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[str, bool]:
+def push_through_transports(
+    trainer, model_dir: str, batch: TrainBatch, lora: LoraSettings | None = None
+) -> dict[str, bool]:
     """Pushes the trainer's weights through every transport in turn, a train step before each
     (so each push carries new weights): colocated (into an engine in this process), shared
     memory, disk, broadcast (gathered on rank 0) and p2p (each holding rank sends its own shards;
     fp32, then bf16) to an engine server subprocess. After each push the engine's checksum is
-    compared with the trainer's weights in the push dtype, as `weight_sync.check_equal` does."""
+    compared with the trainer's weights in the push dtype, as `weight_sync.check_equal` does.
+    With `lora` (train.lora), the engines serve the adapters and the pushes carry them alone."""
     model, tok = load_hf_dir(model_dir)
     tmp = Path(tempfile.mkdtemp())
-    server = EngineProcess(
-        model_dir, args=["--threads", "1"], log_path=tmp / "engine.log", weight_roots=[tmp]
-    )
+    spec = engine_spec(lora, model) if lora else None
+    args = ["--threads", "1", *(["--lora", json.dumps(spec)] if spec else [])]
+    server = EngineProcess(model_dir, args=args, log_path=tmp / "engine.log", weight_roots=[tmp])
     server.start()
     client = HttpEngine(server.url)
     results: dict[str, bool] = {}
@@ -57,7 +63,9 @@ def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[
                 transport = DiskTransport(root=str(tmp / "w"), keep=1)
             else:
                 transport = TRANSPORTS.get(name)(**({"dtype": dtype} if dtype else {}))
-            engine = EmbeddedEngine(model, tok, seed=0) if name == "colocated" else client
+            engine = (
+                EmbeddedEngine(model, tok, seed=0, lora=spec) if name == "colocated" else client
+            )
             transport.connect([engine])
             transport.push(trainer, version=len(results) + 1, pause_mode="retract")
             expected = [
@@ -66,7 +74,8 @@ def push_through_transports(trainer, model_dir: str, batch: TrainBatch) -> dict[
                 for n, t in b
             ]
             key = name if dtype is None else f"{name}_bf16"
-            results[key] = engine.weights_checksum() == weights_checksum(expected)
+            scope = "adapters" if spec else "all"
+            results[key] = engine.weights_checksum(scope) == weights_checksum(expected)
             transport.close()
     finally:
         client.close()
@@ -137,6 +146,8 @@ for i, loss_overrides in enumerate(configs):
         loss_overrides.pop(k, None) for k in ("load", "save", "old_from", "push", "push_quantized")
     )
     parallel = ParallelConfig(**loss_overrides.pop("parallel", {}))
+    if "lora" in loss_overrides:  # train.lora, its defaults filled in
+        loss_overrides["lora"] = LoraSettings(**loss_overrides["lora"])
     loss = PolicyOptions(
         **{k: loss_overrides.pop(k) for k in PolicyOptions.model_fields if k in loss_overrides}
     )
@@ -172,7 +183,7 @@ for i, loss_overrides in enumerate(configs):
     if save:
         trainer.save(save)
     weights = {n: t.clone() for b in trainer.named_weights() for n, t in b}
-    pushes = push_through_transports(trainer, model_i, batch) if push else None
+    pushes = push_through_transports(trainer, model_i, batch, cfg.lora) if push else None
     quantized = push_quantized_p2p(trainer, model_i, push_quantized) if push_quantized else None
     trainer.close()
     save_file(weights, f"{out_prefix}-{i}.safetensors")

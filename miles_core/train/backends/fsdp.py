@@ -148,9 +148,20 @@ class FSDPBackend(SPMDCalls):
         # reduce-scatter hooks and DTensor optimizer ops cost 20 % of the tiny preset's train
         # step; the plain module runs the same fp32 AdamW over the same parameters, bitwise
         self.model = model
-        # optimizer state only for what trains (with LoRA: the adapters)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(trained, optim, total_steps)
+        # optimizer state only for what trains: the model, or each adapter its own (LoRA)
+        if self.lora:
+            self._optimizers = {
+                name: build_optimizer(
+                    [p for _, _, p in lora_trainer.adapter_parameters(model, name)],
+                    optim,
+                    total_steps,
+                )
+                for name in self.lora["adapters"]
+            }
+            self._push_names: list[str] | None = None  # push_only: None, every adapter
+            self._use_adapter(self.lora["adapters"][0])
+        else:
+            self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
         self.micro_batch_size = int(optim["micro_batch_size"])
         # each distinct prompt once per micro-batch (exact, shared_prefix.py); not with dropout,
         # where the group's rows would share one dropout draw over their prompt
@@ -245,12 +256,21 @@ class FSDPBackend(SPMDCalls):
             self.config.save_pretrained(str(path))
             if not self.lora:
                 save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+            schedulers = self._per_optimizer(lambda _, sched: sched.state_dict())
             with open(path / "trainer_state.json", "w") as f:
-                json.dump({"scheduler": self.scheduler.state_dict(), "world_size": self.world}, f)
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
+                json.dump({"scheduler": schedulers, "world_size": self.world}, f)
+        osd = self._per_optimizer(lambda opt, _: get_optimizer_state_dict(self.model, opt))
         dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
         if self.world > 1:
             dist.barrier()
+
+    def _per_optimizer(self, fn) -> Any:
+        """fn(optimizer, scheduler) of the model's pair, or with LoRA {adapter: fn(...)} over
+        each adapter's (a checkpoint holds them so)."""
+        items = self._optimizer_items()
+        if items[0][0] is None:
+            return fn(*items[0][1])
+        return {name: fn(*pair) for name, pair in items}
 
     def _load(self, directory: str) -> None:
         path = Path(directory)
@@ -268,13 +288,21 @@ class FSDPBackend(SPMDCalls):
             ),
         )
         if (path / "optimizer").exists():
-            osd = get_optimizer_state_dict(self.model, self.optimizer)
+            osd = self._per_optimizer(lambda opt, _: get_optimizer_state_dict(self.model, opt))
             dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
-            set_optimizer_state_dict(self.model, self.optimizer, osd)
+            for name, (opt, _) in self._optimizer_items():
+                set_optimizer_state_dict(self.model, opt, osd if name is None else osd[name])
         state_file = path / "trainer_state.json"
         if state_file.exists():
             with open(state_file) as f:
-                self.scheduler.load_state_dict(json.load(f)["scheduler"])
+                saved = json.load(f)["scheduler"]
+            for name, (_, sched) in self._optimizer_items():
+                sched.load_state_dict(saved if name is None else saved[name])
+
+    def _optimizer_items(self) -> list[tuple[str | None, tuple]]:
+        if self.lora:
+            return list(self._optimizers.items())
+        return [(None, (self.optimizer, self.scheduler))]
 
     # ------------------------------------------------------------------ how weights leave
     # (miles_core.weights.source.TrainerWeights; this block is the weight-sync stream's)
@@ -282,7 +310,8 @@ class FSDPBackend(SPMDCalls):
         """What a push sends, by name: every parameter (HF names), or with LoRA only the
         adapters (wire names, lora/names.py); the frozen base never travels."""
         if self.lora:
-            return lora_trainer.pushed_parameters(self.model, self.lora["adapters"])
+            names = self.lora["adapters"] if self._push_names is None else self._push_names
+            return lora_trainer.pushed_parameters(self.model, names)
         return list(self.model.named_parameters())
 
     def shard_plan(
@@ -388,6 +417,25 @@ class FSDPBackend(SPMDCalls):
                         param.full_tensor()
 
     # ------------------------------------------------------------------ LoRA adapters
+    def use_adapter(self, name: str) -> None:
+        """From now on the forward computes with adapter `name` and the optimizer steps it
+        (its own AdamW state and LR schedule); the other adapters stay as they are."""
+        spmd.announce("use_adapter", (name,))
+        self._use_adapter(name)
+
+    def _use_adapter(self, name: str) -> None:
+        lora_trainer.activate(self.model, name)
+        self.active_adapter = name
+        self.optimizer, self.scheduler = self._optimizers[name]
+
+    def push_only(self, names: list[str] | None) -> None:
+        """Pushes carry adapters `names` from now on (None: every adapter)."""
+        spmd.announce("push_only", (names,))
+        self._push_only(names)
+
+    def _push_only(self, names: list[str] | None) -> None:
+        self._push_names = None if names is None else list(names)
+
     def adapters(self) -> list[Adapter]:
         """Every adapter as rank 0 holds it, full tensors (every rank runs the gathers)."""
         full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
