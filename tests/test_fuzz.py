@@ -153,11 +153,19 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    """An engine server of its own: the fuzzer pauses it, releases its memory, loads weights."""
-    from miles_core.engines.http import EngineProcess
+    """An engine server of its own: the fuzzer pauses it, releases its memory, loads weights
+    and adapters (it serves one, declared; requests may name it or none)."""
+    import json
 
+    from miles_core.config.lora import LoraSettings
+    from miles_core.engines.http import EngineProcess
+    from miles_core.lora.adapter import engine_spec
+    from miles_core.models import load_hf_dir
+
+    spec = engine_spec(LoraSettings(rank=2), load_hf_dir(model_dir)[0]) | {"required": False}
+    args = ["--threads", "1", "--lora", json.dumps(spec)]
     logs = tmp_path_factory.mktemp("fuzz-engine")
-    with EngineProcess(model_dir, args=["--threads", "1"], log_path=logs / "engine.log") as e:
+    with EngineProcess(model_dir, args=args, log_path=logs / "engine.log") as e:
         yield e
 
 

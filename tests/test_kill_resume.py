@@ -88,13 +88,19 @@ def _train(
         "TMPDIR": str(tmp_path / tmp),
     }
     log = open(tmp_path / f"train-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", "--no-progress", *args, *more],
         cwd=tmp_path,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    proc.log_path = Path(log.name)  # what a failure shows
+    return proc
+
+
+def _log_tail(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text(errors="replace")[-3000:]  # type: ignore[attr-defined]
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -104,7 +110,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 240) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert rc == 0, Path(proc.stdout.name).read_text()[-3000:]  # type: ignore[union-attr]
+    assert rc == 0, _log_tail(proc)
 
 
 def _kill_after_checkpoint(
@@ -114,7 +120,7 @@ def _kill_after_checkpoint(
     the training process; returns the latest step at the kill and the process's children."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before the kill"
+        assert proc.poll() is None, f"the run ended before the kill:\n{_log_tail(proc)}"
         latest = store.latest_step()
         if latest is not None and latest >= at_least:
             children = _children(proc.pid)

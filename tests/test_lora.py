@@ -95,6 +95,24 @@ def test_only_the_adapters_train_and_the_base_never_changes(trained):
     assert any(t.abs().sum() > 0 for t in b)  # B left zero: the steps moved it
 
 
+def test_the_kl_reference_is_the_frozen_base_without_a_copy(tiny_dir):
+    """With LoRA the KL reference is the policy with its adapters off (no second model):
+    0 at the first step (B = 0), then the distance the adapters moved."""
+    trainer = build_trainer(_config("train.loss_options.kl_coef=0.1", "train.lr=0.05"), tiny_dir)
+    try:
+        assert trainer.ref_model is None and trainer.ref_is_base
+        pairs = [(PROMPTS[i % 2], [20 + i, 21, 22 + i]) for i in range(8)]
+        kls = []
+        for _ in range(2):
+            batch = _batch(pairs, [1.0 if i % 2 else -1.0 for i in range(8)])
+            batch.old_is_current = True
+            kls.append(trainer.train_step(batch)["kl_loss"])
+        assert kls[0] == 0.0 and kls[1] > 0.0
+        assert all(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
+    finally:
+        trainer.close()
+
+
 def test_step_zero_computes_the_base_model_bitwise(tiny_dir):
     """A fresh adapter (B = 0) adds exact zeros: the trainer's log-probs and an engine's tokens
     and log-probs equal the base model's bit for bit."""
@@ -190,6 +208,8 @@ def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, 
         }
         with pytest.raises(AdapterRefused, match="an adapter for another base"):
             engine.load_lora_adapter_from_tensors("other", held.config, wrong)
+        with pytest.raises(AdapterRefused, match="rank 0 / scaling 0.0 invalid"):
+            engine.load_lora_adapter_from_tensors("zero", held.config | {"r": 0}, wrong)
         names = ["default"]
         assert [a["name"] for a in engine.lora_adapters()] == names
     finally:
@@ -312,20 +332,30 @@ def _tiny_path(tiny_dir):
     _TINY[:] = [tiny_dir]
 
 
-@pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast", "p2p"])
+class _WithConfigs:
+    """A trainer-like source that knows its adapters' peft configs (a disk push then writes
+    peft directories)."""
+
+    def __init__(self, buckets, configs):
+        self.named_weights, self.configs = buckets.named_weights, configs
+
+    def adapter_configs(self) -> dict:
+        return self.configs
+
+
+@pytest.mark.parametrize("name", ["shared_memory", "disk", "disk_peft", "broadcast", "p2p"])
 def test_every_transport_pushes_the_adapter_alone_bitwise(lora_server, tmp_path, name):
+    """disk: the transport's manifest format; disk_peft: from a source that knows the adapters'
+    configs, a peft directory per adapter that `/load_lora_adapter` loads (and peft reads)."""
     from miles_core.weights import TRANSPORTS, weights_checksum
     from miles_core.weights.source import TensorBuckets
-    from miles_core.weights.transports.disk import DiskTransport
+    from miles_core.weights.transports.disk import DiskTransport, version_dir
     from tests.test_transports import _TwoRankShards
 
     server, config = lora_server
     base = server.weights_checksum("base")
-    transport = (
-        DiskTransport(root=str(tmp_path / "w"), keep=1)
-        if name == "disk"
-        else TRANSPORTS.get(name)()
-    )
+    disk = name.startswith("disk")
+    transport = DiskTransport(root=str(tmp_path / "w"), keep=1) if disk else TRANSPORTS.get(name)()
     transport.connect([server])
     ranks = _TwoRankShards({})  # p2p: two trainer ranks, the group formed once
     try:
@@ -334,6 +364,8 @@ def test_every_transport_pushes_the_adapter_alone_bitwise(lora_server, tmp_path,
             if name == "p2p":
                 ranks.weights = tensors
                 source = ranks
+            elif name == "disk_peft":
+                source = _WithConfigs(TensorBuckets(tensors, per=7), {"default": config})
             else:
                 source = TensorBuckets(tensors, per=7)
             stats = transport.push(source, version=version, pause_mode="retract")
@@ -341,6 +373,11 @@ def test_every_transport_pushes_the_adapter_alone_bitwise(lora_server, tmp_path,
             # the adapter's bytes (a disk push adds its file headers and manifest)
             assert adapter_bytes(tensors) <= stats.bytes < 2 * adapter_bytes(tensors)
             assert server.weight_version == version
+        if name == "disk_peft":
+            pushed = read_adapter_dir(
+                f"{version_dir(str(tmp_path / 'w'), 32)}/adapters/default", "x"
+            )
+            assert pushed.config["r"] == config["r"] and len(pushed.weights) == len(tensors) // 2
     finally:
         getattr(transport, "close", lambda: None)()
     assert server.weights_checksum("base") == base  # the base never travels, never changes

@@ -112,15 +112,28 @@ class Add:
 
 @TASKS.register("mixture")
 class Mixture:
-    """Rows of several tasks in one dataset (data.path): a row's label is
+    """Rows of several tasks in one dataset: a row's label is
     {"task": <a task's name>, "label": <that task's label>}, scored by that task (its metrics
-    prefixed with its name). A multi-LoRA run trains one adapter per task this way."""
+    prefixed with its name). A multi-LoRA run trains one adapter per task this way (its rows,
+    in data.path, name their adapters). Its generator draws the built-in `GENERATED` tasks in
+    turn."""
 
     name = "mixture"
     needs_label = True
+    GENERATED = ("say_a", "reverse", "add")
 
     def generate(self, n: int, seed: int) -> list[Example]:
-        raise ValueError("data.task mixture has no generator: give its rows in data.path")
+        per_task = [
+            TASKS.get(t).generate(-(-n // len(self.GENERATED)), seed) for t in self.GENERATED
+        ]
+        out = []
+        for i in range(n):
+            task, k = self.GENERATED[i % len(self.GENERATED)], i // len(self.GENERATED)
+            ex = per_task[i % len(self.GENERATED)][k]
+            out.append(
+                Example(prompt=ex.prompt, label={"task": task, "label": ex.label}, answer=ex.answer)
+            )
+        return out
 
     def score(self, completion: str, label: Any) -> Score:
         if not isinstance(label, dict) or "task" not in label:

@@ -311,8 +311,9 @@ class HttpEngine:
         return str(self.post("/weights_checker", body)["message"])
 
     # ------------------------------------------------------------------ LoRA (SGLang's routes)
-    def load_lora_adapter(self, name: str, path: str) -> dict:
-        return self.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+    def load_lora_adapter(self, name: str, path: str, upsert: bool = False) -> dict:
+        body = {"lora_name": name, "lora_path": str(path)} | ({"upsert": True} if upsert else {})
+        return self.post("/load_lora_adapter", body)
 
     def unload_lora_adapter(self, name: str) -> dict:
         return self.post("/unload_lora_adapter", {"lora_name": name})

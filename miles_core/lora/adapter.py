@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from miles_core.lora.names import peft_key, split_peft_key, wire_name
 
@@ -56,11 +57,10 @@ class Adapter:
     name: str
     config: dict[str, Any]  # peft's adapter_config
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module → (A [r, in], B [out, r])
-    version: str = "0"
-    scaling: float = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.scaling = config_scaling(self.config)
+    @property
+    def scaling(self) -> float:
+        return config_scaling(self.config)
 
     @property
     def rank(self) -> int:
@@ -83,13 +83,17 @@ class Adapter:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
 
-    def save(self, directory: str | Path) -> Path:
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
+    def save(self, directory: str | Path, storage_options: dict | None = None) -> int:
+        """Writes the peft directory (local, or an fsspec URL); returns the weights file's bytes."""
+        fs, base = fsspec.core.url_to_fs(str(directory), **(storage_options or {}))
+        fs.makedirs(base, exist_ok=True)
         tensors = {k: v.detach().contiguous() for k, v in self.peft_tensors().items()}
-        save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
-        (path / CONFIG_FILE).write_text(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
-        return path
+        data = save(tensors, metadata={"format": "pt"})
+        with fs.open(f"{base}/{WEIGHTS_FILE}", "wb") as f:
+            f.write(data)
+        with fs.open(f"{base}/{CONFIG_FILE}", "w") as f:
+            f.write(json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+        return len(data)
 
 
 def set_base_model(directory: Path, base: str | None) -> None:
@@ -117,7 +121,7 @@ def pairs_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-def read_adapter_dir(path: str | Path, name: str, version: str = "0") -> Adapter:
+def read_adapter_dir(path: str | Path, name: str) -> Adapter:
     """An adapter from a peft directory; ValueError (naming the file) for one that is not."""
     path = Path(path)
     cfg_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
@@ -127,7 +131,7 @@ def read_adapter_dir(path: str | Path, name: str, version: str = "0") -> Adapter
         config = json.loads(cfg_file.read_text())
     except ValueError as e:
         raise ValueError(f"{cfg_file}: not JSON ({e})") from None
-    return Adapter(name, config, pairs_of(load_file(str(weights_file))), version)
+    return Adapter(name, config, pairs_of(load_file(str(weights_file))))
 
 
 def engine_spec(settings: Any, model: torch.nn.Module) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ accumulates), requests in flight going on with the new tensors as with any weigh
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from collections.abc import Iterable
 
@@ -66,12 +67,13 @@ class ServedAdapters:
                 f"adapter {adapter.name}: peft_type {cfg.get('peft_type')!r} is not LORA"
             )
         try:
-            rank, scaling = int(cfg["r"]), config_scaling(cfg)
-        except (KeyError, TypeError, ValueError) as e:
+            rank = int(cfg["r"])
+            scaling = config_scaling(cfg) if rank > 0 else 0.0
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise AdapterRefused(
                 f"adapter {adapter.name}: config needs r and lora_alpha ({e!r})"
             ) from None
-        if rank <= 0 or not scaling == scaling or abs(scaling) == float("inf"):
+        if rank <= 0 or not math.isfinite(scaling):
             raise AdapterRefused(f"adapter {adapter.name}: rank {rank} / scaling {scaling} invalid")
         if not adapter.weights:
             raise AdapterRefused(f"adapter {adapter.name} holds no tensors")
@@ -110,9 +112,7 @@ class ServedAdapters:
                 f"(loaded: {sorted(self.loaded)})"
             )
         weights = {m: (self._own(a), self._own(b)) for m, (a, b) in adapter.weights.items()}
-        self.loaded[adapter.name] = Adapter(
-            adapter.name, dict(adapter.config), weights, adapter.version
-        )
+        self.loaded[adapter.name] = Adapter(adapter.name, dict(adapter.config), weights)
         self._groups = {}
 
     def declare(self, name: str, config: dict) -> None:
@@ -142,9 +142,7 @@ class ServedAdapters:
         del self.loaded[name]
         self._groups = {}
 
-    def load_wire(
-        self, named: Iterable[tuple[str, torch.Tensor]], version: str | None = None
-    ) -> int:
+    def load_wire(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Replaces loaded adapters' tensors from a push (wire names), all or nothing: each
         adapter named must be loaded, and the push must carry every tensor it holds."""
         by_adapter: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
@@ -162,7 +160,7 @@ class ServedAdapters:
             if set(modules) != set(held.weights) or any(len(p) != 2 for p in modules.values()):
                 raise ValueError(f"a push of adapter {name} must carry all its tensors")
             pairs = {m: (p["lora_A"], p["lora_B"]) for m, p in modules.items()}
-            candidate = Adapter(name, held.config, pairs, version or held.version)
+            candidate = Adapter(name, held.config, pairs)
             try:
                 self.check(candidate)
             except AdapterRefused as e:
@@ -182,7 +180,7 @@ class ServedAdapters:
 
     def listing(self) -> list[dict]:
         return [
-            {"name": a.name, "rank": a.rank, "version": a.version, "in_use": self.in_use[a.name]}
+            {"name": a.name, "rank": a.rank, "in_use": self.in_use[a.name]}
             for a in self.loaded.values()
         ]
 

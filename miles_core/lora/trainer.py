@@ -6,6 +6,7 @@ Imports peft only when a run trains adapters."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -51,6 +52,20 @@ def activate(model: torch.nn.Module, name: str) -> None:
     gradients); the others are kept as they are."""
     for layer in lora_layers(model).values():
         layer.set_adapter(name)
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """The model computes as its frozen base inside the block (a LoRA run's KL reference: no
+    second copy of the model)."""
+    layers = list(lora_layers(model).values())
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -111,7 +126,12 @@ def adapter_of(
         for module, part, p in adapter_parameters(model, name):
             t = full(p) if full is not None else p.detach()
             pairs.setdefault(module, {})[part] = t.detach().clone().cpu()
-    config = peft_config(
+    weights = {m: (p["lora_A"], p["lora_B"]) for m, p in pairs.items()}
+    return Adapter(name, adapter_config(settings, modules), weights)
+
+
+def adapter_config(settings: dict[str, Any], modules: list[str]) -> dict[str, Any]:
+    """The peft config of an adapter of `settings` (train.lora) on `modules`."""
+    return peft_config(
         settings["rank"], settings["alpha"], modules, settings["dropout"], settings["rslora"]
     )
-    return Adapter(name, config, {m: (p["lora_A"], p["lora_B"]) for m, p in pairs.items()})

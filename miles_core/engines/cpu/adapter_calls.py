@@ -44,12 +44,13 @@ class AdapterCalls:
             raise AdapterRefused("this engine serves no adapters (started without LoRA)")
         return self.adapters
 
-    def load_lora_adapter(self, name: str, path: str | Path) -> list[dict]:
-        """Loads the peft directory `path` as adapter `name`."""
+    def load_lora_adapter(self, name: str, path: str | Path, upsert: bool = False) -> list[dict]:
+        """Loads the peft directory `path` as adapter `name`; `upsert` replaces a loaded one of
+        that name in place."""
         table = self._table()
         adapter = read_adapter_dir(path, name)
         with self._adapter_turn():
-            table.load(adapter)
+            table.load(adapter, upsert=upsert)
             return table.listing()
 
     def load_lora_adapter_from_tensors(

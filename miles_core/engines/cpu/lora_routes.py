@@ -35,6 +35,8 @@ class LoadLoraBody(_Body):
     lora_name: str
     lora_path: str
     pinned: bool = False
+    upsert: bool = False  # ours: replace a loaded adapter of this name in place
+    extensions: ClassVar[frozenset[str]] = frozenset({"upsert"})
 
 
 class UnloadLoraBody(_Body):
@@ -79,7 +81,7 @@ def add_lora_routes(app: FastAPI, engine, roots: AllowedRoots) -> None:
     async def load_lora_adapter(body: LoadLoraBody):
         try:
             real = _adapter_dir(roots, body.lora_path)
-            await asyncio.to_thread(engine.load_lora_adapter, body.lora_name, real)
+            await asyncio.to_thread(engine.load_lora_adapter, body.lora_name, real, body.upsert)
         except (AdapterRefused, RootRefusal, ValueError, OSError) as e:
             return _answer(engine, f"cannot load adapter {body.lora_name!r}: {e}")
         return _answer(engine)

@@ -103,7 +103,9 @@ class FSDPBackend(SPMDCalls):
         self.stochastic_forward = has_dropout(model.config)
         on_cuda = self.device.type == "cuda"
         self.ref_model = None
-        if self._needs_reference():
+        # with LoRA the reference is the frozen base itself: the policy with its adapters off
+        self.ref_is_base = bool(optim.get("lora")) and self._needs_reference()
+        if self._needs_reference() and not self.ref_is_base:
             ref = copy.deepcopy(model).eval().requires_grad_(False)
             # on CUDA the reference computes in bf16 like the FSDP2 policy it is compared with
             self.ref_model = ref.to(self.device, torch.bfloat16) if on_cuda else ref
@@ -200,7 +202,10 @@ class FSDPBackend(SPMDCalls):
             logits = resp_logits if needs.entropy == "grad" else resp_logits.detach()
             entropy = entropy_from_logits(logits, mb.temperature)
         ref = None
-        if needs.reference:
+        if needs.reference and self.ref_is_base:
+            with torch.no_grad(), lora_trainer.adapters_off(self.model):
+                ref, _ = self._log_probs(self.model, mb)
+        elif needs.reference:
             if self.ref_model is None:
                 raise ValueError(
                     "this loss needs reference log-probs, but the backend was built without a "
@@ -435,6 +440,11 @@ class FSDPBackend(SPMDCalls):
 
     def _push_only(self, names: list[str] | None) -> None:
         self._push_names = None if names is None else list(names)
+
+    def adapter_configs(self) -> dict[str, dict]:
+        """Each adapter's peft config (what a disk push writes beside its tensors)."""
+        config = lora_trainer.adapter_config(self.lora, self.lora_modules)
+        return dict.fromkeys(self.lora["adapters"], config)
 
     def adapters(self) -> list[Adapter]:
         """Every adapter as rank 0 holds it, full tensors (every rank runs the gathers)."""

@@ -31,6 +31,8 @@ from pydantic import Field
 from safetensors.torch import load, save
 
 from miles_core.engines.protocol import DISK, EngineRequestRejected, ProcessUnavailable
+from miles_core.lora.adapter import ADAPTERS_DIR, Adapter, pairs_of
+from miles_core.lora.names import is_wire_name, peft_key, split_wire_name
 from miles_core.plugins import PluginOptions
 from miles_core.processes.roots import AllowedRoots, OutsideRoots
 from miles_core.weights import delta
@@ -442,6 +444,9 @@ class DiskTransport(TransportBase):
         t0 = time.perf_counter()
         tensors = {n: t.detach().cpu().contiguous() for b in self.buckets(source) for n, t in b}
         path = version_dir(self.root, version)
+        configs = getattr(source, "adapter_configs", None)
+        if configs is not None and tensors and all(map(is_wire_name, tensors)):
+            return self._push_adapters(tensors, configs(), path, version, t0)
         fs, base = fsspec.core.url_to_fs(path, **self.storage_options)
         fs.makedirs(base, exist_ok=True)
         manifest: dict = {
@@ -488,9 +493,39 @@ class DiskTransport(TransportBase):
         if self.delta:
             self._base = {n: t.clone() for n, t in tensors.items()}
             self._base_version = version
+        self._keep_newest(path)
+        return self._record(len(data) * len(self.engines), t0, version)
+
+    def _keep_newest(self, path: str) -> None:
         if path not in self._written:  # a replaced engine gets the current version again
             self._written.append(path)
         while len(self._written) > self.keep:
             old = self._written.pop(0)
-            fs.rm(fsspec.core.url_to_fs(old, **self.storage_options)[1], recursive=True)
-        return self._record(len(data) * len(self.engines), t0, version)
+            fs, base = fsspec.core.url_to_fs(old, **self.storage_options)
+            fs.rm(base, recursive=True)
+
+    def _push_adapters(self, tensors, configs: dict, path: str, version: int, t0) -> PushStats:
+        """A LoRA push: each adapter as a peft directory (`<version dir>/adapters/<name>`:
+        adapter_config.json + adapter_model.safetensors, what peft and SGLang's
+        `/load_lora_adapter` load), loaded by the engines in place of the version before."""
+        by_adapter: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            adapter, module, part = split_wire_name(name)
+            by_adapter.setdefault(adapter, {})[peft_key(module, part)] = t
+        written, nbytes = {}, 0
+        for name, peft_tensors in by_adapter.items():
+            written[name] = f"{path}/{ADAPTERS_DIR}/{name}"
+            adapter = Adapter(name, configs[name], pairs_of(peft_tensors))
+            nbytes += adapter.save(written[name], self.storage_options)
+        check_reachable(self.engines)
+        for e in self.engines:
+            try:
+                for name, directory in written.items():
+                    e.load_lora_adapter(name, directory, upsert=True)
+                e.set_weight_version(version)
+            except (ProcessUnavailable, EngineRequestRejected) as err:
+                raise PushFailed(
+                    f"engine at {e.url} did not load adapters at {path}: {err}"
+                ) from err
+        self._keep_newest(path)
+        return self._record(nbytes * len(self.engines), t0, version)
