@@ -29,3 +29,25 @@ def served(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def engine_client(model_dir, args: list[str], tmp_path_factory) -> Iterator:
+    """An engine server subprocess of `model_dir` started with `args` (its log in a fresh temp
+    folder, disk loads allowed under the session's temp root), and its HTTP client; stopped
+    by PID at the end."""
+    from miles_core.engines.http import EngineProcess, HttpEngine
+
+    proc = EngineProcess(
+        model_dir,
+        args=args,
+        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
+        weight_roots=[tmp_path_factory.getbasetemp()],  # every test's tmp_path: disk pushes
+    )
+    proc.start()
+    client = HttpEngine(proc.url)
+    try:
+        yield client
+    finally:
+        client.close()
+        proc.stop()

@@ -284,21 +284,13 @@ def lora_server(tiny_dir, tmp_path_factory):
     """An engine server serving the run's adapter (declared by config) and up to 2 adapters."""
     import json
 
-    from miles_core.engines.http import EngineProcess, HttpEngine
+    from tests.servers import engine_client
 
     model, _ = load_hf_dir(tiny_dir)
     spec = engine_spec(_config().train.lora, model) | {"max_loaded": 2}
-    proc = EngineProcess(
-        tiny_dir,
-        args=["--threads", "1", "--lora", json.dumps(spec)],
-        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
-        weight_roots=[tmp_path_factory.getbasetemp()],
-    )
-    proc.start()
-    client = HttpEngine(proc.url)
-    yield client, spec["adapters"]["default"]
-    client.close()
-    proc.stop()
+    args = ["--threads", "1", "--lora", json.dumps(spec)]
+    with engine_client(tiny_dir, args, tmp_path_factory) as client:
+        yield client, spec["adapters"]["default"]
 
 
 def _adapter_tensors(config, seed) -> dict[str, torch.Tensor]:

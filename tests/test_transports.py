@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from miles_core.engines.http import EngineProcess, EngineRequestRejected, HttpEngine
+from miles_core.engines.http import EngineRequestRejected, HttpEngine
 from miles_core.models import load_hf_dir
 from miles_core.weights import TRANSPORTS, weights_checksum
 from miles_core.weights.group import open_group, send_pieces
@@ -15,21 +15,13 @@ from miles_core.weights.shm import ShmBucketWriter
 from miles_core.weights.source import Placement, TensorBuckets, TensorPlan, dim_chunks, dtype_name
 from miles_core.weights.transports.disk import DiskTransport, version_dir
 from tests.rank_threads import local_rows, on_ranks, row_plan
+from tests.servers import engine_client
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    proc = EngineProcess(
-        tiny_dir,
-        args=["--threads", "1"],
-        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
-        weight_roots=[tmp_path_factory.getbasetemp()],  # every test's tmp_path: disk pushes
-    )
-    proc.start()
-    client = HttpEngine(proc.url)
-    yield client
-    client.close()
-    proc.stop()
+    with engine_client(tiny_dir, ["--threads", "1"], tmp_path_factory) as client:
+        yield client
 
 
 def _new_weights(tiny_dir, seed):
@@ -364,17 +356,9 @@ NVFP4 = {"format": "nvfp4", "options": {}, "keep_bf16": {"modules": ["lm_head", 
 @pytest.fixture(scope="module")
 def nvfp4_server(tiny_dir, tmp_path_factory):
     """An engine server holding its linear weights in NVFP4 (rollout.precision)."""
-    proc = EngineProcess(
-        tiny_dir,
-        args=["--threads", "1", "--precision", json.dumps(NVFP4)],
-        log_path=tmp_path_factory.mktemp("eng") / "log.txt",
-        weight_roots=[tmp_path_factory.getbasetemp()],
-    )
-    proc.start()
-    client = HttpEngine(proc.url)
-    yield client
-    client.close()
-    proc.stop()
+    args = ["--threads", "1", "--precision", json.dumps(NVFP4)]
+    with engine_client(tiny_dir, args, tmp_path_factory) as client:
+        yield client
 
 
 @pytest.mark.parametrize("name", ["shared_memory", "disk", "broadcast"])
