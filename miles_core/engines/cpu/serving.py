@@ -157,6 +157,11 @@ class ServingEngine(AdapterCalls):
                 model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
             )
         if self.adapters is not None:
+            if not hasattr(self.runner, "lora"):  # it would run every row on the base model
+                raise ValueError(
+                    f"{type(self.runner).__name__} adds no LoRA adapter terms (a runner that "
+                    "does has a `lora` attribute it reads): this engine cannot serve adapters"
+                )
             self.runner.lora = self.adapters
         if self.runner.emulate_bf16:
             log.warning(
