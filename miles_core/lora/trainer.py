@@ -19,7 +19,7 @@ from miles_core.lora.targets import linear_modules, resolve_targets
 
 
 def inject(model: torch.nn.Module, settings: dict[str, Any]) -> list[str]:
-    """Adds the adapter of `settings` (train.lora, as a dict) to every target module; freezes
+    """Adds the adapters of `settings` (train.lora, as a dict) to every target module; freezes
     everything else. Returns the adapted module names. peft initialises A by Kaiming-uniform and
     B to zero, so the adapted model computes exactly what the base does."""
     from peft import LoraConfig, inject_adapter_in_model
