@@ -107,12 +107,9 @@ class CheckpointStore:
                 shutil.rmtree(local, ignore_errors=True)
         return self._url(target)
 
-    def base_uri(self) -> str:
-        """Where a LoRA run's base model is saved, once, beside its checkpoints."""
-        return self._url(f"{self.base}/{BASE_MODEL_DIR}")
-
     def save_base(self, model_dir: Path) -> str:
-        """Copies the HF directory `model_dir` to `base_uri` unless it is there; returns it."""
+        """Copies the HF directory `model_dir` beside the checkpoints (`base_model`: a LoRA
+        run's frozen base, saved once) unless it is there; returns its URI."""
         target = f"{self.base}/{BASE_MODEL_DIR}"
         if not self.fs.exists(f"{target}/config.json"):
             if self.is_local:
