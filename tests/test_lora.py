@@ -181,6 +181,34 @@ def test_the_fast_forward_serves_the_adapter_within_float32_rounding(trained, ti
         assert max(abs(x - y) for x, y in zip(g, r.output_log_probs, strict=True)) < bound
 
 
+def test_a_mixture_of_experts_model_serves_its_adapters_on_the_hf_modules(tmp_path):
+    """GLM4-MoE (a dense first layer, routed and shared experts): `all-linear` adapts the
+    attention projections (peft would re-target MLP ones at the fused experts), the embedded
+    engine runs HF's modules with the adapter terms hooked in, within float32 rounding of the
+    trainer."""
+    from miles_core.models import build_model, save_hf_dir
+
+    model_dir = save_hf_dir(*build_model("tiny-moe-shared", seed=0), tmp_path / "moe")
+    cfg = _config("train.lr=0.05", "model.preset=tiny-moe-shared")
+    trainer = build_trainer(cfg, model_dir)
+    try:
+        assert trainer.lora_modules and all(".self_attn." in m for m in trainer.lora_modules)
+        pairs = [(PROMPTS[i % 2], [20 + i, 21, 22 + i, 23]) for i in range(8)]
+        _step(trainer, pairs)
+        model, tok = load_hf_dir(model_dir)
+        engine = EmbeddedEngine(model, tok, lora=engine_spec(cfg.train.lora, model))
+        engine.update_weights_from_tensor([nt for b in trainer.named_weights(1 << 20) for nt in b])
+        out = engine.generate([_request(p, "default") for p in PROMPTS])
+        got = trainer.compute_log_probs(
+            _batch([(p, r.output_ids) for p, r in zip(PROMPTS, out, strict=True)])
+        )
+    finally:
+        trainer.close()
+    bound = 64 * torch.finfo(torch.float32).eps * model.config.hidden_size
+    for g, r in zip(got, out, strict=True):
+        assert max(abs(x - y) for x, y in zip(g, r.output_log_probs, strict=True)) < bound
+
+
 def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, tmp_path):
     model, tok = load_hf_dir(tiny_dir)
     cfg = _config()
@@ -240,6 +268,10 @@ def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, 
         ),  # fmt: skip
         (["train.lora.adapters=['a b']"], "is not a name of 1-64 letters"),
         (["eval.mode=dedicated"], "train.lora with eval.mode dedicated"),
+        (
+            ["model.preset=tiny-moe-shared", "train.lora.target_modules=[q_proj, gate_proj]"],
+            "on a mixture-of-experts model peft adapts the fused experts",
+        ),
     ],
 )
 def test_lora_settings_that_cannot_work_are_refused_before_start(sets, message):

@@ -140,11 +140,9 @@ def engine_spec(settings: Any, model: torch.nn.Module) -> dict[str, Any] | None:
     like the trainer's fresh adapter), and every request required to name one."""
     if settings is None:
         return None
-    from miles_core.lora.targets import linear_modules, resolve_targets
+    from miles_core.lora.targets import resolve_targets
 
-    modules = resolve_targets(
-        linear_modules(model), settings.target_modules, settings.exclude_modules
-    )
+    modules = resolve_targets(model, settings.target_modules, settings.exclude_modules)
     config = peft_config(settings.rank, settings.alpha, modules, settings.dropout, settings.rslora)
     return {
         "adapters": {name: config for name in settings.adapters},

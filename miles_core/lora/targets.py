@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from miles_core.models.moe import is_moe_layer
+
 # the modules an engine's forward adds an adapter's term to
 SERVED = re.compile(
     r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head"
@@ -30,10 +32,14 @@ def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def resolve_targets(
-    linears: dict[str, tuple[int, int]], targets: list[str] | str, exclude: list[str]
+    model: torch.nn.Module, targets: list[str] | str, exclude: list[str]
 ) -> list[str]:
     """The module names the adapter covers. ValueError naming the known leaf names for a
-    target or exclusion that matches nothing, or a target the engines cannot serve."""
+    target or exclusion that matches nothing, or a target the engines cannot serve. On a
+    mixture-of-experts model the MLP projections are left out of `all-linear` and refused by
+    name: peft re-targets them at the fused experts (its transformers v4 → v5 conversion of
+    MoE adapters), which no engine here adapts."""
+    linears = linear_modules(model)
     leaves = sorted({n.rpartition(".")[2] for n in linears})
     known = ", ".join(leaves)
     for name in ([] if targets == "all-linear" else list(targets)) + list(exclude):
@@ -42,7 +48,17 @@ def resolve_targets(
                 f"train.lora: module {name!r} matches no linear layer of this model; its linear "
                 f"layers: {known}"
             )
+    moe = any(is_moe_layer(m) for m in model.modules())
+    mlp = {"gate_proj", "up_proj", "down_proj"}
+    if moe and targets != "all-linear" and mlp & set(targets):
+        raise ValueError(
+            "train.lora: on a mixture-of-experts model peft adapts the fused experts in place "
+            f"of MLP projections ({sorted(mlp & set(targets))}), which the engines do not serve; "
+            "adapt the attention projections (q_proj, k_proj, v_proj, o_proj) and lm_head"
+        )
     wanted = [n for n in leaves if n != HEAD] if targets == "all-linear" else list(targets)
+    if moe:
+        wanted = [n for n in wanted if n not in mlp]
     chosen = [
         n for n in linears if n.rpartition(".")[2] in wanted and n.rpartition(".")[2] not in exclude
     ]

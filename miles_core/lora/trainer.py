@@ -15,7 +15,7 @@ import torch
 from miles_core.lora.adapter import Adapter, peft_config
 from miles_core.lora.delta import LoraGroup
 from miles_core.lora.names import wire_name
-from miles_core.lora.targets import linear_modules, resolve_targets
+from miles_core.lora.targets import resolve_targets
 
 
 def inject(model: torch.nn.Module, settings: dict[str, Any]) -> list[str]:
@@ -24,9 +24,7 @@ def inject(model: torch.nn.Module, settings: dict[str, Any]) -> list[str]:
     B to zero, so the adapted model computes exactly what the base does."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    modules = resolve_targets(
-        linear_modules(model), settings["target_modules"], settings["exclude_modules"]
-    )
+    modules = resolve_targets(model, settings["target_modules"], settings["exclude_modules"])
     config = LoraConfig(
         r=settings["rank"],
         lora_alpha=settings["alpha"],
@@ -42,6 +40,12 @@ def inject(model: torch.nn.Module, settings: dict[str, Any]) -> list[str]:
         warnings.filterwarnings("ignore", message=".*Already found a `peft_config`.*")
         for name in settings["adapters"]:
             inject_adapter_in_model(config, model, adapter_name=name)
+    adapted = set(lora_layers(model))
+    if adapted != set(modules):  # the engines serve `modules`: anything else would drift apart
+        raise ValueError(
+            f"peft adapted {sorted(adapted ^ set(modules))[:4]} beside or instead of the "
+            "modules train.lora resolved; the engines would serve another model than the trainer's"
+        )
     for n, p in model.named_parameters():
         p.requires_grad_(".lora_A." in n or ".lora_B." in n)
     return modules

@@ -256,13 +256,11 @@ def _check_lora(config: RunConfig, model_config: dict, where: str) -> None:
     lora = config.train.lora
     if lora is None:
         return
-    from miles_core.lora.targets import linear_modules, resolve_targets
+    from miles_core.lora.targets import resolve_targets
     from miles_core.models.check import meta_model
 
     try:
-        resolve_targets(
-            linear_modules(meta_model(model_config)), lora.target_modules, lora.exclude_modules
-        )
+        resolve_targets(meta_model(model_config), lora.target_modules, lora.exclude_modules)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 
