@@ -168,15 +168,21 @@ def test_the_engine_serves_the_trained_adapter_with_the_trainers_bits(
 
 def test_the_fast_forward_serves_the_adapter_within_float32_rounding(trained, tiny_dir):
     cfg, trainer, _, _ = trained
-    model, tok = load_hf_dir(tiny_dir)
+    _assert_served_within_float32(trainer, cfg, tiny_dir)
+
+
+def _assert_served_within_float32(trainer, cfg, model_dir) -> None:
+    """An embedded engine (the fast forward, or HF's modules) given the trainer's adapters
+    generates tokens whose log-probs the trainer recomputes within float32 rounding: eps times
+    the longest reduction (hidden_size), times 64 for the layers and ops it passes through."""
+    model, tok = load_hf_dir(model_dir)
     engine = EmbeddedEngine(model, tok, lora=engine_spec(cfg.train.lora, model))
     engine.update_weights_from_tensor([nt for b in trainer.named_weights(1 << 20) for nt in b])
     out = engine.generate([_request(p, "default") for p in PROMPTS])
     got = trainer.compute_log_probs(
         _batch([(p, r.output_ids) for p, r in zip(PROMPTS, out, strict=True)])
     )
-    eps = torch.finfo(torch.float32).eps
-    bound = 64 * eps * model.config.hidden_size  # a reduction of hidden_size terms, a few layers
+    bound = 64 * torch.finfo(torch.float32).eps * model.config.hidden_size
     for g, r in zip(got, out, strict=True):
         assert max(abs(x - y) for x, y in zip(g, r.output_log_probs, strict=True)) < bound
 
@@ -195,18 +201,9 @@ def test_a_mixture_of_experts_model_serves_its_adapters_on_the_hf_modules(tmp_pa
         assert trainer.lora_modules and all(".self_attn." in m for m in trainer.lora_modules)
         pairs = [(PROMPTS[i % 2], [20 + i, 21, 22 + i, 23]) for i in range(8)]
         _step(trainer, pairs)
-        model, tok = load_hf_dir(model_dir)
-        engine = EmbeddedEngine(model, tok, lora=engine_spec(cfg.train.lora, model))
-        engine.update_weights_from_tensor([nt for b in trainer.named_weights(1 << 20) for nt in b])
-        out = engine.generate([_request(p, "default") for p in PROMPTS])
-        got = trainer.compute_log_probs(
-            _batch([(p, r.output_ids) for p, r in zip(PROMPTS, out, strict=True)])
-        )
+        _assert_served_within_float32(trainer, cfg, model_dir)
     finally:
         trainer.close()
-    bound = 64 * torch.finfo(torch.float32).eps * model.config.hidden_size
-    for g, r in zip(got, out, strict=True):
-        assert max(abs(x - y) for x, y in zip(g, r.output_log_probs, strict=True)) < bound
 
 
 def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, tmp_path):
@@ -410,6 +407,8 @@ def test_every_transport_pushes_the_adapter_alone_bitwise(lora_server, tmp_path,
 def test_the_servers_lora_routes_answer_as_sglangs(lora_server, tiny_dir, tmp_path):
     """Load from a peft directory (under the weight roots only) or from tensors, per-request
     and per-item `lora_path`, the adapter limit and unknown adapters as 4xx, unload."""
+    import json
+
     import httpx
 
     server, config = lora_server
@@ -425,6 +424,14 @@ def test_the_servers_lora_routes_answer_as_sglangs(lora_server, tiny_dir, tmp_pa
     assert ok.status_code == 200 and set(ok.json()["loaded_adapters"]) == {"default", "x"}
     outside = post("/load_lora_adapter", {"lora_name": "y", "lora_path": "/etc"})
     assert outside.status_code == 400 and "not under the roots" in outside.json()["message"]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "adapter_config.json").write_text("[1, 2]")
+    (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
+    corrupt = post("/load_lora_adapter", {"lora_name": "y", "lora_path": str(tmp_path / "bad")})
+    assert corrupt.status_code == 400 and "not a JSON object" in corrupt.json()["message"]
+    (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps(config))
+    corrupt = post("/load_lora_adapter", {"lora_name": "y", "lora_path": str(tmp_path / "bad")})
+    assert corrupt.status_code == 400 and "not safetensors" in corrupt.json()["message"]
     full = server.load_lora_adapter_from_tensors
     with pytest.raises(Exception, match="2 adapters are loaded"):
         full("y", config, peft_keyed)

@@ -11,6 +11,7 @@ from typing import Any
 
 import fsspec
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from miles_core.lora.names import peft_key, split_peft_key, wire_name
@@ -121,17 +122,32 @@ def pairs_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-def read_adapter_dir(path: str | Path, name: str) -> Adapter:
-    """An adapter from a peft directory; ValueError (naming the file) for one that is not."""
+CONFIG_MAX_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
+
+
+def read_adapter_dir(path: str | Path, name: str, max_bytes: int | None = None) -> Adapter:
+    """An adapter from a peft directory; ValueError (naming the file) for one that is not: files
+    missing, larger than `max_bytes` (an engine passes what its model could hold), a config that
+    is not a JSON object, tensors that are not safetensors."""
     path = Path(path)
     cfg_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not cfg_file.is_file() or not weights_file.is_file():
         raise ValueError(f"{path} is not a peft adapter directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    if cfg_file.stat().st_size > CONFIG_MAX_BYTES:
+        raise ValueError(f"{cfg_file}: larger than {CONFIG_MAX_BYTES} bytes")
+    if max_bytes is not None and weights_file.stat().st_size > max_bytes:
+        raise ValueError(f"{weights_file}: more bytes than this model's adapters could hold")
     try:
         config = json.loads(cfg_file.read_text())
-    except ValueError as e:
+    except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{cfg_file}: not JSON ({e})") from None
-    return Adapter(name, config, pairs_of(load_file(str(weights_file))))
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_file}: not a JSON object")
+    try:
+        tensors = load_file(str(weights_file))
+    except SafetensorError as e:
+        raise ValueError(f"{weights_file}: not safetensors ({e})") from None
+    return Adapter(name, config, pairs_of(tensors))
 
 
 def engine_spec(settings: Any, model: torch.nn.Module) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from miles_core.engines.cpu.disk_loads import max_load_bytes
 from miles_core.engines.wire import EngineRequestError, GenerateRequest
 from miles_core.lora.adapter import Adapter, pairs_of, read_adapter_dir
 from miles_core.lora.served import AdapterRefused, ServedAdapters
@@ -48,7 +49,9 @@ class AdapterCalls:
         """Loads the peft directory `path` as adapter `name`; `upsert` replaces a loaded one of
         that name in place."""
         table = self._table()
-        adapter = read_adapter_dir(path, name)
+        # a file larger than any weights of this model is refused unread
+        limit = max_load_bytes(self.weights.tensors("base"))
+        adapter = read_adapter_dir(path, name, max_bytes=limit)
         with self._adapter_turn():
             table.load(adapter, upsert=upsert)
             return table.listing()
