@@ -41,7 +41,24 @@ def generate_payload(req: GenerateRequest) -> dict:
         body[token_field(name).request_flag] = True
     if req.lora_path is not None:
         body["lora_path"] = req.lora_path
+    body |= scoring_fields(req)
     return body
+
+
+def _tempered(req: GenerateRequest) -> bool:
+    return req.input_logprob_temperature not in (None, 1.0)
+
+
+def scoring_fields(req: GenerateRequest) -> dict:
+    """The prompt-scoring keys of a request that asks: SGLang's `logprob_start_len`, and our
+    `input_logprob_temperature` only where it is not 1 (SGLang's fixed value), so a default
+    scoring request is SGLang's own."""
+    if req.logprob_start_len < 0:
+        return {}
+    out: dict = {"logprob_start_len": req.logprob_start_len}
+    if _tempered(req):
+        out["input_logprob_temperature"] = req.input_logprob_temperature
+    return out
 
 
 def batch_payload(requests: list[GenerateRequest]) -> dict:
@@ -58,6 +75,10 @@ def batch_payload(requests: list[GenerateRequest]) -> dict:
         body[token_field(name).request_flag] = [name in r.return_fields for r in requests]
     if any(r.lora_path is not None for r in requests):
         body["lora_path"] = [r.lora_path for r in requests]
+    if any(r.logprob_start_len >= 0 for r in requests):
+        body["logprob_start_len"] = [r.logprob_start_len for r in requests]
+    if any(_tempered(r) for r in requests):
+        body["input_logprob_temperature"] = [r.input_logprob_temperature for r in requests]
     return body
 
 

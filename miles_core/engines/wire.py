@@ -49,6 +49,12 @@ class GenerateRequest(BaseModel):
     rid: str | None = None
     # the LoRA adapter to generate with, by name (None: the base model), as SGLang's
     lora_path: str | None = None
+    # SGLang's prompt scoring: log-probs of input_ids[k:] in meta_info.input_token_logprobs
+    # (-1: none); entry 0 is a placeholder (prompt_logprobs.py)
+    logprob_start_len: int = -1
+    # ours: the temperature the input log-probs are computed at (logits / T), echoed in
+    # meta_info; SGLang scores input positions at 1 whatever the sampling temperature
+    input_logprob_temperature: float | None = Field(None, gt=0)
     routing_key: str | None = (
         None  # session affinity through the router (never sent as a body field)
     )
@@ -92,6 +98,11 @@ class MetaInfo(BaseModel):
 
     # SGLang's layout: one [logprob, token_id, text] triple per output token.
     output_token_logprobs: list[tuple[float, int, str | None]] = Field(default_factory=list)
+    # asked for by logprob_start_len k: one triple per input position from k on, the first a
+    # placeholder whose log-prob is None (SGLang's layout); None when not asked
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    # the temperature those were computed at (ours; absent from SGLang, whose value is 1)
+    input_logprob_temperature: float | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -143,6 +154,13 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_context: int) ->
             f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
             f"exceeds the context length {max_context}"
         )
+    if req.logprob_start_len > len(req.input_ids):
+        raise EngineRequestError(
+            f"logprob_start_len {req.logprob_start_len} is past the input's "
+            f"{len(req.input_ids)} tokens"
+        )
+    if req.logprob_start_len < -1:
+        raise EngineRequestError(f"logprob_start_len must be >= -1, got {req.logprob_start_len}")
     stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < vocab_size), None)
     if stop is not None:
         raise EngineRequestError(f"stop token id {stop} outside the vocabulary [0, {vocab_size})")

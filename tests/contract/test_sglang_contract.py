@@ -60,6 +60,12 @@ def test_the_generate_payload_uses_sglang_field_names():
     assert payload["rid"] == ["r1", "r2"] and payload["input_ids"] == [[1, 2, 3]] * 2
     for params in payload["sampling_params"]:
         assert set(params) <= set(API["sampling_params"])
+    # prompt scoring (a distillation teacher's request): SGLang's fields, unless a temperature
+    # other than SGLang's fixed 1 is asked for (our extension, which a real SGLang never gets)
+    scoring = req.model_copy(update={"logprob_start_len": 2, "input_logprob_temperature": 1.0})
+    assert "logprob_start_len" in STRUCTS["GenerateReqInput"]
+    assert set(generate_payload(scoring)) <= set(STRUCTS["GenerateReqInput"])
+    assert set(batch_payload([req, scoring])) <= set(STRUCTS["GenerateReqInput"])
     # MoE routing replay: the routes field's request flag is SGLang's GenerateReqInput field, in
     # both forms
     flag = moe.ROUTES.request_flag

@@ -18,6 +18,7 @@ import torch
 from miles_core.engines.cpu.adapter_calls import AdapterCalls, check_adapter, rows_using
 from miles_core.engines.cpu.batch_forward import batch_forward_for
 from miles_core.engines.cpu.loading import PackedWeightsDiffer, tensors_checksum
+from miles_core.engines.cpu.prompt_logprobs import PromptScorer, check_scoring
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slot_forward import SlotBatchForward
 from miles_core.engines.cpu.threads import StepThreads
@@ -68,9 +69,12 @@ class EmbeddedEngine(AdapterCalls):
         self.weights = ServedWeights(dict(model.named_parameters()), plan, self.adapters)
         self.true_on_policy = true_on_policy
         if true_on_policy:  # the trainer's own forward and log-softmax (true_on_policy/)
-            self.forward = SlotBatchForward(invariant_runner(self.model, slots=0))
+            runner = invariant_runner(self.model, slots=0)
+            self.forward = SlotBatchForward(runner)
+            self.scorer = PromptScorer(self.model, runner.inv)
         else:
             self.forward = batch_forward_for(self.model, self.pad_id, fast=fast)
+            self.scorer = PromptScorer(self.model)
         if self.adapters is not None:
             self.forward.use_adapters(self.adapters)
         self._load = {"steps": 0.0, "running_sum": 0.0, "waiting_sum": 0.0}
@@ -132,6 +136,7 @@ class EmbeddedEngine(AdapterCalls):
     # ---------------------------------------------------------------- generation
     def validate(self, req: GenerateRequest) -> None:
         validate_request(req, self.vocab_size, self.max_context)
+        check_scoring(req)
         check_adapter(self.adapters, req)
 
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
@@ -219,6 +224,7 @@ class EmbeddedEngine(AdapterCalls):
                             (lp, t, None) for lp, t in zip(logps[i], outputs[i], strict=True)
                         ],
                         **self._token_versions(r, len(outputs[i])),
+                        **self.scorer.meta(r),
                     ),
                 )
             )

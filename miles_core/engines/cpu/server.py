@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -54,7 +55,9 @@ class _Body(BaseModel):
 
 
 class GenerateBody(_Body):
-    extensions: ClassVar[frozenset[str]] = frozenset({"return_token_versions"})
+    extensions: ClassVar[frozenset[str]] = frozenset(
+        {"return_token_versions", "input_logprob_temperature"}
+    )
     input_ids: list[int] | list[list[int]] | None = None
     text: str | list[str] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
@@ -65,6 +68,10 @@ class GenerateBody(_Body):
     rid: str | list[str] | None = None
     # the LoRA adapter by name, one per prompt in a batch (None: the base model)
     lora_path: str | list[str | None] | None = None
+    # scoring of the input ids from this position on (meta_info.input_token_logprobs; -1: none)
+    logprob_start_len: int | list[int] = -1
+    # ours: the temperature input positions are scored at (default 1, as SGLang)
+    input_logprob_temperature: float | list[float | None] | None = None
     stream: bool = False
 
 
@@ -527,9 +534,11 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
     routed = _listify(body.return_routed_experts, n, "return_routed_experts")
     versioned = _listify(body.return_token_versions, n, "return_token_versions")
     adapters = _listify(body.lora_path, n, "lora_path")
+    starts = _listify(body.logprob_start_len, n, "logprob_start_len")
+    temperatures = _listify(body.input_logprob_temperature, n, "input_logprob_temperature")
     out = []
-    for ids, sp, rid, want_routes, want_versions, adapter in zip(
-        prompts, params, rids, routed, versioned, adapters, strict=True
+    for ids, sp, rid, want_routes, want_versions, adapter, start, temperature in zip(
+        prompts, params, rids, routed, versioned, adapters, starts, temperatures, strict=True
     ):
         try:
             sampling = SamplingParams.model_validate(sp)
@@ -540,12 +549,16 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
             ) from None
         fields = [ROUTES.name] if want_routes else []  # SGLang's flag for the routes field
         fields += [TOKEN_VERSIONS.name] if want_versions else []
+        if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+            raise EngineRequestError(f"input_logprob_temperature must be > 0, got {temperature}")
         req = GenerateRequest(
             input_ids=ids,
             sampling_params=sampling,
             rid=rid,
             return_fields=fields,
             lora_path=adapter,
+            logprob_start_len=start,
+            input_logprob_temperature=temperature,
         )
         engine.validate(req)
         out.append(req)
@@ -554,8 +567,13 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
 
 def _response_json(resp, body: GenerateBody) -> dict:
     data = resp.model_dump(mode="json")  # JSON types, converted by pydantic-core
+    meta = data["meta_info"]
+    for key in ("input_token_logprobs", "input_logprob_temperature"):  # only when asked
+        if meta.get(key) is None:
+            meta.pop(key, None)
     if not body.return_logprob:
-        data["meta_info"].pop("output_token_logprobs", None)
+        meta.pop("output_token_logprobs", None)
+        meta.pop("input_token_logprobs", None)
     return data
 
 

@@ -28,6 +28,7 @@ import torch
 from miles_core.device import resolve_device
 from miles_core.engines.cpu.adapter_calls import AdapterCalls, check_adapter, rows_using
 from miles_core.engines.cpu.loading import PackedWeightsDiffer, tensors_checksum
+from miles_core.engines.cpu.prompt_logprobs import PromptScorer, check_scoring
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slots import Slot, SlotState, SlotTable
 from miles_core.engines.cpu.threads import StepThreads
@@ -152,10 +153,12 @@ class ServingEngine(AdapterCalls):
             self.runner = invariant_runner(
                 model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
             )
+            self.scorer = PromptScorer(self.model, self.runner.inv)
         else:
             self.runner = serving_runner(
                 model, slots=slots, max_len=max_len, dtype=COMPUTE_DTYPES[dtype]
             )
+            self.scorer = PromptScorer(self.model)
         if self.adapters is not None:
             if not hasattr(self.runner, "lora"):  # it would run every row on the base model
                 raise ValueError(
@@ -234,6 +237,7 @@ class ServingEngine(AdapterCalls):
 
     def validate(self, req: GenerateRequest) -> None:
         validate_request(req, self.vocab_size, self.max_context)
+        check_scoring(req)
         check_adapter(self.adapters, req)
         seed = req.sampling_params.sampling_seed
         if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
@@ -678,6 +682,8 @@ class ServingEngine(AdapterCalls):
         extra = self._routed_experts(r) if ROUTES.name in r.req.return_fields else {}
         if token_versions.reported(r.req.return_fields, self.true_on_policy):
             extra[TOKEN_VERSIONS.wire_key] = list(r.versions)
+        if reason.type != "abort":  # the input's log-probs, when asked (prompt_logprobs.py)
+            extra |= self.scorer.meta(r.req)
         self._leave_slot(r)
         if r in self._running:
             self._running.remove(r)
