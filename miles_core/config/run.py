@@ -77,6 +77,25 @@ class RunConfig(Strict):
                 f"{sorted(routes)}"
             )
 
+    def _add_distillation(self) -> None:
+        """train.distill: the teachers' log-probs as a token field, and the `opd` transform
+        (its coef) after the estimator; the teachers score at the student's temperature."""
+        from miles_core.distill import field
+        from miles_core.train.advantage_transform import ADVANTAGE_TRANSFORMS
+
+        r, t = self.rollout, self.train
+        d = t.distill
+        if d.temperature is not None and d.temperature != r.temperature:
+            raise ValueError(
+                f"train.distill.temperature ({d.temperature:g}) must equal rollout.temperature "
+                f"({r.temperature:g}): the KL compares the student's and the teacher's "
+                "log-probs, both at the temperature the student samples at"
+            )
+        if field.PATH not in r.token_fields:
+            r.token_fields.append(field.PATH)
+        if "opd" not in t.advantage_transforms:
+            t.advantage_transforms["opd"] = ADVANTAGE_TRANSFORMS.options("opd", {"coef": d.coef})
+
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
@@ -103,6 +122,8 @@ class RunConfig(Strict):
                 f"train.global_batch_size ({t.global_batch_size})"
             )
         self._check_transport_fits_engine()
+        if t.distill is not None:
+            self._add_distillation()
         self._check_precision()
         self._check_lora()
         self._check_eval()

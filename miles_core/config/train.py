@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
+from miles_core.config.distill import DistillSettings
 from miles_core.config.lora import LoraSettings
 
 
@@ -14,10 +15,16 @@ def _registry(name: str):
     """A trainer registry, imported when a config is validated (the trainer's modules load
     torch)."""
     from miles_core.train.advantage import ADVANTAGES
+    from miles_core.train.advantage_transform import ADVANTAGE_TRANSFORMS
     from miles_core.train.backend import BACKENDS
     from miles_core.train.loss import LOSSES
 
-    return {"BACKENDS": BACKENDS, "LOSSES": LOSSES, "ADVANTAGES": ADVANTAGES}[name]
+    return {
+        "BACKENDS": BACKENDS,
+        "LOSSES": LOSSES,
+        "ADVANTAGES": ADVANTAGES,
+        "ADVANTAGE_TRANSFORMS": ADVANTAGE_TRANSFORMS,
+    }[name]
 
 
 class ParallelConfig(Strict):
@@ -115,6 +122,12 @@ class TrainConfig(OptimConfig):
         "miles_core/train/advantages/ (grpo, rloo) or 'package.module:Class'",
     )
     advantage_estimator_options: PluginOptionsField = options_field("advantage_estimator")
+    advantage_transforms: dict[str, PluginOptionsField] = Field(
+        default_factory=dict,
+        description="per-token changes to the estimator's advantages, applied in order: a "
+        "module of miles_core/train/advantage_transforms/ (opd) or 'package.module:Class', "
+        "each with its options",
+    )
     routing_replay: bool = Field(
         False,
         description="MoE models (R3): the trainer's routers take the experts the engine routed "
@@ -138,6 +151,12 @@ class TrainConfig(OptimConfig):
         description="train LoRA adapters on the frozen base instead of the model (peft; only the "
         "adapters get gradients and optimizer state, and only they are pushed to the engines, "
         "which serve them per request, unmerged)",
+    )
+    distill: DistillSettings | None = Field(
+        None,
+        description="on-policy distillation: teachers served as engines score the student's "
+        "sampled tokens, and Â = A − coef · (log π_student − log π_teacher) per token (with "
+        "train.advantage_estimator none: pure distillation)",
     )
     check_routing_replay: bool = Field(
         False,
@@ -190,6 +209,16 @@ class TrainConfig(OptimConfig):
     _advantages, _advantages_options = plugin_validators(
         "advantage_estimator", lambda: _registry("ADVANTAGES")
     )
+
+    @field_validator("advantage_transforms", mode="before")
+    @classmethod
+    def _transforms_known(cls, raw: Any) -> dict[str, Any]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"advantage_transforms must be a mapping of name → options: {raw!r}")
+        registry = _registry("ADVANTAGE_TRANSFORMS")
+        return {registry.check(n): registry.options(n, options) for n, options in raw.items()}
 
     @field_validator("device")
     @classmethod

@@ -16,9 +16,13 @@ class DatasetError(ValueError):
     pass
 
 
+_KNOWN = frozenset({"prompt", "label", "answer", "adapter"})  # Example's own fields
+
+
 def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
     """Rows need a `prompt` (string or chat messages); `label`, `answer` and `adapter` (the LoRA
-    adapter the prompt trains, in a multi-LoRA run) are optional."""
+    adapter the prompt trains, in a multi-LoRA run) are optional; any other field is kept as
+    `Example.fields` (e.g. the teacher of a distillation run, `train.distill.teacher_key`)."""
     examples = []
     try:
         with fsspec.open(url, "rt", **(storage_options or {})) as f:
@@ -57,7 +61,11 @@ def read_jsonl(url: str, storage_options: dict | None = None) -> list[Example]:
             raise DatasetError(f"{url}: row {row_number}: 'adapter' must be an adapter's name")
         examples.append(
             Example(
-                prompt=prompt, label=row.get("label"), answer=row.get("answer"), adapter=adapter
+                prompt=prompt,
+                label=row.get("label"),
+                answer=row.get("answer"),
+                adapter=adapter,
+                fields={k: v for k, v in row.items() if k not in _KNOWN},
             )
         )
     if not examples:

@@ -27,6 +27,9 @@ class Example:
     label: Any
     answer: str | None = None  # a reference completion, used for SFT demonstrations
     adapter: str | None = None  # the LoRA adapter this prompt trains (a multi-LoRA run's data)
+    # the data row's other fields (JSONL), kept on its samples (metadata "row"), e.g. the
+    # teacher a distillation run scores it with
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 class Task(Protocol):

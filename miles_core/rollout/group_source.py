@@ -7,8 +7,10 @@ session server). A new kind of group is a new file with these three methods."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,3 +60,24 @@ class GroupSource(Protocol):
         """Metrics of step `step`'s groups beyond the producer's own (staleness, buffer) and
         `rollout_metrics`; also for groups restored from a checkpoint."""
         ...
+
+
+class HookedGroups:
+    """A group source whose groups each pass through `hooks` (blocking calls on one group, run
+    in a worker thread so the producer's loop goes on) before the producer buffers them."""
+
+    def __init__(self, inner: GroupSource, hooks: list[Callable[[SampleGroup], None]]):
+        self.inner = inner
+        self.hooks = hooks
+
+    def open(self, state: ProducerState) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.inner.open(state)
+
+    async def generate(self, work: GroupWork) -> SampleGroup:
+        group = await self.inner.generate(work)
+        for hook in self.hooks:
+            await asyncio.to_thread(hook, group)
+        return group
+
+    def step_metrics(self, step: int, groups: list[SampleGroup]) -> dict[str, float]:
+        return self.inner.step_metrics(step, groups)

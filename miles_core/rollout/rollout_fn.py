@@ -146,7 +146,8 @@ def build_group(
                 "cached_tokens": resp.meta_info.cached_tokens,
             }
             | ({"error": error} if error else {})
-            | ({"adapter": adapter} if adapter else {}),
+            | ({"adapter": adapter} if adapter else {})
+            | ({"row": dict(ex.fields)} if ex.fields else {}),
         )
         sample.validate()
         samples.append(sample)

@@ -22,11 +22,13 @@ from pathlib import Path
 from miles_core.data import PromptSource
 from miles_core.engines.fleet import EngineFleet
 from miles_core.eval.scoring import EvalSpec, score_policy
-from miles_core.rollout.group_source import GroupSource
+from miles_core.rollout.engine_groups import EngineGroups
+from miles_core.rollout.group_source import GroupSource, HookedGroups
 from miles_core.rollout.mode import MODES
 from miles_core.rollout.producer import Launch, RolloutProducer, start_thread
 from miles_core.rollout.rollout_fn import RolloutResult, generate_groups
 from miles_core.token_fields import load_token_fields, token_field
+from miles_core.types import SampleGroup
 
 
 class RolloutSource:
@@ -45,9 +47,18 @@ class RolloutSource:
         self.tokenizer = tokenizer
         self.task = task
         self.prompts = prompts
+        # blocking calls each completed group passes through before the trainer gets it (e.g.
+        # teachers scoring it): in async modes on the producer's side, as groups complete
+        self.group_hooks: list[Callable[[SampleGroup], None]] = []
 
     def take(self, step: int) -> RolloutResult:
         raise NotImplementedError
+
+    def _hooked(self, result: RolloutResult) -> RolloutResult:
+        for g in result.groups:
+            for hook in self.group_hooks:
+                hook(g)
+        return result
 
     def score(self) -> dict[str, float]:
         """eval/* metrics of the fixed eval prompts of data.task on the rollout engine."""
@@ -84,7 +95,8 @@ class SyncRollouts(RolloutSource):
     def take(self, step: int) -> RolloutResult:
         r = self.config.rollout
         batch = self.prompts.next_batch(r.prompts_per_step)
-        return generate_groups(self.fleet.engine, self.tokenizer, self.task, batch, r, step)
+        result = generate_groups(self.fleet.engine, self.tokenizer, self.task, batch, r, step)
+        return self._hooked(result)
 
 
 class AsyncRollouts(RolloutSource):
@@ -105,6 +117,9 @@ class AsyncRollouts(RolloutSource):
     def take(self, step: int) -> RolloutResult:
         if self.producer is None:  # first call: after a resume has set the data position
             r = self.config.rollout
+            groups = self.groups or EngineGroups(self.fleet.engine, self.tokenizer, self.task, r)
+            if self.group_hooks:
+                groups = HookedGroups(groups, self.group_hooks)
             self.producer = RolloutProducer(
                 self.fleet.engine,
                 self.tokenizer,
@@ -114,7 +129,7 @@ class AsyncRollouts(RolloutSource):
                 version=self.engine_version,
                 first_group=step * r.prompts_per_step,
                 launch=self.launch,
-                groups=self.groups,
+                groups=groups,
             )
             if self._restored is not None:  # groups buffered at the resumed checkpoint
                 self.producer.restore(self._restored)
@@ -229,7 +244,7 @@ class AgenticRollouts(RolloutSource):
         from miles_core.agents.layers import RolloutInput
 
         out = asyncio.run(self.agent_rollout(RolloutInput(step, self.engine_version())))
-        return RolloutResult(out.groups, out.metrics)
+        return self._hooked(RolloutResult(out.groups, out.metrics))
 
     def score(self) -> dict[str, float]:
         return self.agents.score(self.task)

@@ -385,6 +385,10 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
             )
     _check_roles(rows, where)
     _check_adapters(config, rows, where)
+    if config.train.distill is not None:
+        from miles_core.distill.teachers import check_teachers
+
+        check_teachers(config.train.distill, model_config, tok, rows)
     if tok is not None and context:
         _check_lengths(rows, tok, _call_budget(config), context, where, "rl")
     if config.agent.function is not None and hasattr(TASKS.get(data.task), "environment_of"):

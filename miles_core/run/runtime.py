@@ -88,11 +88,16 @@ class RLRuntime:
                 if config.weight_sync.check_equal:
                     self.weights.check_base(dict(model.named_parameters()))
                     self.weights.check_equal()
+            self.teachers = self._start_teachers()  # closed after the rollouts that use them
+            if self.teachers is not None:
+                started.callback(self.teachers.close)
             version = lambda: self.weights.engine_version  # noqa: E731 — what the engines serve
             self.rollouts = make_rollouts(
                 config, self.fleet, self.tokenizer, self.task, self.source, version, self.workdir
             )
             started.callback(self.rollouts.close)
+            if self.teachers is not None:  # each group scored as it completes
+                self.rollouts.group_hooks.append(self.teachers.score)
             self.checkpoints = Checkpointing(
                 config,
                 tracker,
@@ -118,6 +123,22 @@ class RLRuntime:
                 tracker.set_tags({"miles.init_model": origin})
             self._running = started.pop_all()  # started: `close` stops it all
 
+    def _start_teachers(self):
+        """train.distill: the teachers' engines (distill/teachers.py), or None."""
+        distill = self.config.train.distill
+        if distill is None:
+            return None
+        from miles_core.distill.teachers import TeacherFleet
+
+        return TeacherFleet(
+            distill,
+            self.config.rollout.temperature,
+            self.workdir,
+            true_on_policy=self.config.train.true_on_policy,
+            api_key=self.fleet.api_key,
+            port_range=self.config.network.ports,
+        )
+
     def _start_evaluation(self) -> RunEvaluation | None:
         if not RunEvaluation.wanted(self.config):
             return None
@@ -132,7 +153,10 @@ class RLRuntime:
     # ------------------------------------------------------------------ phases
     def rollout(self, step: int) -> RolloutResult:
         self._rollout_step = step
-        return self.fleet.with_health(self.rollouts.take(step))
+        result = self.fleet.with_health(self.rollouts.take(step))
+        if self.teachers is not None:
+            result.metrics |= self.teachers.metrics(result.samples)
+        return result
 
     def train(self, result: RolloutResult) -> dict[str, float]:
         with self.weights.exclusive():

@@ -79,6 +79,7 @@ def _train_groups(
     advantages = estimate(groups, train.advantage_estimator_options)
     samples = [s for g in groups for s in g.samples]
     batch = TrainBatch.from_samples(samples, advantages, config.rollout.temperature)
+    batch.advantage_transforms = dict(train.advantage_transforms)
     # global_batch_size counts rollouts: a multi-leaf agent episode stays in one step
     slices = rollout_slices(batch.sample_ids, config.train.global_batch_size)
     if len(slices) == 1 and not trainer.stochastic_forward:  # π_old is the policy it trains

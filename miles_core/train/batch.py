@@ -9,6 +9,7 @@ holds one array per row, `PaddedBatch.fields` the padded tensors aligned with th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ class TrainBatch:
     rollout_tokens: list[float] | None = None
     # declared per-token fields: name -> one array per row ([rows, *shape], token_fields.py)
     token_fields: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    # train.advantage_transforms: name -> options, applied per token in the policy loss
+    # (train/advantage_transform.py)
+    advantage_transforms: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from miles_core.train.advantage_transform import transformed
 from miles_core.train.batch import PaddedBatch, TrainBatch
 from miles_core.train.shared_prefix import SharedPrefix
 
@@ -63,6 +64,16 @@ class MicroBatch:
     def per_row(self, values: list[float]) -> torch.Tensor:
         """One float per row, as a [B] tensor on the device."""
         return torch.tensor(values, dtype=torch.float32, device=self.mask.device)
+
+    def advantages(self, old: torch.Tensor) -> torch.Tensor:
+        """Per-token advantages [B, R]: each row's advantage, through the batch's advantage
+        transforms (which may read `old`, π_old's log-probs, and the per-token fields)."""
+        if self.batch.advantages is None:
+            raise ValueError("policy loss needs advantages")
+        adv = self.per_row(self.batch.advantages).unsqueeze(1).expand_as(self.mask)
+        if self.batch.advantage_transforms:
+            adv = transformed(adv, old, self, self.batch.advantage_transforms)
+        return adv
 
     def old_log_probs(self, current: torch.Tensor) -> torch.Tensor:
         """π_old's per-token log-probs [B, R], no gradient: the batch's recomputed

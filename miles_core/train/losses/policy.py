@@ -77,14 +77,12 @@ class PolicyLoss:
         self, out: TokenOutputs, mb: MicroBatch, cfg: PolicyOptions, denom: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         batch, lp, agg = mb.batch, out.log_probs, cfg.loss_agg
-        if batch.advantages is None:
-            raise ValueError("policy loss needs advantages")
         mask = mb.mask
         rows = None if batch.rollout_tokens is None else mb.per_row(batch.rollout_tokens)
         # π_old: recomputed, or this forward's own detached (old_is_current: the ratio is 1);
         # the mismatch stats and corrections below compare it with the engine's log-probs
         old = mb.old_log_probs(lp)
-        adv = mb.per_row(batch.advantages).unsqueeze(1).expand_as(mask)
+        adv = mb.advantages(old)  # per token: the estimator's, then train.advantage_transforms
         eps_high = cfg.eps_clip_high or cfg.eps_clip
         pg, clipped, approx_kl = ppo_clip_loss(lp, old, adv, cfg.eps_clip, eps_high)
         off = cfg.off_policy

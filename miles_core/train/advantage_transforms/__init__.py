@@ -1,0 +1,1 @@
+"""Built-in advantage transforms, one module each (`../advantage_transform.py`)."""

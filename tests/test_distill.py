@@ -1,0 +1,259 @@
+"""On-policy distillation: teachers served as engines score the student's own token ids, the
+difference of log-probs joins the advantage after the estimator (`opd`), with a teacher equal to
+the student the train step is bitwise the step without it, and every way a teacher can fail a
+sample fails that sample with the reason while the run goes on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from fastapi import FastAPI
+
+from miles_core.config import load_config
+from miles_core.distill.scoring import TeacherAnswerError, scoring_request, teacher_log_probs
+from miles_core.distill.teachers import ERROR, TeacherFleet
+from miles_core.engines.wire import FinishReason, GenerateResponse, MetaInfo
+from miles_core.models import build_model, save_hf_dir
+from miles_core.run import runtime
+from miles_core.run.preflight import preflight
+from miles_core.types import Sample, SampleGroup, Status
+from tests.servers import served
+
+
+def _config(tmp_path, *sets):
+    return load_config(
+        None,
+        [
+            "model.preset=tiny",
+            "data.task=say_a",
+            "rollout.prompts_per_step=4",
+            "rollout.n_samples_per_prompt=4",
+            "rollout.max_new_tokens=8",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=8",
+            "train.lr=3e-3",
+            f"checkpoint.root={tmp_path / 'ckpt'}",
+            *sets,
+        ],
+    )
+
+
+def _sample(prompt=(5, 6, 7), response=(8, 9, 10)) -> Sample:
+    return Sample(
+        group_index=0,
+        index=0,
+        rollout_id="s0-g0-0",
+        prompt="",
+        tokens=[*prompt, *response],
+        response_length=len(response),
+        loss_mask=[1] * len(response),
+        rollout_log_probs=[-1.0] * len(response),
+        reward=1.0,
+        status=Status.COMPLETED,
+    )
+
+
+def _answer(entries, temperature=None) -> GenerateResponse:
+    extra = {} if temperature is None else {"input_logprob_temperature": temperature}
+    return GenerateResponse(
+        output_ids=[],
+        meta_info=MetaInfo(
+            finish_reason=FinishReason(type="length", length=0),
+            prompt_tokens=6,
+            completion_tokens=0,
+            weight_version="0",
+            input_token_logprobs=entries,
+            **extra,
+        ),
+    )
+
+
+def test_the_request_sends_the_students_ids_from_the_last_prompt_token():
+    s = _sample()
+    req = scoring_request(s, 0.7)
+    assert req.input_ids == s.tokens and req.logprob_start_len == 2
+    assert req.sampling_params.max_new_tokens == 0 and req.input_logprob_temperature == 0.7
+    good = [(None, 7, None), (-0.5, 8, None), (-1.0, 9, None), (-2.0, 10, None)]
+    assert teacher_log_probs(s, _answer(good), 1.0).tolist() == [-0.5, -1.0, -2.0]
+
+
+@pytest.mark.parametrize(
+    "entries, temperature, message",
+    [
+        (None, 0.7, "no meta_info.input_token_logprobs"),
+        ([(None, 7, None), (-0.5, 8, None)], 0.7, "2 input log-probs for a 3-token"),
+        ([(-0.1, 7, None), (-0.5, 8, None), (-1, 9, None), (-2, 10, None)], 0.7, "placeholder"),
+        ([(None, 7, None), (-0.5, 8, None), (-1, 4, None), (-2, 10, None)], 0.7, "position 1"),
+        ([(None, 7, None), (-0.5, 8, None), (float("nan"), 9, None), (-2, 10, None)], 0.7, "nan"),
+        ([(None, 7, None), (-0.5, 8, None), (3.0, 9, None), (-2, 10, None)], 0.7, "3.0"),
+        # an SGLang server says nothing: it scored at 1
+        ([(None, 7, None), (-0.5, 8, None), (-1, 9, None), (-2, 10, None)], None, "at 0.7"),
+    ],
+    ids=["missing", "short", "offset", "other-ids", "nan", "positive", "temperature"],
+)
+def test_an_answer_that_must_not_be_trained_on_is_refused_saying_why(entries, temperature, message):
+    with pytest.raises(TeacherAnswerError, match=message):
+        teacher_log_probs(_sample(), _answer(entries, temperature), 0.7)
+
+
+@pytest.mark.slow
+def test_with_the_student_as_teacher_the_step_is_bitwise_the_step_without(tmp_path):
+    """True on-policy: the teacher's engine scores the trainer's bits, so Â_t − A_t =
+    −coef · (π_old − π_teacher) is exactly 0: the same loss and the same weights after the step,
+    and a KL of exactly 0."""
+    tok_sets = ["train.true_on_policy=true"]
+    base = _config(tmp_path / "a", *tok_sets)
+    init = runtime.prepare_model_dir(base, tmp_path / "init")
+    runs = {}
+    for name, sets in {
+        "rl": [],
+        "rl+opd": [f"train.distill={{teachers: {{default: {init}}}}}"],
+    }.items():
+        cfg = _config(tmp_path / name, *tok_sets, *sets)
+        rt = runtime.RLRuntime(cfg, init, None)
+        try:
+            result = rt.rollout(0)
+            metrics = rt.train(result)
+            weights = {n: p.detach().clone() for n, p in rt.trainer.model.named_parameters()}
+            runs[name] = (result, metrics, weights)
+            teacher = rt.teachers.teachers["default"].process if rt.teachers else None
+        finally:
+            rt.close()
+    (_, rl, w_rl), (result, opd, w_opd) = runs["rl"], runs["rl+opd"]
+    assert result.metrics["distill/kl"] == 0.0 and result.metrics["distill/failed_samples"] == 0
+    assert all("teacher_log_probs" in s.token_fields for s in result.samples)
+    assert opd["train/loss"] == rl["train/loss"]
+    assert all(torch.equal(w_rl[n], w_opd[n]) for n in w_rl)
+    assert teacher.proc.poll() is not None  # the run stopped the teacher's engine server
+
+
+def test_each_sample_goes_to_its_rows_teacher_and_an_unknown_one_fails_it(tmp_path, session_stack):
+    proc, _ = session_stack  # the session's shared engine server, as a teacher by URL
+    cfg = _config(tmp_path, f"train.distill={{teachers: {{math: {proc.url}}}}}")
+    fleet = TeacherFleet(cfg.train.distill, 1.0, tmp_path)
+    try:
+        routed, unknown, unnamed = _sample(), _sample(), _sample()
+        routed.metadata["row"] = {"teacher": "math"}
+        unknown.metadata["row"] = {"teacher": "poetry"}
+        fleet.score(SampleGroup(group_index=0, samples=[routed, unknown, unnamed]))
+        assert routed.status == Status.COMPLETED
+        lp = routed.token_fields["teacher_log_probs"]
+        assert lp.shape == (3,) and np.all(lp < 0)
+        assert "'poetry'" in unknown.metadata[ERROR] and unknown.status == Status.FAILED
+        assert "'default'" in unnamed.metadata[ERROR] and unnamed.loss_mask == [0, 0, 0]
+        m = fleet.metrics([routed, unknown, unnamed])
+        assert m["distill/failed_samples"] == 2
+        assert m["distill/kl"] == pytest.approx(float(np.mean(-1.0 - lp)), rel=1e-6)
+    finally:
+        fleet.close()
+
+
+def test_a_teacher_lost_mid_run_fails_its_samples_with_the_reason(tmp_path):
+    """A teacher that answered at start and is gone when a group is scored."""
+    app = FastAPI()
+    app.get("/get_server_info")(lambda: {"version": "teacher"})
+    app.get("/health")(lambda: {})
+    with served(app) as url:
+        cfg = _config(tmp_path, f"train.distill={{teachers: {{default: {url}}}}}")
+        fleet = TeacherFleet(cfg.train.distill, 1.0, tmp_path)
+    try:
+        s, other = _sample(), _sample()
+        fleet.score(SampleGroup(group_index=0, samples=[s, other]))
+        assert s.status == other.status == Status.FAILED
+        assert f"teacher default at {url} did not score it" in s.metadata[ERROR]
+    finally:
+        fleet.close()
+
+
+def test_an_unreachable_teacher_is_a_clear_error_at_start(tmp_path):
+    cfg = _config(tmp_path, "train.distill={teachers: {default: 'http://127.0.0.1:9'}}")
+    with pytest.raises(RuntimeError, match="teachers.default: the teacher at http://127.0.0.1:9"):
+        TeacherFleet(cfg.train.distill, 1.0, tmp_path)
+
+
+@pytest.mark.parametrize("what", ["vocabulary", "tokenizer", "row", "missing"])
+def test_a_teacher_that_cannot_score_the_students_ids_is_refused_before_start(
+    tmp_path, tiny_dir, what
+):
+    teacher, sets = tmp_path / "teacher", []
+    if what == "vocabulary":
+        model, tok = build_model("tiny", seed=0)
+        model.resize_token_embeddings(model.config.vocab_size + 8)
+        save_hf_dir(model, tok, teacher)
+        message = "vocabulary of"
+    elif what == "tokenizer":  # same size, two tokens' ids swapped
+        save_hf_dir(*build_model("tiny", seed=0), teacher)
+        vocab_file = json.loads((teacher / "tokenizer.json").read_text())
+        vocab = vocab_file["model"]["vocab"]
+        a, b = list(vocab)[10:12]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (teacher / "tokenizer.json").write_text(json.dumps(vocab_file))
+        message = "other ids than the student's"
+    elif what == "row":
+        teacher = tiny_dir
+        data = tmp_path / "rows.jsonl"
+        data.write_text(json.dumps({"prompt": "hi", "label": "a", "teacher": "poetry"}) + "\n")
+        sets = [f"data.path={data}"]
+        message = "row 1 names teacher 'poetry'"
+    else:
+        message = "no config.json"
+    cfg = _config(tmp_path, f"train.distill={{teachers: {{default: {teacher}}}}}", *sets)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        preflight(cfg)
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.distill={teachers: {default: x}, top_k: 4}"], "top_k > 0"),
+        (["train.distill={teachers: {default: x}, temperature: 0.5}"], "must equal rollout"),
+        (["train.distill={teachers: {}}"], "at least one teacher"),
+        (["train.advantage_transforms={nope: {}}"], "unknown advantage transform 'nope'"),
+    ],
+)
+def test_bad_distillation_settings_are_refused_at_config_time(tmp_path, sets, message):
+    with pytest.raises(ValueError, match=message):
+        _config(tmp_path, *sets)
+
+
+@pytest.mark.slow
+def test_a_fully_async_run_scores_every_sample_in_the_producer(tmp_path):
+    """Engine server, fully async, true on-policy, the student's starting model as its teacher:
+    each group is scored as it completes (so the field waits in the buffer), the KL is exactly 0
+    at step 0 and moves once RL moves the student."""
+    cfg = _config(
+        tmp_path,
+        "train.true_on_policy=true",
+        "rollout.engine=server",
+        "rollout.engine_options.threads=1",
+        "weight_sync.transport=shared_memory",
+        "rollout.mode=fully_async",
+    )
+    init = runtime.prepare_model_dir(cfg, tmp_path / "init")
+    cfg = _config(
+        tmp_path,
+        "train.true_on_policy=true",
+        "rollout.engine=server",
+        "rollout.engine_options.threads=1",
+        "weight_sync.transport=shared_memory",
+        "rollout.mode=fully_async",
+        f"train.distill={{teachers: {{default: {init}}}}}",
+    )
+    rt = runtime.RLRuntime(cfg, init, None)
+    kls = []
+    try:
+        for step in range(3):
+            result = rt.rollout(step)
+            assert all(s.token_fields["teacher_log_probs"].shape == (s.response_length,)
+                       for s in result.samples)  # fmt: skip
+            assert result.metrics["distill/failed_samples"] == 0
+            kls.append(result.metrics["distill/kl"])
+            rt.train(result)
+            rt.update_weights()
+    finally:
+        rt.close()
+    assert kls[0] == 0.0 and kls[-1] != 0.0
+    assert rt.teachers.teachers["default"].process.proc.poll() is not None
