@@ -27,6 +27,11 @@ SMALL = [
     "train.lora.rank=4",
 ]
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8, 12]]
+SGLANG = [
+    "rollout.engine=sglang",
+    "rollout.engine_options.url=http://127.0.0.1:9",
+    "weight_sync.transport=disk",
+]
 
 
 def _config(*sets):
@@ -269,6 +274,24 @@ def test_requests_and_loads_the_adapter_table_cannot_take_are_refused(tiny_dir, 
             ["model.preset=tiny-moe-shared", "train.lora.target_modules=[q_proj, gate_proj]"],
             "on a mixture-of-experts model peft adapts the fused experts",
         ),
+        # an engine that cannot replace an adapter in place (SGLang): each push is a new version
+        (
+            [*SGLANG, "weight_sync.transport=broadcast"],
+            "transport broadcast with train.lora.*use disk",
+        ),
+        (
+            [*SGLANG, "rollout.mode=fully_async"],
+            "fully_async with train.lora.*in flight across a push",
+        ),
+        (
+            [
+                *SGLANG,
+                "agent.function=miles_core.envs.sandbox_agent:run_agent",
+                "data.task=terminal",
+            ],
+            "agent.function with train.lora.*not its current version",
+        ),
+        ([*SGLANG, "weight_sync.check_equal=true"], "check_equal with train.lora.*cover adapters"),
     ],
 )
 def test_lora_settings_that_cannot_work_are_refused_before_start(sets, message):
@@ -450,6 +473,86 @@ def test_the_servers_lora_routes_answer_as_sglangs(lora_server, tiny_dir, tmp_pa
     full("y", config, peft_keyed)  # room again
     assert sorted(a["name"] for a in server.lora_adapters()) == ["default", "y"]
     server.unload_lora_adapter("y")
+
+
+def test_an_engine_without_upsert_takes_each_push_as_a_new_version(lora_server, tmp_path):
+    """Through a client declaring SGLang's routes (no in-place replacement), each disk push loads
+    `default@v<version>`, points the requests at it and unloads the version it replaced; a push
+    refused for its shapes leaves the version before serving; a stale version beside the
+    current one shows in the adapters' checksum."""
+    from miles_core.engines.http import HttpEngine
+    from miles_core.engines.protocol import EngineRequestRejected
+    from miles_core.engines.sglang import SGLANG_ROUTES
+    from miles_core.weights import weights_checksum
+    from miles_core.weights.remote import PushFailed
+    from miles_core.weights.source import TensorBuckets
+    from miles_core.weights.transports.disk import DiskTransport, version_dir
+
+    server, config = lora_server
+    engine = HttpEngine(server.url, weight_routes=SGLANG_ROUTES)
+    root = str(tmp_path / "w")
+    transport = DiskTransport(root=root, keep=2)
+    transport.connect([engine])
+    source = lambda t: _WithConfigs(TensorBuckets(t, per=7), {"default": config})  # noqa: E731
+    held = lambda: sorted(a["name"] for a in server.lora_adapters())  # noqa: E731
+    pushed = {v: _adapter_tensors(config, v) for v in (51, 52)}
+    try:
+        for version, tensors in pushed.items():
+            transport.push(source(tensors), version)
+        assert held() == ["default@v52"] and engine.served_adapters == {"default": "default@v52"}
+        assert engine.weights_checksum("adapters") == weights_checksum(pushed[52].items())
+        assert engine.weight_version == 52
+        [out] = engine.generate([_request(PROMPTS[0], "default", n=2)])
+        assert len(out.output_ids) == 2
+        with pytest.raises(EngineRequestRejected, match="'default@v51': no such adapter"):
+            engine.generate([_request(PROMPTS[0], "default@v51", n=2)])
+        engine.load_lora_adapter("default@v51", f"{version_dir(root, 51)}/adapters/default")
+        assert engine.weights_checksum("adapters") != weights_checksum(pushed[52].items())
+        engine.unload_lora_adapter("default@v51")
+        wrong = {n: torch.zeros(t.shape[0], t.shape[1] + 1) for n, t in pushed[52].items()}
+        with pytest.raises(PushFailed, match="did not load adapter default@v53.*keep serving"):
+            transport.push(source(wrong), 53)
+        assert held() == ["default@v52"] and engine.served_adapters == {"default": "default@v52"}
+        assert engine.weights_checksum("adapters") == weights_checksum(pushed[52].items())
+    finally:  # the module's server serves `default` under its own name again
+        names = held()
+        if "default" not in names:
+            server.load_lora_adapter("default", f"{version_dir(root, 52)}/adapters/default")
+        for name in names:
+            if name != "default":
+                server.unload_lora_adapter(name)
+        engine.close()
+
+
+def test_a_refused_version_unloads_what_its_push_loaded_and_re_points_nothing():
+    from miles_core.engines.protocol import EngineRequestRejected
+    from miles_core.lora.versions import push_versions
+    from miles_core.weights.remote import PushFailed
+
+    class Engine:  # an SGLang-like server: a name loads once, each load lists what is loaded
+        url = "http://sglang"
+
+        def __init__(self):
+            self.loaded = {"a@v1", "b@v1"}
+            self.served_adapters = {"a": "a@v1", "b": "b@v1"}
+
+        def load_lora_adapter(self, name, path):
+            if path == "refused" or name in self.loaded:
+                raise EngineRequestRejected(f"cannot load {name}")
+            self.loaded.add(name)
+            return {"success": True, "loaded_adapters": {n: n for n in self.loaded}}
+
+        def unload_lora_adapter(self, name):
+            self.loaded.remove(name)
+
+    engine = Engine()
+    with pytest.raises(PushFailed, match="did not load adapter b@v2 from refused"):
+        push_versions(engine, {"a": "ok", "b": "refused"}, 2)
+    assert engine.loaded == {"a@v1", "b@v1"}
+    assert engine.served_adapters == {"a": "a@v1", "b": "b@v1"}
+    push_versions(engine, {"a": "ok", "b": "ok"}, 2)
+    assert engine.loaded == {"a@v2", "b@v2"}
+    assert engine.served_adapters == {"a": "a@v2", "b": "b@v2"}
 
 
 def test_a_lora_run_is_on_policy_pushes_only_the_adapter_and_resumes_bitwise(

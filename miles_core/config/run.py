@@ -91,10 +91,14 @@ class RunConfig(Strict):
                 f"({r.temperature:g}): the KL compares the student's and the teacher's "
                 "log-probs, both at the temperature the student samples at"
             )
-        if field.PATH not in r.token_fields:
-            r.token_fields.append(field.PATH)
+        paths = [field.PATH] + ([field.TOP_K_PATH] if d.top_k else [])
+        r.token_fields += [p for p in paths if p not in r.token_fields]
         if "opd" not in t.advantage_transforms:
-            t.advantage_transforms["opd"] = ADVANTAGE_TRANSFORMS.options("opd", {"coef": d.coef})
+            # top-k: the field holds each position's KL itself (distill/top_k.py)
+            kl = {"field": field.TOP_K_KL.name, "holds": "kl"} if d.top_k else {}
+            t.advantage_transforms["opd"] = ADVANTAGE_TRANSFORMS.options(
+                "opd", {"coef": d.coef} | kl
+            )
 
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
@@ -239,6 +243,51 @@ class RunConfig(Strict):
             raise ValueError(
                 f"train.lora with eval.mode {self.eval.mode}: evaluating saved adapters beside "
                 "training is not built yet; use eval.mode shared (the run's own engines)"
+            )
+        from miles_core.engines.protocol import LORA_UPSERT
+        from miles_core.engines.registry import ENGINES
+
+        if LORA_UPSERT not in ENGINES.get(r.engine).routes:
+            self._check_adapter_versions()
+
+    def _check_adapter_versions(self) -> None:
+        """train.lora on an engine that cannot replace an adapter in place: each push loads a
+        new version of it and unloads the one before (lora/versions.py). What that cannot carry
+        is refused, each refusal naming its setting."""
+        from miles_core.weights.transport import TRANSPORTS
+
+        r, ws = self.rollout, self.weight_sync
+        why = (
+            f"rollout.engine {r.engine} cannot replace a LoRA adapter in place, so each push "
+            "loads a new version of it and unloads the one before"
+        )
+        if not TRANSPORTS.get(ws.transport).adapter_versions:
+            fitting = [n for n in TRANSPORTS.names() if TRANSPORTS.get(n).adapter_versions]
+            raise ValueError(
+                f"weight_sync.transport {ws.transport} with train.lora: {why}, which "
+                f"{ws.transport} cannot push (it replaces adapters in place); use "
+                f"{' | '.join(fitting)}"
+            )
+
+        def generates_across_pushes(name: str) -> bool:
+            mode = MODES.get(name)
+            return mode.ahead and not mode.drains_before_push
+
+        if generates_across_pushes(r.mode):
+            fitting = [n for n in MODES.names() if not generates_across_pushes(n)]
+            raise ValueError(
+                f"rollout.mode {r.mode} with train.lora: {why}, and requests in flight across a "
+                f"push would finish on the version it unloads; use {' | '.join(fitting)}"
+            )
+        if self.agent.function is not None:
+            raise ValueError(
+                f"agent.function with train.lora: {why}, and the session server names the "
+                "adapter by its own name, not its current version"
+            )
+        if ws.check_equal:
+            raise ValueError(
+                f"weight_sync.check_equal with train.lora: {why}, and the weights check of such "
+                "an engine (SGLang's) does not cover adapters"
             )
 
     def _check_eval(self) -> None:

@@ -58,6 +58,10 @@ def scoring_fields(req: GenerateRequest) -> dict:
     out: dict = {"logprob_start_len": req.logprob_start_len}
     if _tempered(req):
         out["input_logprob_temperature"] = req.input_logprob_temperature
+    if req.top_logprobs_num:
+        out["top_logprobs_num"] = req.top_logprobs_num
+    if req.token_ids_logprob is not None:
+        out["token_ids_logprob"] = req.token_ids_logprob
     return out
 
 
@@ -79,6 +83,10 @@ def batch_payload(requests: list[GenerateRequest]) -> dict:
         body["logprob_start_len"] = [r.logprob_start_len for r in requests]
     if any(_tempered(r) for r in requests):
         body["input_logprob_temperature"] = [r.input_logprob_temperature for r in requests]
+    if any(r.top_logprobs_num for r in requests):
+        body["top_logprobs_num"] = [r.top_logprobs_num for r in requests]
+    if any(r.token_ids_logprob is not None for r in requests):
+        body["token_ids_logprob"] = [r.token_ids_logprob for r in requests]
     return body
 
 
@@ -165,6 +173,9 @@ class HttpEngine:
         self._sync = httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0), headers=self.headers
         )
+        # the name each adapter is served under, where it is not its own: on a server that
+        # cannot replace an adapter in place, its current version (lora/versions.py)
+        self.served_adapters: dict[str, str] = {}
         # set by the owner of a supervised engine server: generate calls that die with the
         # engine wait for its replacement and are re-issued once (engines/supervisor.py);
         # control calls still fail fast
@@ -192,6 +203,7 @@ class HttpEngine:
         failure raises. Every `/generate` of the runtime goes through here."""
         key = chunk[0].routing_key
         headers = {ROUTING_KEY_HEADER: key} if key else None
+        chunk = self.served_requests(chunk)
         body = batch_payload(chunk) if len(chunk) > 1 else generate_payload(chunk[0])
 
         async def call() -> list[GenerateResponse]:
@@ -205,6 +217,14 @@ class HttpEngine:
 
         what = "/generate of " + ", ".join(str(r.rid) for r in chunk)
         return await reissue_once(self.supervisor, call, what)
+
+    def served_requests(self, requests: list[GenerateRequest]) -> list[GenerateRequest]:
+        """`requests` with each adapter named as this server serves it (`served_adapters`)."""
+        served = self.served_adapters
+        return [
+            r.model_copy(update={"lora_path": served[r.lora_path]}) if r.lora_path in served else r
+            for r in requests
+        ]
 
     async def agenerate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:
         # one connection more than the calls in flight: the /health watchdog never waits for a

@@ -12,11 +12,14 @@ Weight routes (SGLang's update APIs; an engine lists those it takes in `weight_r
   with `load_format: shared_memory`);
 - `disk`: a safetensors directory (`/update_weights_from_disk`);
 - `distributed`: a process group with the trainer (`/init_weights_update_group` +
-  `/update_weights_from_distributed`: broadcast buckets, or p2p shards);
-- `lora`: adapters (`/load_lora_adapter`), for the transports that will push them.
+  `/update_weights_from_distributed`: broadcast buckets, or p2p shards).
 
 A transport names the route it needs (`WeightTransport.route`); `connect` refuses an engine that
 does not list it (`require_route`).
+
+LoRA adapters travel over every route. What differs between engines is whether one can replace a
+loaded adapter in place under its name (`lora_upsert`: ours, in process and over HTTP); one that
+cannot (SGLang) takes each push as a new adapter version (miles_core/lora/versions.py).
 """
 
 from __future__ import annotations
@@ -31,17 +34,19 @@ TENSOR = "tensor"
 SHARED_MEMORY = "shared_memory"
 DISK = "disk"
 DISTRIBUTED = "distributed"
-LORA = "lora"
-WEIGHT_ROUTES = frozenset({TENSOR, SHARED_MEMORY, DISK, DISTRIBUTED, LORA})
+WEIGHT_ROUTES = frozenset({TENSOR, SHARED_MEMORY, DISK, DISTRIBUTED})
 
 # not a route but a way of taking one: the weight call itself carries `pause_mode` and the engine
 # pauses (mode), loads, sets the version and continues within it (one HTTP call per push instead
 # of pause, load, continue); our engine server declares it, SGLang does not
 PAUSED_PUSH = "paused_push"
-# the routes of an engine server over HTTP (ours, or SGLang's)
-SERVER_ROUTES = frozenset({SHARED_MEMORY, DISK, DISTRIBUTED, PAUSED_PUSH})
+# not a route either: a loaded LoRA adapter can be replaced in place under its own name (a load
+# with `upsert`, or a push of its wire-named tensors); our engines declare it, SGLang does not
+LORA_UPSERT = "lora_upsert"
+# the routes of our engine server over HTTP
+SERVER_ROUTES = frozenset({SHARED_MEMORY, DISK, DISTRIBUTED, PAUSED_PUSH, LORA_UPSERT})
 # the route of an engine in the trainer's own process
-IN_PROCESS_ROUTES = frozenset({TENSOR})
+IN_PROCESS_ROUTES = frozenset({TENSOR, LORA_UPSERT})
 
 
 class ProcessUnavailable(RuntimeError):
@@ -136,7 +141,7 @@ def require_route(engines: Iterable, route: str, transport: str) -> list:
             where = getattr(e, "url", None) or type(e).__name__
             hint = (
                 "; this engine runs in the trainer's process — use transport 'colocated'"
-                if routes == IN_PROCESS_ROUTES
+                if TENSOR in routes
                 else ""
             )
             raise ValueError(

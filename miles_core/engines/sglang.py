@@ -40,7 +40,24 @@ class SGLangLaunch:
     # SGLang's --api-key (Authorization: Bearer on its routes); it takes the key only on its
     # command line, which `ps` shows
     api_key: str | None = None
+    # LoRA adapters served per request (`serve_adapters`): the largest rank, the leaf names of
+    # the adapted modules, the most adapters loaded at once
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] = field(default_factory=list)
+    max_loaded_loras: int | None = None
     extra_args: list[str] = field(default_factory=list)  # e.g. what a token field needs
+
+    def serve_adapters(self, spec: dict | None) -> SGLangLaunch:
+        """Serves the adapters of a LoRA run's engine spec (lora/adapter.py: engine_spec; None:
+        none): `--enable-lora` with their largest rank and modules, and its adapter limit."""
+        if spec is None:
+            return self
+        configs = list(spec["adapters"].values())
+        self.max_lora_rank = max(int(c["r"]) for c in configs)
+        leaves = {m.rsplit(".", 1)[-1] for c in configs for m in c["target_modules"]}
+        self.lora_target_modules = sorted(leaves)
+        self.max_loaded_loras = int(spec["max_loaded"])
+        return self
 
     def command(self) -> list[str]:
         args = [self.python, "-m", "sglang.launch_server"]
@@ -55,6 +72,8 @@ class SGLangLaunch:
             "max_running_requests": self.max_running_requests,
             "random_seed": self.random_seed,
             "api_key": self.api_key,
+            "max_lora_rank": self.max_lora_rank,
+            "max_loaded_loras": self.max_loaded_loras,
         }
         for name, value in values.items():
             if value is not None:
@@ -62,6 +81,10 @@ class SGLangLaunch:
         for name in ("enable_memory_saver", "skip_tokenizer_init"):
             if getattr(self, name):
                 args.append(flag(name))
+        if self.max_lora_rank is not None:
+            args.append(flag("enable_lora"))
+        if self.lora_target_modules:
+            args += [flag("lora_target_modules"), *self.lora_target_modules]
         return args + list(self.extra_args)
 
 
@@ -129,7 +152,8 @@ def attach(
     return engines
 
 
-# SGLang loads from disk and over a group; /dev/shm buckets are our engine server's route
+# SGLang loads from disk and over a group (/dev/shm buckets are our engine server's route), and
+# loads an adapter only under a name it does not hold (no LORA_UPSERT: lora/versions.py)
 SGLANG_ROUTES = frozenset({DISK, DISTRIBUTED})
 
 

@@ -74,11 +74,13 @@ class Adapter:
             out[peft_key(module, "lora_B")] = b
         return out
 
-    def wire_tensors(self) -> dict[str, torch.Tensor]:
+    def wire_tensors(self, name: str | None = None) -> dict[str, torch.Tensor]:
+        """Its tensors by wire name, under `name` (default: its own)."""
+        name = name or self.name
         out = {}
         for module, (a, b) in self.weights.items():
-            out[wire_name(self.name, module, "lora_A")] = a
-            out[wire_name(self.name, module, "lora_B")] = b
+            out[wire_name(name, module, "lora_A")] = a
+            out[wire_name(name, module, "lora_B")] = b
         return out
 
     def nbytes(self) -> int:
@@ -162,6 +164,8 @@ def engine_spec(settings: Any, model: torch.nn.Module) -> dict[str, Any] | None:
     config = peft_config(settings.rank, settings.alpha, modules, settings.dropout, settings.rslora)
     return {
         "adapters": {name: config for name in settings.adapters},
-        "max_loaded": max(len(settings.adapters), 8),
+        # a push to an engine without in-place replacement briefly holds two versions of each
+        # adapter (versions.py); SGLang needs at least its max_loras_per_batch (8 by default)
+        "max_loaded": max(2 * len(settings.adapters), 8),
         "required": True,
     }

@@ -1,16 +1,35 @@
-"""How adapter tensors are named.
+"""How adapters and their tensors are named.
 
 A peft checkpoint (`adapter_model.safetensors`) keys a module's pair as
 `base_model.model.<module>.lora_A.weight` / `.lora_B.weight`, `<module>` the HF module name
 (`model.layers.0.self_attn.q_proj`). A push carries several adapters, so its tensors are named
 `lora.<adapter>.<module>.lora_A.weight`: every transport moves them like any named tensor, and
-the engine routes them to the adapter they name."""
+the engine routes them to the adapter they name.
+
+An engine that cannot replace an adapter in place serves each push of adapter `<name>` as
+`<name>@v<version>` (versions.py): `SERVED_NAME` is what an engine may call an adapter."""
 
 from __future__ import annotations
+
+import re
+
+from miles_core.config.lora import ADAPTER_NAME
 
 PEFT_PREFIX = "base_model.model."
 WIRE_PREFIX = "lora."
 PARTS = ("lora_A", "lora_B")
+VERSION_MARK = "@v"
+SERVED_NAME = re.compile(rf"({ADAPTER_NAME.pattern})(?:{VERSION_MARK}\d+)?")
+
+
+def version_name(adapter: str, version: int) -> str:
+    return f"{adapter}{VERSION_MARK}{version}"
+
+
+def adapter_of(served: str) -> str:
+    """The adapter a served name is a version of (a name without a version: itself)."""
+    match = SERVED_NAME.fullmatch(served)
+    return match.group(1) if match else served
 
 
 def peft_key(module: str, part: str) -> str:

@@ -10,7 +10,9 @@ different adapters (or none) share a batch.
 
 A weight push carries adapter tensors under wire names (names.py); `load_wire` replaces the
 named adapters' tensors all or nothing, in place of the version they replace (nothing
-accumulates), requests in flight going on with the new tensors as with any weight update."""
+accumulates), requests in flight going on with the new tensors as with any weight update. A client
+that treats the engine as one without in-place replacement loads each push as a version
+`<name>@v<n>` instead (versions.py); `tensors` names a lone version as its adapter."""
 
 from __future__ import annotations
 
@@ -21,10 +23,9 @@ from collections.abc import Iterable
 
 import torch
 
-from miles_core.config.lora import ADAPTER_NAME
 from miles_core.lora.adapter import Adapter, config_scaling
 from miles_core.lora.delta import LoraGroup
-from miles_core.lora.names import split_wire_name
+from miles_core.lora.names import SERVED_NAME, adapter_of, split_wire_name
 from miles_core.lora.targets import SERVED, linear_modules
 
 DEFAULT_MAX_LOADED = 8
@@ -57,9 +58,10 @@ class ServedAdapters:
     def check(self, adapter: Adapter) -> None:
         """Refuses an adapter this model cannot serve: a bad name or config, a module the base
         lacks or the forward does not adapt, shapes of another base."""
-        if not ADAPTER_NAME.fullmatch(adapter.name):
+        if not SERVED_NAME.fullmatch(adapter.name):
             raise AdapterRefused(
-                f"adapter name {adapter.name!r}: use 1-64 letters, digits, '_' or '-'"
+                f"adapter name {adapter.name!r}: use 1-64 letters, digits, '_' or '-', "
+                "optionally followed by a version @v<number>"
             )
         cfg = adapter.config
         if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
@@ -172,10 +174,14 @@ class ServedAdapters:
 
     # ------------------------------------------------------------------ what is held
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every loaded adapter's tensors by wire name."""
+        """Every loaded adapter's tensors by wire name: a version (`<name>@v<n>`) under its
+        adapter's name when it is that adapter's only one loaded, as the trainer names it; else
+        under its own, so a stale version beside the current one never matches the trainer."""
+        versions = Counter(adapter_of(name) for name in self.loaded)
         out: dict[str, torch.Tensor] = {}
-        for adapter in self.loaded.values():
-            out |= adapter.wire_tensors()
+        for name, adapter in self.loaded.items():
+            alone = versions[adapter_of(name)] == 1
+            out |= adapter.wire_tensors(adapter_of(name) if alone else name)
         return out
 
     def listing(self) -> list[dict]:

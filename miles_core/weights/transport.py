@@ -111,6 +111,9 @@ class TransportBase(RecordsPushes):
     # pushes read full tensors (`named_weights`), so a snapshot of them can be pushed while the
     # trainer trains on; a transport sending each rank's shards cannot
     snapshots = True
+    # LoRA pushes to an engine that cannot replace an adapter in place (no LORA_UPSERT) load
+    # each push as a new adapter version from a peft directory (lora/versions.py)
+    adapter_versions = False
 
     Options: type[PluginOptions] = NoOptions
 

@@ -186,6 +186,14 @@ def test_sglang_launch_flags_are_sglang_server_args():
         random_seed=1,
         enable_memory_saver=True,
         extra_args=["--enable-return-routed-experts"],  # MoE routes (models/moe.py)
+    ).serve_adapters(  # a LoRA run's adapters (lora/adapter.py: engine_spec)
+        {
+            "adapters": {
+                "a": {"r": 8, "target_modules": ["model.layers.0.self_attn.q_proj", "lm_head"]},
+                "b": {"r": 16, "target_modules": ["model.layers.1.mlp.down_proj"]},
+            },
+            "max_loaded": 8,
+        }
     )
     cmd = launch.command()
     assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
@@ -198,6 +206,11 @@ def test_sglang_launch_flags_are_sglang_server_args():
     assert {"enable_memory_saver", "enable_return_routed_experts", "skip_tokenizer_init"} <= set(
         flags
     )
+    assert {"enable_lora", "max_lora_rank", "lora_target_modules", "max_loaded_loras"} <= set(flags)
+    modules = cmd.index("--lora-target-modules")
+    assert cmd[modules + 1 : modules + 4] == ["down_proj", "lm_head", "q_proj"]
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "16"
+    assert cmd[cmd.index("--max-loaded-loras") + 1] == "8"
 
 
 def test_attach_to_running_servers_by_address(server, tiny_dir):

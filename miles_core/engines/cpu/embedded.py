@@ -22,7 +22,7 @@ from miles_core.engines.cpu.prompt_logprobs import PromptScorer, check_scoring
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slot_forward import SlotBatchForward
 from miles_core.engines.cpu.threads import StepThreads
-from miles_core.engines.protocol import TENSOR
+from miles_core.engines.protocol import IN_PROCESS_ROUTES
 from miles_core.engines.wire import (
     FinishReason,
     GenerateRequest,
@@ -39,7 +39,7 @@ from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
 
 
 class EmbeddedEngine(AdapterCalls):
-    weight_routes = frozenset({TENSOR})
+    weight_routes = IN_PROCESS_ROUTES
     per_request_seeds = False  # one batch, one shared generator (`generator`)
 
     def __init__(

@@ -32,7 +32,7 @@ from miles_core.engines.cpu.prompt_logprobs import PromptScorer, check_scoring
 from miles_core.engines.cpu.sampler import sample_next
 from miles_core.engines.cpu.slots import Slot, SlotState, SlotTable
 from miles_core.engines.cpu.threads import StepThreads
-from miles_core.engines.protocol import TENSOR
+from miles_core.engines.protocol import IN_PROCESS_ROUTES
 from miles_core.engines.wire import (
     EngineRequestError,
     FinishReason,
@@ -112,7 +112,7 @@ class RequestHandle:
 
 class ServingEngine(AdapterCalls):
     per_request_seeds = True
-    weight_routes = frozenset({TENSOR})  # in-process; behind the HTTP server: the server's
+    weight_routes = IN_PROCESS_ROUTES  # in-process; behind the HTTP server: the server's
 
     def __init__(
         self,

@@ -2,7 +2,8 @@
 (`python`: SGLang pins its own torch/CUDA stack) on 127.0.0.1 and stopped by PID, or one that is
 already running (`url`). The run talks to it with `HttpEngine`, the client of our own engine
 server; weights travel by SGLang's routes (disk, a process group). It is not replaced when it
-dies: the run fails, saying so."""
+dies: the run fails, saying so. It cannot replace a LoRA adapter in place: each push is a new
+version of it (lora/versions.py), what config/run.py checks a LoRA run for."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class SGLang(EngineKind):
             random_seed=setup.seed,
             api_key=setup.api_key,
             extra_args=list(o.extra_args),
-        )
+        ).serve_adapters(setup.lora)
         process = SGLangProcess(
             launch, log_path=setup.workdir / "sglang.log", port_range=setup.port_range
         ).start(o.start_timeout_s)

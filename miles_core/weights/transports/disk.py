@@ -30,9 +30,15 @@ import torch
 from pydantic import Field
 from safetensors.torch import load, save
 
-from miles_core.engines.protocol import DISK, EngineRequestRejected, ProcessUnavailable
+from miles_core.engines.protocol import (
+    DISK,
+    LORA_UPSERT,
+    EngineRequestRejected,
+    ProcessUnavailable,
+)
 from miles_core.lora.adapter import ADAPTERS_DIR, Adapter, pairs_of
 from miles_core.lora.names import is_wire_name, peft_key, split_wire_name
+from miles_core.lora.versions import push_versions
 from miles_core.plugins import PluginOptions
 from miles_core.processes.roots import AllowedRoots, OutsideRoots
 from miles_core.weights import delta
@@ -391,6 +397,7 @@ def _apply_delta(path, manifest, packed, current, current_version) -> dict[str, 
 class DiskTransport(TransportBase):
     route = DISK
     name = "disk"
+    adapter_versions = True
     Options = DiskOptions
 
     @classmethod
@@ -445,8 +452,10 @@ class DiskTransport(TransportBase):
         tensors = {n: t.detach().cpu().contiguous() for b in self.buckets(source) for n, t in b}
         path = version_dir(self.root, version)
         configs = getattr(source, "adapter_configs", None)
-        if configs is not None and tensors and all(map(is_wire_name, tensors)):
-            return self._push_adapters(tensors, configs(), path, version, t0)
+        if tensors and all(map(is_wire_name, tensors)):
+            if configs is not None:
+                return self._push_adapters(tensors, configs(), path, version, t0)
+            self._refuse_in_place_on(path)
         fs, base = fsspec.core.url_to_fs(path, **self.storage_options)
         fs.makedirs(base, exist_ok=True)
         manifest: dict = {
@@ -504,10 +513,22 @@ class DiskTransport(TransportBase):
             fs, base = fsspec.core.url_to_fs(old, **self.storage_options)
             fs.rm(base, recursive=True)
 
+    def _refuse_in_place_on(self, path: str) -> None:
+        """Adapter tensors in the transport's own format replace adapters in place: refused, before
+        anything is written, for an engine that cannot (it loads peft directories by version)."""
+        for e in self.engines:
+            if LORA_UPSERT not in e.weight_routes:
+                raise PushFailed(
+                    f"engine at {e.url} cannot replace adapters in place, and the push of {path} "
+                    "carries adapter tensors without their peft configs (a snapshot): it needs "
+                    "a source that knows them (the trainer's adapter_configs)"
+                )
+
     def _push_adapters(self, tensors, configs: dict, path: str, version: int, t0) -> PushStats:
         """A LoRA push: each adapter as a peft directory (`<version dir>/adapters/<name>`:
         adapter_config.json + adapter_model.safetensors, what peft and SGLang's
-        `/load_lora_adapter` load), loaded by the engines in place of the version before."""
+        `/load_lora_adapter` load), loaded by the engines in place of the version before; an
+        engine that cannot replace one in place loads it as a new version (lora/versions.py)."""
         by_adapter: dict[str, dict[str, torch.Tensor]] = {}
         for name, t in tensors.items():
             adapter, module, part = split_wire_name(name)
@@ -520,8 +541,11 @@ class DiskTransport(TransportBase):
         check_reachable(self.engines)
         for e in self.engines:
             try:
-                for name, directory in written.items():
-                    e.load_lora_adapter(name, directory, upsert=True)
+                if LORA_UPSERT in e.weight_routes:
+                    for name, directory in written.items():
+                        e.load_lora_adapter(name, directory, upsert=True)
+                else:
+                    push_versions(e, written, version)
                 e.set_weight_version(version)
             except (ProcessUnavailable, EngineRequestRejected) as err:
                 raise PushFailed(
