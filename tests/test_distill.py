@@ -6,6 +6,7 @@ sample fails that sample with the reason while the run goes on."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ import torch
 from fastapi import FastAPI
 
 from miles_core.config import load_config
+from miles_core.distill import top_k
 from miles_core.distill.scoring import TeacherAnswerError, scoring_request, teacher_log_probs
 from miles_core.distill.teachers import ERROR, TeacherFleet
+from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.wire import FinishReason, GenerateResponse, MetaInfo
 from miles_core.models import build_model, save_hf_dir
 from miles_core.run import runtime
@@ -103,7 +106,8 @@ def test_an_answer_that_must_not_be_trained_on_is_refused_saying_why(entries, te
 def test_with_the_student_as_teacher_the_step_is_bitwise_the_step_without(tmp_path):
     """True on-policy: the teacher's engine scores the trainer's bits, so Â_t − A_t =
     −coef · (π_old − π_teacher) is exactly 0: the same loss and the same weights after the step,
-    and a KL of exactly 0."""
+    and a KL of exactly 0; so is the top-k KL of every position (the student's engine and the
+    teacher's give the same rows)."""
     tok_sets = ["train.true_on_policy=true"]
     base = _config(tmp_path / "a", *tok_sets)
     init = runtime.prepare_model_dir(base, tmp_path / "init")
@@ -111,6 +115,9 @@ def test_with_the_student_as_teacher_the_step_is_bitwise_the_step_without(tmp_pa
     for name, sets in {
         "rl": [],
         "rl+opd": [f"train.distill={{teachers: {{default: {init}}}}}"],
+        "rl+opd-top-k": [
+            f"train.distill={{teachers: {{default: {init}}}, top_k: 4, top_k_strategy: union}}"
+        ],
     }.items():
         cfg = _config(tmp_path / name, *tok_sets, *sets)
         rt = runtime.RLRuntime(cfg, init, None)
@@ -122,11 +129,16 @@ def test_with_the_student_as_teacher_the_step_is_bitwise_the_step_without(tmp_pa
             teacher = rt.teachers.teachers["default"].process if rt.teachers else None
         finally:
             rt.close()
-    (_, rl, w_rl), (result, opd, w_opd) = runs["rl"], runs["rl+opd"]
-    assert result.metrics["distill/kl"] == 0.0 and result.metrics["distill/failed_samples"] == 0
-    assert all("teacher_log_probs" in s.token_fields for s in result.samples)
-    assert opd["train/loss"] == rl["train/loss"]
-    assert all(torch.equal(w_rl[n], w_opd[n]) for n in w_rl)
+    _, rl, w_rl = runs["rl"]
+    for name in ("rl+opd", "rl+opd-top-k"):
+        result, opd, w_opd = runs[name]
+        assert result.metrics["distill/kl"] == 0.0
+        assert result.metrics["distill/failed_samples"] == 0
+        assert all("teacher_log_probs" in s.token_fields for s in result.samples)
+        assert opd["train/loss"] == rl["train/loss"], name
+        assert all(torch.equal(w_rl[n], w_opd[n]) for n in w_rl), name
+    top_k_kl = [s.token_fields["teacher_topk_kl"] for s in runs["rl+opd-top-k"][0].samples]
+    assert all(not kl.any() for kl in top_k_kl)  # every position's KL over its set: 0.0
     assert teacher.proc.poll() is not None  # the run stopped the teacher's engine server
 
 
@@ -208,7 +220,7 @@ def test_a_teacher_that_cannot_score_the_students_ids_is_refused_before_start(
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["train.distill={teachers: {default: x}, top_k: 4}"], "top_k > 0"),
+        (["train.distill={teachers: {default: x}, top_k: -1}"], "greater than or equal to 0"),
         (["train.distill={teachers: {default: x}, temperature: 0.5}"], "must equal rollout"),
         (["train.distill={teachers: {}}"], "at least one teacher"),
         (["train.advantage_transforms={nope: {}}"], "unknown advantage transform 'nope'"),
@@ -257,3 +269,58 @@ def test_a_fully_async_run_scores_every_sample_in_the_producer(tmp_path):
         rt.close()
     assert kls[0] == 0.0 and kls[-1] != 0.0
     assert rt.teachers.teachers["default"].process.proc.poll() is not None
+
+
+def test_the_top_k_sets_and_their_renormalised_weights():
+    s = {1: math.log(0.5), 2: math.log(0.3), 3: math.log(0.1), 4: math.log(0.05)}
+    t = {1: math.log(0.2), 2: math.log(0.1), 3: math.log(0.4), 4: math.log(0.25)}
+    s_top, t_top = [1, 2], [3, 4]
+    assert top_k.token_set("only_student", s_top, t_top) == [1, 2]
+    assert top_k.token_set("only_teacher", s_top, t_top) == [3, 4]
+    assert top_k.token_set("intersection", s_top, [2, 3]) == [2]
+    assert top_k.token_set("union", s_top, [2, 3]) == [1, 2, 3]
+    # only_student: w = (0.5, 0.3) / 0.8
+    want = 0.5 / 0.8 * math.log(0.5 / 0.2) + 0.3 / 0.8 * math.log(0.3 / 0.1)
+    assert top_k.position_kl("only_student", s, t, s_top, t_top) == pytest.approx(want)
+    assert top_k.position_kl("intersection", s, t, s_top, t_top) == 0.0  # empty set
+    assert top_k.position_kl("union", s, s, s_top, t_top) == 0.0  # teacher == student
+    with pytest.raises(KeyError, match="teacher's log-probs lack token ids"):
+        top_k.position_kl("union", s, {1: -1.0}, s_top, t_top)
+
+
+@pytest.mark.parametrize("strategy", top_k.STRATEGIES)
+def test_the_top_k_kl_is_each_positions_kl_over_its_set(tmp_path, session_stack, strategy):
+    """The teacher (the shared engine server's tiny model) and a student of another seed (an
+    in-process engine): each position's KL over the strategy's set equals the one computed from
+    both models' full log-softmax rows, within fp32 rounding."""
+    server, _ = session_stack
+    student_model, tok = build_model("tiny", seed=1)
+    teacher_model, _ = build_model("tiny", seed=0)
+    cfg = _config(
+        tmp_path,
+        f"train.distill={{teachers: {{default: {server.url}}}, top_k: 3, "
+        f"top_k_strategy: {strategy}}}",
+    )
+    fleet = TeacherFleet(
+        cfg.train.distill, 1.0, tmp_path, student=EmbeddedEngine(student_model, tok)
+    )
+    try:
+        s = _sample(prompt=(5, 9, 14, 3), response=(40, 41, 7, 19, 2))
+        fleet.score(SampleGroup(group_index=0, samples=[s]))
+    finally:
+        fleet.close()
+    assert s.status == Status.COMPLETED, s.metadata
+    got = s.token_fields["teacher_topk_kl"]
+    with torch.no_grad():
+        rows = [
+            torch.log_softmax(m(input_ids=torch.tensor([s.tokens])).logits[0].double(), -1)
+            for m in (student_model, teacher_model)
+        ]
+    p = s.prompt_length
+    for j in range(s.response_length):
+        ls, lt = rows[0][p - 1 + j], rows[1][p - 1 + j]
+        ids = top_k.token_set(strategy, ls.topk(3).indices.tolist(), lt.topk(3).indices.tolist())
+        w = torch.softmax(ls[ids], -1)
+        want = float((w * (ls[ids] - lt[ids])).sum()) if ids else 0.0
+        assert got[j] == pytest.approx(want, abs=1e-4), (j, ids)
+    assert np.any(got != 0)

@@ -86,7 +86,8 @@ FIELD_NAMES = [
     "prompts", "version", "path", "load_format", "named_tensors", "group_name", "world_size",
     "master_address", "master_port", "mode", "abort_all", "weight_version", "tags",
     "return_routed_experts", "return_token_versions", "logprob_start_len",
-    "input_logprob_temperature", "lora_path", "return_logprob",
+    "input_logprob_temperature", "lora_path", "return_logprob", "top_logprobs_num",
+    "token_ids_logprob",
 ]  # fmt: skip
 
 # any JSON value, nested up to a few levels (strings with any code point, big and tiny numbers)

@@ -173,3 +173,54 @@ def test_scoring_with_an_adapter_is_refused(tiny):
     req = GenerateRequest(input_ids=PROMPT, logprob_start_len=0, lora_path="a")
     with pytest.raises(EngineRequestError, match="scoring input ids with an adapter"):
         engine.validate(req)
+
+
+def test_top_logprobs_and_given_ids_are_the_trainers_log_softmax(tiny, tiny_dir, tmp_path):
+    """With top_logprobs_num n each scored position lists the n largest entries of the
+    trainer's log-softmax row, and token_ids_logprob its entries at those ids (bitwise in true
+    on-policy mode); the first position is a placeholder."""
+    model, tok = tiny
+    ids = PROMPT + RESPONSE
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    rows = full[len(PROMPT) - 1 : len(ids) - 1]
+    given = [3, 40, 7]
+    for engine in (
+        EmbeddedEngine(model, tok, true_on_policy=True),
+        ServingEngine(model, tok, max_running=4, scheduler="caller"),
+    ):
+        req = GenerateRequest(
+            input_ids=ids,
+            sampling_params=SamplingParams(max_new_tokens=0),
+            logprob_start_len=len(PROMPT) - 1,
+            top_logprobs_num=4,
+            token_ids_logprob=given,
+        )
+        (resp,) = engine.generate([req])
+        meta = resp.meta_info
+        assert meta.input_top_logprobs[0] is None and meta.input_token_ids_logprobs[0] is None
+        sampled = torch.tensor([lp for lp, _, _ in meta.input_token_logprobs[1:]])
+        top = meta.input_top_logprobs[1:]
+        at = meta.input_token_ids_logprobs[1:]
+        assert len(top) == len(at) == len(RESPONSE)
+        for j, row in enumerate(rows):
+            assert [i for _, i, _ in top[j]] == row.topk(4).indices.tolist()
+            assert [i for _, i, _ in at[j]] == given
+            values = torch.tensor([lp for lp, _, _ in at[j]])
+            assert torch.allclose(values, row[given], rtol=0, atol=1e-5)
+            # one row of numbers: the sampled token's entry is the same value wherever it shows
+            if RESPONSE[j] in given:
+                assert values[given.index(RESPONSE[j])] == sampled[j]
+
+
+def test_top_k_past_the_vocabulary_and_ids_outside_it_are_refused(tiny):
+    model, tok = tiny
+    engine = EmbeddedEngine(model, tok)
+    vocab = model.config.vocab_size
+    for change, message in [
+        ({"top_logprobs_num": vocab + 1}, "exceeds the vocabulary"),
+        ({"token_ids_logprob": [1, vocab]}, "token_ids_logprob: token id"),
+    ]:
+        req = GenerateRequest(input_ids=PROMPT, logprob_start_len=0, **change)
+        with pytest.raises(EngineRequestError, match=message):
+            engine.validate(req)

@@ -39,7 +39,10 @@ class DistillSettings(Strict):
         "rollout.temperature (both sides of the KL at the same temperature)",
     )
     top_k: int = Field(
-        0, ge=0, description="0: the sampled-token KL; > 0: over top-k sets (not built yet)"
+        0,
+        ge=0,
+        description="0: the sampled token's log-prob difference; k > 0: the KL over each "
+        "position's top-k token set, the student's probabilities renormalised over it",
     )
     top_k_strategy: Literal["only_student", "only_teacher", "intersection", "union"] = Field(
         "only_teacher", description="which top-k set the KL sums over (with top_k > 0)"
@@ -58,13 +61,3 @@ class DistillSettings(Strict):
             if not source.strip():
                 raise ValueError(f"teacher {name!r}: give a model directory or an http(s) URL")
         return teachers
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, k: int) -> int:
-        if k > 0:
-            raise ValueError(
-                "train.distill.top_k > 0: the top-k KL is not built yet; use 0 (the sampled "
-                "token's log-prob difference)"
-            )
-        return k

@@ -91,10 +91,14 @@ class RunConfig(Strict):
                 f"({r.temperature:g}): the KL compares the student's and the teacher's "
                 "log-probs, both at the temperature the student samples at"
             )
-        if field.PATH not in r.token_fields:
-            r.token_fields.append(field.PATH)
+        paths = [field.PATH] + ([field.TOP_K_PATH] if d.top_k else [])
+        r.token_fields += [p for p in paths if p not in r.token_fields]
         if "opd" not in t.advantage_transforms:
-            t.advantage_transforms["opd"] = ADVANTAGE_TRANSFORMS.options("opd", {"coef": d.coef})
+            # top-k: the field holds each position's KL itself (distill/top_k.py)
+            kl = {"field": field.TOP_K_KL.name, "holds": "kl"} if d.top_k else {}
+            t.advantage_transforms["opd"] = ADVANTAGE_TRANSFORMS.options(
+                "opd", {"coef": d.coef} | kl
+            )
 
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:

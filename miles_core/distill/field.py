@@ -16,3 +16,15 @@ TEACHER_LOG_PROBS = TokenField(
     description="the teacher's log-prob of each response token, at the student's temperature",
 )
 FIELDS.register(TEACHER_LOG_PROBS.name, TEACHER_LOG_PROBS)
+
+TOP_K_PATH = "miles_core.distill.field:TOP_K_KL"
+
+TOP_K_KL = TokenField(
+    name="teacher_topk_kl",
+    dtype="float32",
+    fill=0.0,
+    pad=0.0,
+    description="train.distill.top_k: the KL(student ‖ teacher) of each response position over "
+    "its top-k token set (distill/top_k.py)",
+)
+FIELDS.register(TOP_K_KL.name, TOP_K_KL)

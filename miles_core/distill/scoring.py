@@ -25,13 +25,36 @@ class TeacherAnswerError(ValueError):
     """A teacher's answer that must not be trained on; the message says why."""
 
 
-def scoring_request(sample: Sample, temperature: float) -> GenerateRequest:
+def scoring_request(
+    sample: Sample, temperature: float, top_k: int = 0, token_ids: list[int] | None = None
+) -> GenerateRequest:
+    """The scoring of `sample`'s response; with `top_k`, each position's k likeliest tokens
+    too, with `token_ids`, the log-probs of those ids at every position."""
     return GenerateRequest(
         input_ids=list(sample.tokens),
         sampling_params=SamplingParams(max_new_tokens=0),
         logprob_start_len=sample.prompt_length - 1,
         input_logprob_temperature=temperature,
+        top_logprobs_num=top_k,
+        token_ids_logprob=token_ids,
     )
+
+
+def position_entries(resp: GenerateResponse, key: str, sample: Sample) -> list[dict[int, float]]:
+    """Per response token, token id → log-prob from the answer's per-position list `key`
+    (`input_top_logprobs`, `input_token_ids_logprobs`); the placeholder dropped."""
+    rows = getattr(resp.meta_info, key)
+    n = sample.response_length
+    if rows is None or len(rows) != n + 1:
+        got = "none" if rows is None else f"{len(rows)} positions"
+        raise TeacherAnswerError(f"the answer's {key} has {got}, expected {n + 1}")
+    out = []
+    for row in rows[1:]:
+        values = {int(i): lp for lp, i, _ in row or []}
+        if any(v is None or not math.isfinite(v) or v > _ABOVE_ZERO for v in values.values()):
+            raise TeacherAnswerError(f"the answer's {key} holds a log-prob that is not ≤ 0")
+        out.append(values)
+    return out
 
 
 def teacher_log_probs(sample: Sample, resp: GenerateResponse, temperature: float) -> np.ndarray:

@@ -22,8 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from miles_core.config.distill import DEFAULT_TEACHER, DistillSettings, is_url
-from miles_core.distill.field import TEACHER_LOG_PROBS
-from miles_core.distill.scoring import TeacherAnswerError, scoring_request, teacher_log_probs
+from miles_core.distill import top_k
+from miles_core.distill.field import TEACHER_LOG_PROBS, TOP_K_KL
+from miles_core.distill.scoring import (
+    TeacherAnswerError,
+    position_entries,
+    scoring_request,
+    teacher_log_probs,
+)
 from miles_core.engines.protocol import EngineRequestRejected, ProcessUnavailable
 from miles_core.types import Sample, SampleGroup, Status
 
@@ -55,9 +61,11 @@ class TeacherFleet:
         true_on_policy: bool = False,
         api_key: str | None = None,
         port_range=None,
+        student=None,
     ):
         self.settings = settings
         self.temperature = temperature
+        self.student = student  # the rollout engine: the student's side of a top-k KL
         self.teachers: dict[str, Teacher] = {}
         try:
             for name, source in settings.teachers.items():
@@ -75,6 +83,8 @@ class TeacherFleet:
         by_teacher: dict[str, list[Sample]] = {}
         for s in group.samples:
             s.token_fields[TEACHER_LOG_PROBS.name] = np.zeros(s.response_length, np.float32)
+            if self.settings.top_k:
+                s.token_fields[TOP_K_KL.name] = np.zeros(s.response_length, np.float32)
             if s.status == Status.FAILED or s.response_length == 0:
                 continue  # trains nothing: nothing to score
             name = teacher_name(s, self.settings.teacher_key)
@@ -88,21 +98,77 @@ class TeacherFleet:
             by_teacher.setdefault(name, []).append(s)
         for name, samples in by_teacher.items():
             teacher = self.teachers[name]
+            k = self.settings.top_k
             try:
                 answers = teacher.engine.generate(
-                    [scoring_request(s, self.temperature) for s in samples]
+                    [scoring_request(s, self.temperature, k) for s in samples]
                 )
             except (ProcessUnavailable, EngineRequestRejected, OSError) as e:
                 for s in samples:
                     _fail(s, f"teacher {name} at {teacher.source} did not score it: {e}")
                 continue
+            scored = []
             for s, resp in zip(samples, answers, strict=True):
                 try:
                     s.token_fields[TEACHER_LOG_PROBS.name] = teacher_log_probs(
                         s, resp, self.temperature
                     )
+                    scored.append((s, resp))
                 except TeacherAnswerError as e:
                     _fail(s, f"teacher {name}: {e}")
+            if k and scored:
+                self._top_k(teacher, scored)
+
+    def _top_k(self, teacher: Teacher, scored: list[tuple[Sample, object]]) -> None:
+        """The top-k KL of each position (top_k.py) into token field `teacher_topk_kl`: the
+        student's engine scores its own top-k (and the teacher's top-k tokens, where the set
+        needs them), the teacher the student's top-k tokens where the set needs them."""
+        k, strategy, T = self.settings.top_k, self.settings.top_k_strategy, self.temperature
+        student_at_teacher, teacher_at_student = top_k.needs(strategy)
+        samples = [s for s, _ in scored]
+        try:
+            t_top = [position_entries(r, "input_top_logprobs", s) for s, r in scored]
+            asked = [_ids(rows) if student_at_teacher else None for rows in t_top]
+            answers = self.student.generate(
+                [scoring_request(s, T, k, ids) for s, ids in zip(samples, asked, strict=True)]
+            )
+            s_top, s_at = [], []
+            for s, resp in zip(samples, answers, strict=True):
+                teacher_log_probs(s, resp, T)  # the student's answer passes the same checks
+                s_top.append(position_entries(resp, "input_top_logprobs", s))
+                s_at.append(
+                    position_entries(resp, "input_token_ids_logprobs", s)
+                    if student_at_teacher
+                    else [{}] * s.response_length
+                )
+            t_at = [[{}] * s.response_length for s in samples]
+            if teacher_at_student:
+                more = teacher.engine.generate(
+                    [
+                        scoring_request(s, T, 0, _ids(rows))
+                        for s, rows in zip(samples, s_top, strict=True)
+                    ]
+                )
+                t_at = [
+                    position_entries(r, "input_token_ids_logprobs", s)
+                    for s, r in zip(samples, more, strict=True)
+                ]
+        except (ProcessUnavailable, EngineRequestRejected, OSError, TeacherAnswerError) as e:
+            for s in samples:
+                _fail(s, f"top-k scoring with teacher {teacher.name}: {e}")
+            return
+        for i, s in enumerate(samples):
+            kl = [
+                top_k.position_kl(
+                    strategy,
+                    s_top[i][j] | s_at[i][j],
+                    t_top[i][j] | t_at[i][j],
+                    list(s_top[i][j]),
+                    list(t_top[i][j]),
+                )
+                for j in range(s.response_length)
+            ]
+            s.token_fields[TOP_K_KL.name] = np.asarray(kl, dtype=np.float32)
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         """`distill/kl`: the mean over trained tokens of the student's rollout log-prob minus
@@ -127,6 +193,11 @@ class TeacherFleet:
             finally:
                 if t.process is not None:
                     t.process.stop()
+
+
+def _ids(rows: list[dict[int, float]]) -> list[int]:
+    """Every token id the positions' entries name, once."""
+    return sorted({i for row in rows for i in row})
 
 
 def _fail(sample: Sample, reason: str) -> None:
@@ -183,6 +254,11 @@ def check_teachers(
             raise ValueError(
                 f"{where}: vocabulary of {teacher.get('vocab_size')} tokens, the student's has "
                 f"{student_config.get('vocab_size')}: a teacher must score the student's token ids"
+            )
+        if settings.top_k > int(student_config.get("vocab_size") or 0):
+            raise ValueError(
+                f"train.distill.top_k {settings.top_k} exceeds the vocabulary "
+                f"({student_config.get('vocab_size')} tokens)"
             )
         if student_tokenizer is not None:
             from transformers import AutoTokenizer

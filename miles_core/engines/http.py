@@ -58,6 +58,10 @@ def scoring_fields(req: GenerateRequest) -> dict:
     out: dict = {"logprob_start_len": req.logprob_start_len}
     if _tempered(req):
         out["input_logprob_temperature"] = req.input_logprob_temperature
+    if req.top_logprobs_num:
+        out["top_logprobs_num"] = req.top_logprobs_num
+    if req.token_ids_logprob is not None:
+        out["token_ids_logprob"] = req.token_ids_logprob
     return out
 
 
@@ -79,6 +83,10 @@ def batch_payload(requests: list[GenerateRequest]) -> dict:
         body["logprob_start_len"] = [r.logprob_start_len for r in requests]
     if any(_tempered(r) for r in requests):
         body["input_logprob_temperature"] = [r.input_logprob_temperature for r in requests]
+    if any(r.top_logprobs_num for r in requests):
+        body["top_logprobs_num"] = [r.top_logprobs_num for r in requests]
+    if any(r.token_ids_logprob is not None for r in requests):
+        body["token_ids_logprob"] = [r.token_ids_logprob for r in requests]
     return body
 
 

@@ -55,6 +55,11 @@ class GenerateRequest(BaseModel):
     # ours: the temperature the input log-probs are computed at (logits / T), echoed in
     # meta_info; SGLang scores input positions at 1 whatever the sampling temperature
     input_logprob_temperature: float | None = Field(None, gt=0)
+    # with scoring, per scored position: its `top_logprobs_num` likeliest tokens
+    # (meta_info.input_top_logprobs) and the log-probs of the ids in `token_ids_logprob`
+    # (meta_info.input_token_ids_logprobs), as SGLang's fields of those names
+    top_logprobs_num: int = Field(0, ge=0)
+    token_ids_logprob: list[int] | None = None
     routing_key: str | None = (
         None  # session affinity through the router (never sent as a body field)
     )
@@ -103,6 +108,10 @@ class MetaInfo(BaseModel):
     input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
     # the temperature those were computed at (ours; absent from SGLang, whose value is 1)
     input_logprob_temperature: float | None = None
+    # per scored position (the first a placeholder, None): [logprob, token_id, text] of its
+    # top_logprobs_num likeliest tokens, and of the token_ids_logprob ids
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -161,6 +170,15 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_context: int) ->
         )
     if req.logprob_start_len < -1:
         raise EngineRequestError(f"logprob_start_len must be >= -1, got {req.logprob_start_len}")
+    if req.top_logprobs_num > vocab_size:
+        raise EngineRequestError(
+            f"top_logprobs_num {req.top_logprobs_num} exceeds the vocabulary ({vocab_size} tokens)"
+        )
+    bad = next((t for t in req.token_ids_logprob or [] if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise EngineRequestError(
+            f"token_ids_logprob: token id {bad} outside the vocabulary [0, {vocab_size})"
+        )
     stop = next((t for t in sp.stop_token_ids or [] if not 0 <= t < vocab_size), None)
     if stop is not None:
         raise EngineRequestError(f"stop token id {stop} outside the vocabulary [0, {vocab_size})")

@@ -137,6 +137,7 @@ class RLRuntime:
             true_on_policy=self.config.train.true_on_policy,
             api_key=self.fleet.api_key,
             port_range=self.config.network.ports,
+            student=self.fleet.engine,
         )
 
     def _start_evaluation(self) -> RunEvaluation | None:

@@ -7,6 +7,11 @@ teacher scoring a student's response of R tokens after a P-token prompt sends th
 sequence with k = P - 1 and reads entries 1..R. k = -1 asks for nothing, k = L for an empty
 list; k > L is refused (`wire.validate_request`).
 
+With `top_logprobs_num` n each scored position also lists its n likeliest tokens
+(`input_top_logprobs`), and with `token_ids_logprob` the log-probs of those ids
+(`input_token_ids_logprobs`), first entry None likewise: what a top-k distillation needs from
+both sides.
+
 The values come from one forward over the whole sequence, then log_softmax(logits / T) at each
 scored position: with `true_on_policy` the model family's invariant forward and the trainer's
 tempered log-softmax, so they are the trainer's `compute_log_probs` bits for the same tokens;
@@ -58,18 +63,43 @@ class PromptScorer:
             return {}
         ids, k = req.input_ids, req.logprob_start_len
         temperature = req.input_logprob_temperature or 1.0
-        entries: list[tuple[float | None, int, None]] = []
-        if k < len(ids):
-            entries.append((None, ids[k], None))
-        if k + 1 < len(ids):
-            device = next(self.model.parameters()).device
-            seq = torch.tensor(ids, dtype=torch.long, device=device)
-            logits = self._logits(seq)[k : len(ids) - 1]
-            if self.invariant is not None:
-                lp = ops.tempered_log_softmax(logits, temperature)
-            else:
-                lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            targets = seq[k + 1 :]
-            values = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
-            entries.extend((v, t, None) for v, t in zip(values, ids[k + 1 :], strict=True))
-        return {"input_token_logprobs": entries, "input_logprob_temperature": temperature}
+        out: dict = {"input_token_logprobs": [], "input_logprob_temperature": temperature}
+        if req.top_logprobs_num:
+            out["input_top_logprobs"] = []
+        if req.token_ids_logprob is not None:
+            out["input_token_ids_logprobs"] = []
+        if k >= len(ids):
+            return out
+        for key in out:  # the placeholder: the first scored position has no context
+            if key != "input_logprob_temperature":
+                out[key].append((None, ids[k], None) if key == "input_token_logprobs" else None)
+        if k + 1 == len(ids):
+            return out
+        device = next(self.model.parameters()).device
+        seq = torch.tensor(ids, dtype=torch.long, device=device)
+        logits = self._logits(seq)[k : len(ids) - 1]
+        if self.invariant is not None:
+            lp = ops.tempered_log_softmax(logits, temperature)
+        else:
+            lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        targets = seq[k + 1 :]
+        values = lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).tolist()
+        out["input_token_logprobs"] += [
+            (v, t, None) for v, t in zip(values, ids[k + 1 :], strict=True)
+        ]
+        if req.top_logprobs_num:
+            top = lp.topk(req.top_logprobs_num, dim=-1)
+            out["input_top_logprobs"] += _rows(top.values, top.indices)
+        if req.token_ids_logprob is not None:
+            given = torch.tensor(req.token_ids_logprob, dtype=torch.long, device=device)
+            at = lp[:, given]
+            out["input_token_ids_logprobs"] += _rows(at, given.expand_as(at))
+        return out
+
+
+def _rows(values: torch.Tensor, ids: torch.Tensor) -> list[list[tuple[float, int, None]]]:
+    """Per position, SGLang's [logprob, token_id, text] entries."""
+    return [
+        [(v, i, None) for v, i in zip(vs, is_, strict=True)]
+        for vs, is_ in zip(values.tolist(), ids.tolist(), strict=True)
+    ]

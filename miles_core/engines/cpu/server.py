@@ -72,6 +72,10 @@ class GenerateBody(_Body):
     logprob_start_len: int | list[int] = -1
     # ours: the temperature input positions are scored at (default 1, as SGLang)
     input_logprob_temperature: float | list[float | None] | None = None
+    # with scoring: each position's n likeliest tokens, and the log-probs of given ids (a list
+    # for every prompt, or one list per prompt in the batch form)
+    top_logprobs_num: int | list[int] = 0
+    token_ids_logprob: list[int] | list[list[int] | None] | None = None
     stream: bool = False
 
 
@@ -536,9 +540,23 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
     adapters = _listify(body.lora_path, n, "lora_path")
     starts = _listify(body.logprob_start_len, n, "logprob_start_len")
     temperatures = _listify(body.input_logprob_temperature, n, "input_logprob_temperature")
+    tops = _listify(body.top_logprobs_num, n, "top_logprobs_num")
+    asked = body.token_ids_logprob
+    per_prompt = isinstance(asked, list) and bool(asked) and not isinstance(asked[0], int)
+    token_ids = _listify(asked, n, "token_ids_logprob") if per_prompt else [asked] * n
     out = []
-    for ids, sp, rid, want_routes, want_versions, adapter, start, temperature in zip(
-        prompts, params, rids, routed, versioned, adapters, starts, temperatures, strict=True
+    for ids, sp, rid, want_routes, want_versions, adapter, start, temperature, top, at in zip(
+        prompts,
+        params,
+        rids,
+        routed,
+        versioned,
+        adapters,
+        starts,
+        temperatures,
+        tops,
+        token_ids,
+        strict=True,
     ):
         try:
             sampling = SamplingParams.model_validate(sp)
@@ -559,6 +577,8 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
             lora_path=adapter,
             logprob_start_len=start,
             input_logprob_temperature=temperature,
+            top_logprobs_num=top,
+            token_ids_logprob=at,
         )
         engine.validate(req)
         out.append(req)
@@ -568,13 +588,21 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
 def _response_json(resp, body: GenerateBody) -> dict:
     data = resp.model_dump(mode="json")  # JSON types, converted by pydantic-core
     meta = data["meta_info"]
-    for key in ("input_token_logprobs", "input_logprob_temperature"):  # only when asked
+    for key in SCORING_KEYS:  # only when asked
         if meta.get(key) is None:
             meta.pop(key, None)
     if not body.return_logprob:
-        meta.pop("output_token_logprobs", None)
-        meta.pop("input_token_logprobs", None)
+        for key in ("output_token_logprobs", *SCORING_KEYS):
+            meta.pop(key, None)
     return data
+
+
+SCORING_KEYS = (
+    "input_token_logprobs",
+    "input_logprob_temperature",
+    "input_top_logprobs",
+    "input_token_ids_logprobs",
+)
 
 
 def main(argv: list[str] | None = None) -> None:
