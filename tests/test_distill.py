@@ -231,44 +231,76 @@ def test_bad_distillation_settings_are_refused_at_config_time(tmp_path, sets, me
         _config(tmp_path, *sets)
 
 
+# a run's settings beside the teacher: text (fully async, true on-policy: a teacher equal to the
+# starting student scores its bits) and agentic (sandboxed terminal episodes, several turns)
+FLOW_RUNS = {
+    "fully_async": [
+        "train.true_on_policy=true",
+        "rollout.mode=fully_async",
+        "rollout.prompts_per_step=4",
+    ],
+    "agentic": [
+        "data.task=terminal",
+        "data.num_prompts=16",
+        "agent.function=miles_core.envs.sandbox_agent:run_agent",
+        "agent.max_turns=3",
+        "rollout.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        "train.loss_options.loss_agg=rollout_mean_token_mean",
+    ],
+}
+
+
 @pytest.mark.slow
-def test_a_fully_async_run_scores_every_sample_in_the_producer(tmp_path):
-    """Engine server, fully async, true on-policy, the student's starting model as its teacher:
-    each group is scored as it completes (so the field waits in the buffer), the KL is exactly 0
-    at step 0 and moves once RL moves the student."""
-    cfg = _config(
-        tmp_path,
-        "train.true_on_policy=true",
+@pytest.mark.usefixtures("mlflow_store")
+@pytest.mark.parametrize("kind", FLOW_RUNS)
+def test_a_run_with_a_teacher_finishes_through_the_flow_with_the_kl_each_step(
+    prefect_server, tmp_path, monkeypatch, kind
+):
+    """`miles train`'s flow with the starting model as the teacher: the run FINISHES, every
+    sample of every step is scored (in the producer, as groups complete; in agent runs every
+    turn's tokens of the session sample), and MLflow has distill/kl at each step: 0.0 at the
+    first in true on-policy mode, then moving as RL moves the student."""
+    monkeypatch.chdir(tmp_path)
+    from mlflow.tracking import MlflowClient
+
+    from flows.rl_train import rl_train
+
+    steps = 3
+    base = [
         "rollout.engine=server",
         "rollout.engine_options.threads=1",
         "weight_sync.transport=shared_memory",
-        "rollout.mode=fully_async",
-    )
-    init = runtime.prepare_model_dir(cfg, tmp_path / "init")
+        f"train.num_steps={steps}",
+        "tracking.experiment=distill",
+        *FLOW_RUNS[kind],
+    ]
+    init = runtime.prepare_model_dir(_config(tmp_path, *base), tmp_path / "init")
     cfg = _config(
-        tmp_path,
-        "train.true_on_policy=true",
-        "rollout.engine=server",
-        "rollout.engine_options.threads=1",
-        "weight_sync.transport=shared_memory",
-        "rollout.mode=fully_async",
-        f"train.distill={{teachers: {{default: {init}}}}}",
+        tmp_path, *base, f"model.path={init}", f"train.distill={{teachers: {{default: {init}}}}}"
     )
-    rt = runtime.RLRuntime(cfg, init, None)
-    kls = []
-    try:
-        for step in range(3):
-            result = rt.rollout(step)
-            assert all(s.token_fields["teacher_log_probs"].shape == (s.response_length,)
-                       for s in result.samples)  # fmt: skip
-            assert result.metrics["distill/failed_samples"] == 0
-            kls.append(result.metrics["distill/kl"])
-            rt.train(result)
-            rt.update_weights()
-    finally:
-        rt.close()
-    assert kls[0] == 0.0 and kls[-1] != 0.0
-    assert rt.teachers.teachers["default"].process.proc.poll() is not None
+    state = rl_train(cfg, return_state=True)
+    assert state.is_completed()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    [run] = client.search_runs([client.get_experiment_by_name("distill").experiment_id])
+    assert run.info.status == "FINISHED"
+
+    def history(key):
+        return [
+            m.value
+            for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        ]
+
+    kl = history("distill/kl")
+    assert len(kl) == steps and all(math.isfinite(v) for v in kl)
+    assert history("distill/failed_samples") == [0.0] * steps
+    if kind == "fully_async":
+        assert kl[0] == 0.0 and kl[-1] != 0.0
+    else:  # the teacher's and the rollout's forwards differ by rounding alone at the start
+        assert abs(kl[0]) < 1e-3
+        assert history("agent/turns_episodes") and min(history("agent/turns_mean")) >= 1.0
 
 
 def test_the_top_k_sets_and_their_renormalised_weights():
