@@ -13,7 +13,6 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from miles_core.config import load_config
 from miles_core.distill import top_k
 from miles_core.distill.scoring import TeacherAnswerError, scoring_request, teacher_log_probs
 from miles_core.distill.teachers import ERROR, TeacherFleet
@@ -23,25 +22,10 @@ from miles_core.models import build_model, save_hf_dir
 from miles_core.run import runtime
 from miles_core.run.preflight import preflight
 from miles_core.types import Sample, SampleGroup, Status
+from tests.runs import AGENTIC, tiny_say_a
 from tests.servers import served
 
-
-def _config(tmp_path, *sets):
-    return load_config(
-        None,
-        [
-            "model.preset=tiny",
-            "data.task=say_a",
-            "rollout.prompts_per_step=4",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=8",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=8",
-            "train.lr=3e-3",
-            f"checkpoint.root={tmp_path / 'ckpt'}",
-            *sets,
-        ],
-    )
+_config = tiny_say_a
 
 
 def _sample(prompt=(5, 6, 7), response=(8, 9, 10)) -> Sample:
@@ -239,17 +223,7 @@ FLOW_RUNS = {
         "rollout.mode=fully_async",
         "rollout.prompts_per_step=4",
     ],
-    "agentic": [
-        "data.task=terminal",
-        "data.num_prompts=16",
-        "agent.function=miles_core.envs.sandbox_agent:run_agent",
-        "agent.max_turns=3",
-        "rollout.prompts_per_step=2",
-        "rollout.n_samples_per_prompt=2",
-        "train.global_batch_size=4",
-        "train.micro_batch_size=4",
-        "train.loss_options.loss_agg=rollout_mean_token_mean",
-    ],
+    "agentic": AGENTIC,
 }
 
 

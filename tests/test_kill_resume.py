@@ -34,6 +34,7 @@ from miles_core.checkpoint.ledger import read_lineage
 from miles_core.checkpoint.store import CheckpointStore
 from miles_core.config import load_config
 from miles_core.rollout.buffer_state import BUFFER_FILE
+from tests.runs import AGENTIC
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -204,22 +205,6 @@ def test_a_sync_megatron_run_killed_at_a_random_step_resumes_bit_identically(
     newest = client.get_model_version_by_alias("victim", "newest")
     assert newest.tags["step"] == str(STEPS - 1)
     store.close()
-
-
-# an agentic run's groups: B prompts × n episodes of the terminal suite, in sandboxes, through
-# the session server (a random tiny model: most episodes end at their first reply)
-AGENTIC = [
-    "data.task=terminal",
-    "data.num_prompts=64",
-    "agent.function=miles_core.envs.sandbox_agent:run_agent",
-    "agent.max_turns=3",
-    "agent.concurrency=4",
-    "rollout.prompts_per_step=2",
-    "rollout.n_samples_per_prompt=2",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=4",
-    "train.loss_options.loss_agg=rollout_mean_token_mean",
-]
 
 
 @pytest.mark.slow

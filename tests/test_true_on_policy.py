@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miles_core.config import load_config
 from miles_core.data import TASKS, PromptSource, load_examples
 from miles_core.engines.cpu.kv_cache import SlotKVCache
 from miles_core.engines.http import EngineProcess, HttpEngine
@@ -28,6 +27,7 @@ from miles_core.true_on_policy import ops
 from miles_core.true_on_policy.behaviour import behaviour_log_probs
 from miles_core.true_on_policy.contract import TRUE_ON_POLICY
 from miles_core.weights import TRANSPORTS
+from tests.runs import tiny_say_a
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -180,22 +180,7 @@ def test_the_model_decodes_each_token_with_the_bits_of_the_trainers_forward(pres
     assert all(p.grad is not None for p in trainer.parameters())
 
 
-def _config(tmp_path, *sets):
-    return load_config(
-        None,
-        [
-            "model.preset=tiny",
-            "data.task=say_a",
-            "rollout.prompts_per_step=4",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=8",
-            "train.global_batch_size=16",
-            "train.micro_batch_size=8",
-            "train.lr=3e-3",
-            f"checkpoint.root={tmp_path / 'ckpt'}",
-            *sets,
-        ],
-    )
+_config = tiny_say_a
 
 
 ENGINES_AND_MODES = {
