@@ -207,6 +207,10 @@ def test_a_teacher_that_cannot_score_the_students_ids_is_refused_before_start(
         (["train.distill={teachers: {default: x}, top_k: -1}"], "greater than or equal to 0"),
         (["train.distill={teachers: {default: x}, temperature: 0.5}"], "must equal rollout"),
         (["train.distill={teachers: {}}"], "at least one teacher"),
+        (
+            ["train.distill={teachers: {default: x}, top_k: 2}", "train.lora.rank=4"],
+            "with train.lora",
+        ),
         (["train.advantage_transforms={nope: {}}"], "unknown advantage transform 'nope'"),
     ],
 )

@@ -91,6 +91,11 @@ class RunConfig(Strict):
                 f"({r.temperature:g}): the KL compares the student's and the teacher's "
                 "log-probs, both at the temperature the student samples at"
             )
+        if d.top_k and t.lora is not None:
+            raise ValueError(
+                "train.distill.top_k with train.lora: the student's side of a top-k KL is scored "
+                "by its engine, and scoring with an adapter is not built; use top_k 0"
+            )
         paths = [field.PATH] + ([field.TOP_K_PATH] if d.top_k else [])
         r.token_fields += [p for p in paths if p not in r.token_fields]
         if "opd" not in t.advantage_transforms:
