@@ -17,10 +17,18 @@ from miles_core.distill import top_k
 from miles_core.distill.scoring import TeacherAnswerError, scoring_request, teacher_log_probs
 from miles_core.distill.teachers import ERROR, TeacherFleet
 from miles_core.engines.cpu.embedded import EmbeddedEngine
-from miles_core.engines.wire import FinishReason, GenerateResponse, MetaInfo
+from miles_core.engines.wire import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    SamplingParams,
+)
 from miles_core.models import build_model, save_hf_dir
 from miles_core.run import runtime
 from miles_core.run.preflight import preflight
+from miles_core.run.training import build_trainer
+from miles_core.train.batch import TrainBatch
 from miles_core.types import Sample, SampleGroup, Status
 from tests.runs import AGENTIC, tiny_say_a
 from tests.servers import served
@@ -334,3 +342,49 @@ def test_the_top_k_kl_is_each_positions_kl_over_its_set(tmp_path, session_stack,
         want = float((w * (ls[ids] - lt[ids])).sum()) if ids else 0.0
         assert got[j] == pytest.approx(want, abs=1e-4), (j, ids)
     assert np.any(got != 0)
+
+
+def test_pure_distillation_closes_the_gap_to_the_teacher_on_its_tokens(tmp_path, tiny_dir):
+    """The sign and the plumbing of Â = −(log π_old − log π_teacher): a student trained with
+    estimator none on tokens a sharp teacher chose raises their log-probs toward the teacher's
+    (a flipped sign would push them down)."""
+    teacher, tok = build_model("tiny", seed=1)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(8.0)  # peaked: its own tokens get log-probs near 0
+    engine = EmbeddedEngine(teacher, tok)
+    prompts = [[5 + i, 9, 14, 3] for i in range(8)]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    outs = engine.generate([GenerateRequest(input_ids=p, sampling_params=greedy) for p in prompts])
+    samples = []
+    for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
+        s = _sample(prompt=p, response=out.output_ids)
+        s.index, s.group_index, s.rollout_id = i, i // 4, f"r{i}"
+        (scored,) = engine.generate([scoring_request(s, 1.0)])
+        s.token_fields["teacher_log_probs"] = teacher_log_probs(s, scored, 1.0)
+        samples.append(s)
+    cfg = _config(
+        tmp_path,
+        "train.advantage_estimator=none",
+        f"train.distill={{teachers: {{default: {tiny_dir}}}}}",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+    )
+    trainer = build_trainer(cfg, tiny_dir)
+
+    def gap() -> float:
+        batch = TrainBatch.from_samples(samples, None, 1.0)
+        own = trainer.compute_log_probs(batch)
+        pairs = zip(own, samples, strict=True)
+        return float(np.mean([np.mean(o - s.token_fields["teacher_log_probs"]) for o, s in pairs]))
+
+    try:
+        before = gap()
+        for _ in range(8):
+            batch = TrainBatch.from_samples(samples, [0.0] * len(samples), 1.0)
+            batch.advantage_transforms = dict(cfg.train.advantage_transforms)
+            batch.old_is_current = True
+            trainer.train_step(batch, loss="policy")
+        after = gap()
+    finally:
+        trainer.close()
+    assert before < -1.0 and before / 2 < after < 0.0, (before, after)
