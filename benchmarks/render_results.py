@@ -220,11 +220,35 @@ def weight_sync(r: dict[str, Any]) -> list[str]:
         )  # fmt: skip
         out += [
             "",
-            "LoRA (train.lora rank 8): a push carries the adapter alone, checked bitwise on the "
+            "LoRA (train.lora rank 8; targets: attention = q/k/v/o_proj, all-linear = those and "
+            "gate/up/down_proj): a push carries the adapter alone, checked bitwise on the "
             "engine after it. Per adapted projection the adapter is r·(1/in + 1/out) of its "
             "weight: these presets' widths (256, 512) make rank 8 a larger share than on a "
-            "model thousands wide.",
+            "model thousands wide (a 512-wide square projection alone: 3.1 %; 4096 wide: "
+            "0.39 %).",
         ]
+        limit = r.get("targets", {}).get("lora_fraction_of_full")
+        if limit:  # which targets meet it, at every preset
+            by_targets: dict[str, list[str]] = {}
+            for preset, variants in lora.items():
+                for targets, row in variants.items():
+                    by_targets.setdefault(targets, []).append(
+                        f"{preset} {row['fraction_of_full'] * 100:.2f} %"
+                    )
+            met = {
+                targets: all(row[targets]["fraction_of_full"] <= limit for row in lora.values())
+                for targets in by_targets
+            }
+            out += [
+                "",
+                f"The target, a LoRA push ≤ {limit * 100:g} % of a full push at every preset: "
+                + "; ".join(
+                    f"{targets} adapters {'meet' if ok else 'miss'} it "
+                    f"({', '.join(by_targets[targets])})"
+                    for targets, ok in met.items()
+                )
+                + ".",
+            ]
     t = r.get("targets", {})
     if t:
         out += [
@@ -691,6 +715,14 @@ def time_to_result(r: dict[str, Any]) -> list[str]:
 
 
 def lora(r: dict[str, Any]) -> list[str]:
+    runs = r.get("rss_runs", 1)
+    held = any("trainer_held_mb" in m for modes in r["memory"].values() for m in modes.values())
+
+    def rss(m: dict[str, Any], key: str) -> str:
+        reads = m.get(f"{key}_runs")
+        lo, hi = (f"{min(reads):.0f}", f"{max(reads):.0f}") if reads else ("", "")
+        return _num(m.get(key), ".0f") + (f" ({lo}–{hi})" if lo != hi else "")
+
     mem_rows = [
         [
             preset,
@@ -698,23 +730,37 @@ def lora(r: dict[str, Any]) -> list[str]:
             f"{m['trained_params']:,}",
             _num(m["grad_bytes"] / 1e6, ".2f"),
             _num(m["optimizer_bytes"] / 1e6, ".2f"),
-            _num(m.get("trainer_rss_mb"), ".0f"),
-            _num(m["peak_rss_mb"], ".0f"),
+            rss(m, "trainer_rss_mb"),
+            *([rss(m, "trainer_held_mb")] if held else []),
+            rss(m, "peak_rss_mb"),
         ]
         for preset, modes in r["memory"].items()
         for mode, m in modes.items()
     ]
     out = _table(
         ["preset", "training", "trained params", "gradients MB", "AdamW state MB",
-         "trainer RSS MB", "peak RSS MB"],
+         "trainer RSS MB", *(["trainer held MB"] if held else []), "peak RSS MB"],
         mem_rows,
     )  # fmt: skip
     out += [
         "",
-        "One RL train step in a fresh process each: full fine-tuning against rank-8 adapters on "
+        "One RL train step in a fresh process: full fine-tuning against rank-8 adapters on "
         "every linear layer (gradients and optimizer state exist only for what trains). Trainer "
-        "RSS: what building the trainer and its step added to the process; peak RSS includes the "
-        "imports (peft's, in both).",
+        "RSS: what building the trainer and its step added to the process"
+        + (
+            "; held: the same after glibc's `malloc_trim` has handed back the free heap (the "
+            "step's freed activations, which the C heap keeps in some processes and not in "
+            "others), i.e. what the trainer holds"
+            if held
+            else ""
+        )
+        + "; peak RSS includes the imports (peft's, in both). "
+        + (
+            f"Each the median of {runs} fresh processes per preset and mode (their range in "
+            "brackets)."
+            if runs > 1
+            else "One process each."
+        ),
         "",
     ]
     target = r["target_reward"]
@@ -733,15 +779,26 @@ def lora(r: dict[str, Any]) -> list[str]:
     ]
     multi = r.get("multi_lora")
     if multi:
+        seeds = multi.get("seeds") or {str(multi["seed"]): {"rewards": multi["rewards"]}}
         rows = [
-            [name, _num(sum(c[:5]) / 5, ".3f"), _num(sum(c[-5:]) / 5, ".3f"), str(len(c))]
-            for name, c in multi["rewards"].items()
+            [
+                name,
+                seed,
+                _num(sum(c[:5]) / 5, ".3f"),
+                _num(sum(c[-5:]) / 5, ".3f"),
+                str(len(c)),
+                _num(run.get("wall_s"), ".0f"),
+            ]
+            for seed, run in seeds.items()
+            for name, c in run["rewards"].items()
         ]
-        out += [""] + _table(["adapter", "reward, first 5 steps", "last 5 steps", "steps"], rows)
+        out += [""] + _table(
+            ["adapter", "seed", "reward, first 5 steps", "last 5 steps", "steps", "run s"], rows
+        )
         out += [
             "",
-            f"`{multi['example']}` (seed {multi['seed']}): two adapters on one SFT-warm-started "
-            "base, each stepping on its own task's rows.",
+            f"`{multi['example']}`: two adapters on one SFT-warm-started base, each stepping on "
+            "its own task's rows; run s: the whole run, SFT warm start included, on this machine.",
         ]
     return out
 
