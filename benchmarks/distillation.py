@@ -17,6 +17,9 @@ Prints a per-step table per arm (mean over seeds), a summary table (steps to 80 
 teacher's score per seed, final score, KL first → last), then one JSON object.
 
     python benchmarks/distillation.py [--seeds 0,1,2] [--steps 40] [--teacher DIR]
+
+Only a run of the three arms over three seeds or more is recorded (a partial one writes where
+`MILES_BENCH_RESULTS_DIR` points, or nowhere).
 """
 
 from __future__ import annotations
@@ -210,6 +213,13 @@ def main() -> None:
         },
     }
     print(json.dumps(result))
+    full = set(arms) == set(ARMS) and len(seeds) >= 3
+    if not full and not os.environ.get("MILES_BENCH_RESULTS_DIR"):
+        print("a partial run (fewer arms or seeds than three): not recorded", file=sys.stderr)
+        return
+    from record import record_result  # benchmarks/record.py: results/<name>.json + docs
+
+    record_result("distillation", result)
 
 
 if __name__ == "__main__":

@@ -803,6 +803,29 @@ def lora(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def distillation(r: dict[str, Any]) -> list[str]:
+    share = f"{r['share']:.0%}"
+    out = _table(
+        ["arm", f"steps to {share} of the teacher, per seed", "final score", "KL first → last"],
+        [
+            [
+                arm,
+                ", ".join("—" if x is None else str(x) for x in v["steps_to_target"]),
+                _num(v["final_score"]),
+                f"{v['kl_first']:.3f} → {v['kl_last']:.3f}",
+            ]
+            for arm, v in r["summary"].items()
+        ],
+    )
+    teacher = ", ".join(f"{x:.3f}" for x in r["teacher_score"])
+    out += [
+        "",
+        f"Student: {r.get('student', 'tiny')} after {r.get('student_sft_steps', 0)} SFT steps, "
+        f"{r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}; teacher score {teacher}.",
+    ]
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_vs_hf": engine_vs_hf,
     "prefix_cache": prefix_cache,
@@ -817,6 +840,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "true_on_policy": true_on_policy,
     "precision": precision,
     "lora": lora,
+    "distillation": distillation,
     "session_load": session_load,
     "vs_trl": vs_trl,
     "time_to_result": time_to_result,
