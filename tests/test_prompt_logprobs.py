@@ -122,6 +122,9 @@ def test_otherwise_scores_are_within_the_fp32_bound_of_the_trainers(tiny, tiny_d
         ({"logprob_start_len": -2}, ">= -1"),
         ({"input_logprob_temperature": 0}, "input_logprob_temperature"),
         ({"input_logprob_temperature": -1.5}, "input_logprob_temperature"),
+        ({"top_logprobs_num": -3}, "top_logprobs_num"),
+        ({"top_logprobs_num": 10**9}, "exceeds the vocabulary"),
+        ({"token_ids_logprob": [1, 10**6]}, "token_ids_logprob: token id"),
     ],
 )
 def test_a_bad_scoring_request_is_a_400_naming_the_field(session_stack, change, message):

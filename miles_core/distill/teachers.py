@@ -30,7 +30,7 @@ from miles_core.distill.scoring import (
     scoring_request,
     teacher_log_probs,
 )
-from miles_core.engines.protocol import EngineRequestRejected, ProcessUnavailable
+from miles_core.engines.protocol import ProcessUnavailable
 from miles_core.types import Sample, SampleGroup, Status
 
 log = logging.getLogger("miles.distill")
@@ -103,7 +103,7 @@ class TeacherFleet:
                 answers = teacher.engine.generate(
                     [scoring_request(s, self.temperature, k) for s in samples]
                 )
-            except (ProcessUnavailable, EngineRequestRejected, OSError) as e:
+            except (ProcessUnavailable, OSError, ValueError) as e:  # ValueError: refused
                 for s in samples:
                     _fail(s, f"teacher {name} at {teacher.source} did not score it: {e}")
                 continue
@@ -153,21 +153,25 @@ class TeacherFleet:
                     position_entries(r, "input_token_ids_logprobs", s)
                     for s, r in zip(samples, more, strict=True)
                 ]
-        except (ProcessUnavailable, EngineRequestRejected, OSError, TeacherAnswerError) as e:
+        except (ProcessUnavailable, OSError, ValueError) as e:  # refused, or a bad answer
             for s in samples:
                 _fail(s, f"top-k scoring with teacher {teacher.name}: {e}")
             return
         for i, s in enumerate(samples):
-            kl = [
-                top_k.position_kl(
-                    strategy,
-                    s_top[i][j] | s_at[i][j],
-                    t_top[i][j] | t_at[i][j],
-                    list(s_top[i][j]),
-                    list(t_top[i][j]),
-                )
-                for j in range(s.response_length)
-            ]
+            try:
+                kl = [
+                    top_k.position_kl(
+                        strategy,
+                        s_top[i][j] | s_at[i][j],
+                        t_top[i][j] | t_at[i][j],
+                        list(s_top[i][j]),
+                        list(t_top[i][j]),
+                    )
+                    for j in range(s.response_length)
+                ]
+            except KeyError as e:  # an answer without the log-probs of tokens it was asked for
+                _fail(s, f"top-k scoring with teacher {teacher.name}: {e}")
+                continue
             s.token_fields[TOP_K_KL.name] = np.asarray(kl, dtype=np.float32)
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:

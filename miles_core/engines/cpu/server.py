@@ -569,17 +569,23 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
         fields += [TOKEN_VERSIONS.name] if want_versions else []
         if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
             raise EngineRequestError(f"input_logprob_temperature must be > 0, got {temperature}")
-        req = GenerateRequest(
-            input_ids=ids,
-            sampling_params=sampling,
-            rid=rid,
-            return_fields=fields,
-            lora_path=adapter,
-            logprob_start_len=start,
-            input_logprob_temperature=temperature,
-            top_logprobs_num=top,
-            token_ids_logprob=at,
-        )
+        try:
+            req = GenerateRequest(
+                input_ids=ids,
+                sampling_params=sampling,
+                rid=rid,
+                return_fields=fields,
+                lora_path=adapter,
+                logprob_start_len=start,
+                input_logprob_temperature=temperature,
+                top_logprobs_num=top,
+                token_ids_logprob=at,
+            )
+        except ValidationError as e:  # a field's own bound (top_logprobs_num >= 0, ...)
+            first = e.errors()[0]
+            raise EngineRequestError(
+                f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
+            ) from None
         engine.validate(req)
         out.append(req)
     return out
