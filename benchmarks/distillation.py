@@ -1,22 +1,24 @@
-"""What on-policy distillation is for: a small student learns a task from a teacher's per-token
-judgement far faster than from the task reward alone.
+"""What on-policy distillation is for: a student learns a task from a teacher's per-token
+judgement, against the task reward alone.
 
 1. The teacher: the small preset after SFT + RL on reverse (`examples/reverse_sft_rl.yaml`,
    trained here by `miles train`, or `--teacher DIR`). Its task score is the mean reward of its
    own samples (temperature 1) on the student's first prompts.
-2. The student: a preset (`--student`, tiny by default) from random init, warm-started by a short SFT on reverse
-   demonstrations (`--student-sft` steps; far weaker than the teacher), the same init per seed
-   in three arms, the same steps, prompts and learning rate:
+2. The student: a preset (`--student`, small by default) from random init, warm-started by a
+   short SFT on reverse demonstrations (`--student-sft` steps, the teacher's SFT settings; far
+   weaker than the teacher), the same init per seed in three arms, the same steps, prompts and
+   learning rate:
        opd     pure distillation (advantage estimator none, train.distill)
        opd+rl  distillation + RL (GRPO advantages, train.distill)
        rl      RL alone (GRPO); the teacher still scores its samples, for the KL column only
    Per step: the task score (mean reward of the step's samples) and the KL to the teacher
    (`distill/kl`: the student's log-prob minus the teacher's over the sampled tokens).
 
-Prints a per-step table per arm (mean over seeds), a summary table (steps to 80 % of the
-teacher's score per seed, final score, KL first → last), then one JSON object.
+Prints each step as it runs, a summary table (steps to 80 % of the teacher's score per seed,
+final score, KL first → last), then one JSON object (with the per-step means over seeds).
 
-    python benchmarks/distillation.py [--seeds 0,1,2] [--steps 40] [--teacher DIR]
+    python benchmarks/distillation.py [--seeds 0,1,2] [--steps 40] [--lr 1e-4] [--teacher DIR]
+                                      [--student small] [--student-sft 50]
 
 Only a run of the three arms over three seeds or more is recorded (a partial one writes where
 `MILES_BENCH_RESULTS_DIR` points, or nowhere).
@@ -94,6 +96,7 @@ def student_init(preset: str, seed: int, sft_steps: int, workdir: Path) -> Path:
     if sft_steps:
         sets += ["sft.task=reverse", f"sft.num_steps={sft_steps}", "sft.num_examples=4096"]
         sets += ["sft.batch_size=64", "sft.micro_batch_size=64", "sft.lr=1e-3"]
+        sets += ["sft.lr_warmup_steps=10"]  # the teacher's SFT settings (reverse_sft_rl.yaml)
     cfg = load_config(None, sets)
     init = prepare_model_dir(cfg, workdir / f"random-{seed}")
     return Path(run_sft(cfg, init, None)) if sft_steps else init
@@ -154,11 +157,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--teacher", default=None, help="a trained teacher's model directory")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--student", default="tiny", help="the student's model preset")
-    ap.add_argument("--student-sft", type=int, default=15, help="SFT steps of the student init")
+    ap.add_argument("--student", default="small", help="the student's model preset")
+    ap.add_argument("--student-sft", type=int, default=50, help="SFT steps of the student init")
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = args.arms.split(",")
