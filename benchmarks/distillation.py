@@ -111,7 +111,11 @@ def run_arm(
     from miles_core.run.runtime import RLRuntime, prepare_model_dir
 
     sets = [*STUDENT, f"seed={seed}", f"model.path={init}", f"train.num_steps={steps}"]
-    sets += [f"train.lr={lr}", f"checkpoint.root={workdir / 'ckpt'}", f"name={arm}-{seed}"]
+    sets += [
+        f"train.lr={lr}",
+        f"checkpoint.root={workdir / 'ckpt'}",
+        f"name={arm.replace('+', '-')}-{seed}",
+    ]
     if arm.startswith("opd"):
         sets.append(f"train.distill={{teachers: {{default: {teacher}}}}}")
     if arm == "opd":
