@@ -518,6 +518,12 @@ def _listify(value, n: int, what: str) -> list:
     return [value] * n
 
 
+def _refused(e: ValidationError, prefix: str = "") -> EngineRequestError:
+    """A request field's validation error as a 400, naming the field."""
+    first = e.errors()[0]
+    return EngineRequestError(f"{prefix}{'.'.join(map(str, first['loc']))}: {first['msg']}")
+
+
 def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequest]:
     if (body.input_ids is None) == (body.text is None):
         raise EngineRequestError("give exactly one of input_ids or text")
@@ -561,10 +567,7 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
         try:
             sampling = SamplingParams.model_validate(sp)
         except ValidationError as e:
-            first = e.errors()[0]
-            raise EngineRequestError(
-                f"sampling_params.{'.'.join(map(str, first['loc']))}: {first['msg']}"
-            ) from None
+            raise _refused(e, "sampling_params.") from None
         fields = [ROUTES.name] if want_routes else []  # SGLang's flag for the routes field
         fields += [TOKEN_VERSIONS.name] if want_versions else []
         if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
@@ -582,10 +585,7 @@ def _to_requests(body: GenerateBody, engine: ServingEngine) -> list[GenerateRequ
                 token_ids_logprob=at,
             )
         except ValidationError as e:  # a field's own bound (top_logprobs_num >= 0, ...)
-            first = e.errors()[0]
-            raise EngineRequestError(
-                f"{'.'.join(map(str, first['loc']))}: {first['msg']}"
-            ) from None
+            raise _refused(e) from None
         engine.validate(req)
         out.append(req)
     return out
