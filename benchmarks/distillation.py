@@ -17,7 +17,7 @@ judgement, against the task reward alone.
 Prints each step as it runs, a summary table (steps to 80 % of the teacher's score per seed,
 final score, KL first → last), then one JSON object (with the per-step means over seeds).
 
-    python benchmarks/distillation.py [--seeds 0,1,2] [--steps 40] [--lr 1e-4] [--teacher DIR]
+    python benchmarks/distillation.py [--seeds 0,1,2] [--steps 60] [--lr 3e-4] [--teacher DIR]
                                       [--student small] [--student-sft 50]
 
 Only a run of the three arms over three seeds or more is recorded (a partial one writes where
@@ -160,8 +160,8 @@ def steps_to(scores: list[float], target: float) -> int | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--teacher", default=None, help="a trained teacher's model directory")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--student", default="small", help="the student's model preset")
