@@ -103,7 +103,14 @@ def student_init(preset: str, seed: int, sft_steps: int, workdir: Path) -> Path:
 
 
 def run_arm(
-    arm: str, seed: int, steps: int, lr: float, teacher: Path, init: Path, workdir: Path
+    arm: str,
+    seed: int,
+    steps: int,
+    lr: float,
+    teacher: Path,
+    init: Path,
+    workdir: Path,
+    kd_top_k: int = 0,
 ) -> dict:
     """One student run in this process: per step its task score and its KL to the teacher."""
     from miles_core.config import load_config
@@ -117,7 +124,7 @@ def run_arm(
         f"name={arm.replace('+', '-')}-{seed}",
     ]
     if arm.startswith("opd"):
-        sets.append(f"train.distill={{teachers: {{default: {teacher}}}}}")
+        sets.append(f"train.distill={{teachers: {{default: {teacher}}}, kd_top_k: {kd_top_k}}}")
     if arm == "opd":
         sets.append("train.advantage_estimator=none")
     cfg = load_config(None, sets)
@@ -166,6 +173,12 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--student", default="small", help="the student's model preset")
     ap.add_argument("--student-sft", type=int, default=50, help="SFT steps of the student init")
+    ap.add_argument(
+        "--kd-top-k",
+        type=int,
+        default=8,
+        help="train.distill.kd_top_k of the distillation arms (0: the advantage term alone)",
+    )
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = args.arms.split(",")
@@ -175,7 +188,10 @@ def main() -> None:
         target_of = {s: teacher_score(teacher, s, 64) for s in seeds}
         inits = {s: student_init(args.student, s, args.student_sft, work) for s in seeds}
         runs = {
-            a: {s: run_arm(a, s, args.steps, args.lr, teacher, inits[s], work) for s in seeds}
+            a: {
+                s: run_arm(a, s, args.steps, args.lr, teacher, inits[s], work, args.kd_top_k)
+                for s in seeds
+            }
             for a in arms
         }
     summary = {}
@@ -203,6 +219,7 @@ def main() -> None:
         "lr": args.lr,
         "student": args.student,
         "student_sft_steps": args.student_sft,
+        "kd_top_k": args.kd_top_k,
         "teacher_score": [target_of[s] for s in seeds],
         "share": SHARE,
         "summary": summary,

@@ -14,7 +14,13 @@ import torch
 from fastapi import FastAPI
 
 from miles_core.distill import top_k
-from miles_core.distill.scoring import TeacherAnswerError, scoring_request, teacher_log_probs
+from miles_core.distill.scoring import (
+    TeacherAnswerError,
+    likeliest,
+    position_entries,
+    scoring_request,
+    teacher_log_probs,
+)
 from miles_core.distill.teachers import ERROR, TeacherFleet
 from miles_core.engines.cpu.embedded import EmbeddedEngine
 from miles_core.engines.wire import (
@@ -28,6 +34,7 @@ from miles_core.models import build_model, save_hf_dir
 from miles_core.run import runtime
 from miles_core.run.preflight import preflight
 from miles_core.run.training import build_trainer
+from miles_core.token_fields import load_token_fields
 from miles_core.train.batch import TrainBatch
 from miles_core.types import Sample, SampleGroup, Status
 from tests.runs import AGENTIC, tiny_say_a
@@ -178,12 +185,17 @@ def test_an_unreachable_teacher_is_a_clear_error_at_start(tmp_path):
         TeacherFleet(cfg.train.distill, 1.0, tmp_path)
 
 
-@pytest.mark.parametrize("what", ["vocabulary", "tokenizer", "row", "missing"])
+@pytest.mark.parametrize("what", ["vocabulary", "tokenizer", "row", "missing", "top_k", "kd_top_k"])
 def test_a_teacher_that_cannot_score_the_students_ids_is_refused_before_start(
     tmp_path, tiny_dir, what
 ):
     teacher, sets = tmp_path / "teacher", []
-    if what == "vocabulary":
+    if what in ("top_k", "kd_top_k"):  # more tokens per position than the vocabulary has
+        teacher = tiny_dir
+        vocab = json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+        sets = [f"train.distill.{what}={vocab + 1}"]
+        message = f"train.distill.{what} {vocab + 1} exceeds the vocabulary"
+    elif what == "vocabulary":
         model, tok = build_model("tiny", seed=0)
         model.resize_token_embeddings(model.config.vocab_size + 8)
         save_hf_dir(model, tok, teacher)
@@ -215,6 +227,15 @@ def test_a_teacher_that_cannot_score_the_students_ids_is_refused_before_start(
         (["train.distill={teachers: {default: x}, top_k: -1}"], "greater than or equal to 0"),
         (["train.distill={teachers: {default: x}, temperature: 0.5}"], "must equal rollout"),
         (["train.distill={teachers: {}}"], "at least one teacher"),
+        (["train.distill={teachers: {default: x}, coef: 0}"], "leaves nothing of the teacher"),
+        (
+            ["train.distill={teachers: {default: x}, coef: 0, top_k: 2, kd_top_k: 2}"],
+            "coef 0 turns off",
+        ),
+        (
+            ["train.distill={teachers: {default: x}, kd_top_k: 2}", "train.loss=sft"],
+            "train.loss is sft",
+        ),
         (
             ["train.distill={teachers: {default: x}, top_k: 2}", "train.lora.rank=4"],
             "with train.lora",
@@ -344,9 +365,54 @@ def test_the_top_k_kl_is_each_positions_kl_over_its_set(tmp_path, session_stack,
     assert np.any(got != 0)
 
 
-def test_pure_distillation_closes_the_gap_to_the_teacher_on_its_tokens(tmp_path, tiny_dir):
-    """The sign and the plumbing of Â = −(log π_old − log π_teacher): a student trained with
-    estimator none on tokens a sharp teacher chose raises their log-probs toward the teacher's
+def test_the_kd_fields_are_the_teachers_likeliest_tokens_at_each_position(tmp_path, session_stack):
+    """kd_top_k: the teacher's k likeliest ids and their log-probs at each response position,
+    in order, equal to its full log-softmax rows within fp32 rounding."""
+    server, _ = session_stack
+    teacher_model, _ = build_model("tiny", seed=0)
+    cfg = _config(
+        tmp_path, f"train.distill={{teachers: {{default: {server.url}}}, kd_top_k: 3, coef: 0}}"
+    )
+    assert cfg.train.loss == "distill" and cfg.train.loss_options.kd_top_k == 3
+    assert "opd" not in cfg.train.advantage_transforms  # coef 0: no advantage term
+    fleet = TeacherFleet(cfg.train.distill, 1.0, tmp_path)
+    try:
+        s = _sample(prompt=(5, 9, 14, 3), response=(40, 41, 7, 19, 2))
+        fleet.score(SampleGroup(group_index=0, samples=[s]))
+    finally:
+        fleet.close()
+    assert s.status == Status.COMPLETED, s.metadata
+    ids, lps = s.token_fields["teacher_top3_ids"], s.token_fields["teacher_top3_log_probs"]
+    assert ids.shape == lps.shape == (5, 3) and ids.dtype == np.int32
+    with torch.no_grad():
+        rows = torch.log_softmax(teacher_model(input_ids=torch.tensor([s.tokens])).logits[0], -1)
+    for j in range(s.response_length):
+        want = rows[s.prompt_length - 1 + j].topk(3)
+        assert ids[j].tolist() == want.indices.tolist()
+        assert lps[j] == pytest.approx(want.values.numpy(), abs=1e-4)
+
+
+def test_the_kd_term_is_the_kl_from_the_teachers_renormalised_top_k():
+    from miles_core.train.losses.distill import kd_term
+
+    logits = torch.randn(2, 3, 11, dtype=torch.float64, requires_grad=True)
+    student = torch.log_softmax(logits, -1)
+    # the teacher equal to the student over its whole vocabulary: 0, and no gradient
+    same = kd_term(student, student.detach())
+    (grad,) = torch.autograd.grad(same.sum(), logits)
+    assert same.abs().max() < 1e-12 and grad.abs().max() < 1e-12
+    # over a teacher's top 2 of [0.5, 0.3, 0.2]: w = (0.625, 0.375), against a student's rows
+    teacher = torch.log(torch.tensor([[[0.5, 0.3]]], dtype=torch.float64))
+    s = torch.log(torch.tensor([[[0.25, 0.25]]], dtype=torch.float64))
+    want = 0.625 * math.log(0.625 / 0.25) + 0.375 * math.log(0.375 / 0.25)
+    assert float(kd_term(s, teacher)) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("term", ["advantage", "kd"])
+def test_pure_distillation_closes_the_gap_to_the_teacher_on_its_tokens(tmp_path, tiny_dir, term):
+    """The sign and the plumbing of both terms: a student trained on tokens a sharp teacher
+    chose, with estimator none and Â = −(log π_old − log π_teacher) (advantage), or with the
+    dense term over the teacher's top 4 alone (kd), raises their log-probs toward the teacher's
     (a flipped sign would push them down)."""
     teacher, tok = build_model("tiny", seed=1)
     with torch.no_grad():
@@ -359,16 +425,22 @@ def test_pure_distillation_closes_the_gap_to_the_teacher_on_its_tokens(tmp_path,
     for i, (p, out) in enumerate(zip(prompts, outs, strict=True)):
         s = _sample(prompt=p, response=out.output_ids)
         s.index, s.group_index, s.rollout_id = i, i // 4, f"r{i}"
-        (scored,) = engine.generate([scoring_request(s, 1.0)])
+        (scored,) = engine.generate([scoring_request(s, 1.0, 4)])
         s.token_fields["teacher_log_probs"] = teacher_log_probs(s, scored, 1.0)
+        if term == "kd":
+            top = position_entries(scored, "input_top_logprobs", s)
+            ids, log_probs = likeliest(top, 4)
+            s.token_fields.update(teacher_top4_ids=ids, teacher_top4_log_probs=log_probs)
         samples.append(s)
+    dense = ", coef: 0, kd_top_k: 4" if term == "kd" else ""
     cfg = _config(
         tmp_path,
         "train.advantage_estimator=none",
-        f"train.distill={{teachers: {{default: {tiny_dir}}}}}",
+        f"train.distill={{teachers: {{default: {tiny_dir}}}{dense}}}",
         "train.global_batch_size=8",
         "train.micro_batch_size=8",
     )
+    load_token_fields(cfg.rollout.token_fields)  # as a run declares them at its start
     trainer = build_trainer(cfg, tiny_dir)
 
     def gap() -> float:
@@ -383,7 +455,7 @@ def test_pure_distillation_closes_the_gap_to_the_teacher_on_its_tokens(tmp_path,
             batch = TrainBatch.from_samples(samples, [0.0] * len(samples), 1.0)
             batch.advantage_transforms = dict(cfg.train.advantage_transforms)
             batch.old_is_current = True
-            trainer.train_step(batch, loss="policy")
+            trainer.train_step(batch, loss=cfg.train.loss)
         after = gap()
     finally:
         trainer.close()

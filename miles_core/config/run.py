@@ -77,34 +77,6 @@ class RunConfig(Strict):
                 f"{sorted(routes)}"
             )
 
-    def _add_distillation(self) -> None:
-        """train.distill: the teachers' log-probs as a token field, and the `opd` transform
-        (its coef) after the estimator; the teachers score at the student's temperature."""
-        from miles_core.distill import field
-        from miles_core.train.advantage_transform import ADVANTAGE_TRANSFORMS
-
-        r, t = self.rollout, self.train
-        d = t.distill
-        if d.temperature is not None and d.temperature != r.temperature:
-            raise ValueError(
-                f"train.distill.temperature ({d.temperature:g}) must equal rollout.temperature "
-                f"({r.temperature:g}): the KL compares the student's and the teacher's "
-                "log-probs, both at the temperature the student samples at"
-            )
-        if d.top_k and t.lora is not None:
-            raise ValueError(
-                "train.distill.top_k with train.lora: the student's side of a top-k KL is scored "
-                "by its engine, and scoring with an adapter is not built; use top_k 0"
-            )
-        paths = [field.PATH] + ([field.TOP_K_PATH] if d.top_k else [])
-        r.token_fields += [p for p in paths if p not in r.token_fields]
-        if "opd" not in t.advantage_transforms:
-            # top-k: the field holds each position's KL itself (distill/top_k.py)
-            kl = {"field": field.TOP_K_KL.name, "holds": "kl"} if d.top_k else {}
-            t.advantage_transforms["opd"] = ADVANTAGE_TRANSFORMS.options(
-                "opd", {"coef": d.coef} | kl
-            )
-
     @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
@@ -132,7 +104,7 @@ class RunConfig(Strict):
             )
         self._check_transport_fits_engine()
         if t.distill is not None:
-            self._add_distillation()
+            t.distill.add_to(self)
         self._check_precision()
         self._check_lora()
         self._check_eval()

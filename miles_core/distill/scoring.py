@@ -98,3 +98,23 @@ def teacher_log_probs(sample: Sample, resp: GenerateResponse, temperature: float
     if bad != "ok":
         raise TeacherAnswerError(f"the teacher returned a log-prob of {bad}, not a finite ≤ 0")
     return np.asarray(values, dtype=np.float32)
+
+
+def top_entries(row: dict[int, float], k: int) -> dict[int, float]:
+    """The k likeliest entries of a position (ties by token id)."""
+    return dict(sorted(row.items(), key=lambda e: (-e[1], e[0]))[:k])
+
+
+def likeliest(rows: list[dict[int, float]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's k likeliest token ids and their log-probs ([R, k] each), from the
+    teacher's top-k entries; TeacherAnswerError where a position has fewer than k."""
+    short = next((j for j, row in enumerate(rows) if len(row) < k), None)
+    if short is not None:
+        raise TeacherAnswerError(
+            f"the answer's input_top_logprobs has {len(rows[short])} entries at response "
+            f"position {short}, fewer than train.distill.kd_top_k ({k})"
+        )
+    top = [list(top_entries(row, k).items()) for row in rows]
+    ids = np.asarray([[i for i, _ in row] for row in top], dtype=np.int32).reshape(-1, k)
+    log_probs = np.asarray([[v for _, v in row] for row in top], dtype=np.float32)
+    return ids, log_probs.reshape(-1, k)

@@ -23,12 +23,14 @@ import numpy as np
 
 from miles_core.config.distill import DEFAULT_TEACHER, DistillSettings, is_url
 from miles_core.distill import top_k
-from miles_core.distill.field import TEACHER_LOG_PROBS, TOP_K_KL
+from miles_core.distill.field import TEACHER_LOG_PROBS, TOP_K_KL, kd_names
 from miles_core.distill.scoring import (
     TeacherAnswerError,
+    likeliest,
     position_entries,
     scoring_request,
     teacher_log_probs,
+    top_entries,
 )
 from miles_core.engines.protocol import ProcessUnavailable
 from miles_core.types import Sample, SampleGroup, Status
@@ -81,10 +83,14 @@ class TeacherFleet:
         """Writes each sample's teacher log-probs (token field `teacher_log_probs`), or fails
         the sample with the reason."""
         by_teacher: dict[str, list[Sample]] = {}
+        kd = self.settings.kd_top_k
         for s in group.samples:
             s.token_fields[TEACHER_LOG_PROBS.name] = np.zeros(s.response_length, np.float32)
             if self.settings.top_k:
                 s.token_fields[TOP_K_KL.name] = np.zeros(s.response_length, np.float32)
+            if kd:
+                for name, dtype in zip(kd_names(kd), (np.int32, np.float32), strict=True):
+                    s.token_fields[name] = np.zeros((s.response_length, kd), dtype)
             if s.status == Status.FAILED or s.response_length == 0:
                 continue  # trains nothing: nothing to score
             name = teacher_name(s, self.settings.teacher_key)
@@ -98,7 +104,7 @@ class TeacherFleet:
             by_teacher.setdefault(name, []).append(s)
         for name, samples in by_teacher.items():
             teacher = self.teachers[name]
-            k = self.settings.top_k
+            k = max(self.settings.top_k, kd)  # each position's likeliest tokens, for both terms
             try:
                 answers = teacher.engine.generate(
                     [scoring_request(s, self.temperature, k) for s in samples]
@@ -113,10 +119,14 @@ class TeacherFleet:
                     s.token_fields[TEACHER_LOG_PROBS.name] = teacher_log_probs(
                         s, resp, self.temperature
                     )
+                    if kd:
+                        top = position_entries(resp, "input_top_logprobs", s)
+                        ids, log_probs = likeliest(top, kd)
+                        s.token_fields.update(zip(kd_names(kd), (ids, log_probs), strict=True))
                     scored.append((s, resp))
                 except TeacherAnswerError as e:
                     _fail(s, f"teacher {name}: {e}")
-            if k and scored:
+            if self.settings.top_k and scored:
                 self._top_k(teacher, scored)
 
     def _top_k(self, teacher: Teacher, scored: list[tuple[Sample, object]]) -> None:
@@ -127,7 +137,10 @@ class TeacherFleet:
         student_at_teacher, teacher_at_student = top_k.needs(strategy)
         samples = [s for s, _ in scored]
         try:
-            t_top = [position_entries(r, "input_top_logprobs", s) for s, r in scored]
+            t_top = [
+                [top_entries(row, k) for row in position_entries(r, "input_top_logprobs", s)]
+                for s, r in scored
+            ]
             asked = [_ids(rows) if student_at_teacher else None for rows in t_top]
             answers = self.student.generate(
                 [scoring_request(s, T, k, ids) for s, ids in zip(samples, asked, strict=True)]
@@ -259,11 +272,12 @@ def check_teachers(
                 f"{where}: vocabulary of {teacher.get('vocab_size')} tokens, the student's has "
                 f"{student_config.get('vocab_size')}: a teacher must score the student's token ids"
             )
-        if settings.top_k > int(student_config.get("vocab_size") or 0):
-            raise ValueError(
-                f"train.distill.top_k {settings.top_k} exceeds the vocabulary "
-                f"({student_config.get('vocab_size')} tokens)"
-            )
+        for key in ("top_k", "kd_top_k"):
+            if getattr(settings, key) > int(student_config.get("vocab_size") or 0):
+                raise ValueError(
+                    f"train.distill.{key} {getattr(settings, key)} exceeds the vocabulary "
+                    f"({student_config.get('vocab_size')} tokens)"
+                )
         if student_tokenizer is not None:
             from transformers import AutoTokenizer
 

@@ -16,10 +16,13 @@ from miles_core.train.shared_prefix import SharedPrefix
 @dataclass(frozen=True)
 class LossNeeds:
     """entropy: none | value (for metrics, no gradient) | grad (in the loss);
-    reference: log-probs of the frozen initial policy (KL to reference)."""
+    reference: log-probs of the frozen initial policy (KL to reference);
+    gather: the name of an integer per-token field [R, k] of token ids whose log-probs the
+    forward returns as well (`TokenOutputs.gathered`, with gradient), "" for none."""
 
     entropy: Literal["none", "value", "grad"] = "none"
     reference: bool = False
+    gather: str = ""
 
 
 @dataclass
@@ -93,9 +96,11 @@ class MicroBatch:
 @dataclass
 class TokenOutputs:
     """A forward's result for a micro-batch: the policy's per-token log-probs (with gradient in a
-    train step), its entropy if asked (detached unless `LossNeeds.entropy == "grad"`), and the
-    reference policy's log-probs if asked (no gradient)."""
+    train step), its entropy if asked (detached unless `LossNeeds.entropy == "grad"`), the
+    reference policy's log-probs if asked (no gradient), and the policy's log-probs of the ids
+    of field `LossNeeds.gather` if asked ([B, R, k], with gradient)."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None

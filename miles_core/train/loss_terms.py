@@ -20,6 +20,15 @@ def token_log_probs(
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def gathered_log_probs(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(ids) under softmax(logits / temperature) at every position; logits [B, T, V], ids
+    [B, T, k] → [B, T, k] (LossNeeds.gather)."""
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, ids.long())
+
+
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     lp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(lp.exp() * lp).sum(-1)

@@ -46,7 +46,11 @@ from miles_core.train import step as steps
 from miles_core.train.backend import BACKENDS
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.loss_terms import entropy_from_logits, token_log_probs
+from miles_core.train.loss_terms import (
+    entropy_from_logits,
+    gathered_log_probs,
+    token_log_probs,
+)
 from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.routing_replay import RouteReplay, RouterReplay
 from miles_core.train.shared_prefix import response_logits
@@ -201,6 +205,10 @@ class FSDPBackend(SPMDCalls):
         if needs.entropy != "none":
             logits = resp_logits if needs.entropy == "grad" else resp_logits.detach()
             entropy = entropy_from_logits(logits, mb.temperature)
+        gathered = None
+        if needs.gather:
+            ids = mb.padded.fields[needs.gather]
+            gathered = gathered_log_probs(resp_logits, ids, mb.temperature)
         ref = None
         if needs.reference and self.ref_is_base:
             with torch.no_grad(), lora_trainer.adapters_off(self.model):
@@ -213,7 +221,7 @@ class FSDPBackend(SPMDCalls):
                 )
             with torch.no_grad():
                 ref, _ = self._log_probs(self.ref_model, mb)
-        return TokenOutputs(lp, entropy, ref)
+        return TokenOutputs(lp, entropy, ref, gathered)
 
     def _log_probs(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         padded = mb.padded

@@ -34,7 +34,11 @@ from miles_core.train.backends.megatron import convert
 from miles_core.train.backends.megatron.layout import Layout, check_model_divides, resolve_layout
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
-from miles_core.train.loss_terms import entropy_from_logits, token_log_probs
+from miles_core.train.loss_terms import (
+    entropy_from_logits,
+    gathered_log_probs,
+    token_log_probs,
+)
 from miles_core.train.lr_schedule import build_optimizer
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.true_on_policy import ops
@@ -287,8 +291,9 @@ class MegatronBackend(SPMDCalls):
     def _outputs(
         self, logits: torch.Tensor, mb: MicroBatch, needs: LossNeeds, ref, policy: bool = True
     ) -> TokenOutputs:
-        """Per-token log-probs (and entropy) of the response positions: their vocabulary shards
-        gathered over the tensor-parallel group (backward: each rank its shard), padding dropped."""
+        """Per-token log-probs (and entropy, and the log-probs of LossNeeds.gather's ids) of the
+        response positions: their vocabulary shards gathered over the tensor-parallel group
+        (backward: each rank its shard), padding dropped."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         padded = mb.padded
@@ -307,7 +312,10 @@ class MegatronBackend(SPMDCalls):
             entropy = entropy_from_logits(
                 resp if needs.entropy == "grad" else resp.detach(), mb.temperature
             )
-        return TokenOutputs(lp, entropy, ref)
+        gathered = None
+        if needs.gather:
+            gathered = gathered_log_probs(resp, padded.fields[needs.gather], mb.temperature)
+        return TokenOutputs(lp, entropy, ref, gathered)
 
     def forward_backward(self, parts, needs: LossNeeds, on_output, train: bool) -> None:
         from miles_core.train.backends.megatron.pipeline import run_pipeline
