@@ -1,0 +1,1 @@
+"""Diffusion models: text-conditioned flow-matching image generation and its RL."""
