@@ -821,7 +821,13 @@ def distillation(r: dict[str, Any]) -> list[str]:
     out += [
         "",
         f"Student: {r.get('student', 'tiny')} after {r.get('student_sft_steps', 0)} SFT steps, "
-        f"{r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}; teacher score {teacher}.",
+        f"{r['steps']} steps at lr {r['lr']:g}, seeds {r['seeds']}; teacher score {teacher}. "
+        + (
+            f"The distillation arms use both terms: the sampled-token advantage term and the "
+            f"dense term over the teacher's top {r['kd_top_k']} (`kd_top_k`)."
+            if r.get("kd_top_k")
+            else "The distillation arms use the sampled-token advantage term."
+        ),
     ]
     return out
 

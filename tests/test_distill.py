@@ -327,6 +327,17 @@ def test_the_top_k_sets_and_their_renormalised_weights():
         top_k.position_kl("union", s, {1: -1.0}, s_top, t_top)
 
 
+def _scored(fleet: TeacherFleet) -> Sample:
+    """One sample scored by `fleet` (then closed), which must have succeeded."""
+    try:
+        s = _sample(prompt=(5, 9, 14, 3), response=(40, 41, 7, 19, 2))
+        fleet.score(SampleGroup(group_index=0, samples=[s]))
+    finally:
+        fleet.close()
+    assert s.status == Status.COMPLETED, s.metadata
+    return s
+
+
 @pytest.mark.parametrize("strategy", top_k.STRATEGIES)
 def test_the_top_k_kl_is_each_positions_kl_over_its_set(tmp_path, session_stack, strategy):
     """The teacher (the shared engine server's tiny model) and a student of another seed (an
@@ -340,15 +351,9 @@ def test_the_top_k_kl_is_each_positions_kl_over_its_set(tmp_path, session_stack,
         f"train.distill={{teachers: {{default: {server.url}}}, top_k: 3, "
         f"top_k_strategy: {strategy}}}",
     )
-    fleet = TeacherFleet(
-        cfg.train.distill, 1.0, tmp_path, student=EmbeddedEngine(student_model, tok)
+    s = _scored(
+        TeacherFleet(cfg.train.distill, 1.0, tmp_path, student=EmbeddedEngine(student_model, tok))
     )
-    try:
-        s = _sample(prompt=(5, 9, 14, 3), response=(40, 41, 7, 19, 2))
-        fleet.score(SampleGroup(group_index=0, samples=[s]))
-    finally:
-        fleet.close()
-    assert s.status == Status.COMPLETED, s.metadata
     got = s.token_fields["teacher_topk_kl"]
     with torch.no_grad():
         rows = [
@@ -375,13 +380,7 @@ def test_the_kd_fields_are_the_teachers_likeliest_tokens_at_each_position(tmp_pa
     )
     assert cfg.train.loss == "distill" and cfg.train.loss_options.kd_top_k == 3
     assert "opd" not in cfg.train.advantage_transforms  # coef 0: no advantage term
-    fleet = TeacherFleet(cfg.train.distill, 1.0, tmp_path)
-    try:
-        s = _sample(prompt=(5, 9, 14, 3), response=(40, 41, 7, 19, 2))
-        fleet.score(SampleGroup(group_index=0, samples=[s]))
-    finally:
-        fleet.close()
-    assert s.status == Status.COMPLETED, s.metadata
+    s = _scored(TeacherFleet(cfg.train.distill, 1.0, tmp_path))
     ids, lps = s.token_fields["teacher_top3_ids"], s.token_fields["teacher_top3_log_probs"]
     assert ids.shape == lps.shape == (5, 3) and ids.dtype == np.int32
     with torch.no_grad():
