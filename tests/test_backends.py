@@ -148,7 +148,8 @@ def test_a_custom_loss_is_used_by_name_or_import_path_and_an_unknown_one_refused
         assert m["loss"] == 2 * base["loss"]
         assert m["grad_norm"] == pytest.approx(2 * base["grad_norm"], rel=1e-6)
     with pytest.raises(
-        ValueError, match="unknown loss 'nope' in train.loss; known: distill, doubled_sft, policy, sft"
+        ValueError,
+        match="unknown loss 'nope' in train.loss; known: distill, doubled_sft, policy, sft",
     ):
         _trainer(tiny_dir).train_step(batch, loss="nope")
 
