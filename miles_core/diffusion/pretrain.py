@@ -4,8 +4,10 @@ evaluation by the checker.
 Each step draws training scenes (`split_scenes()[0]`), renders them on the fly from a seeded
 stream, noises them to `x_σ = (1 − σ)·x0 + σ·ε` with σ drawn logit-normally (σ = sigmoid(n),
 n ~ N(0, 1), as SD3 trains; it favours the middle noise levels where the composition is
-decided), and regresses the velocity: loss = MSE(v_pred, ε − x0). A tenth of the prompts are
-dropped to the null prompt so that classifier-free guidance has an unconditional branch.
+decided; uniform σ did no better), and regresses the velocity: loss = MSE(v_pred, ε − x0). A
+tenth of the prompts are dropped to the null prompt so that classifier-free guidance has an
+unconditional branch. AdamW with a linear warmup, then a cosine decay to a tenth of the peak
+learning rate at the last step, and gradients clipped to norm 1.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def pretrain(
     out_dir: str | Path,
     steps: int,
     batch_size: int = 32,
-    lr: float = 1e-3,
+    lr: float = 2e-3,
     seed: int = 0,
     size: int | None = None,
     callback: Callable[[int, ImageModel, float], None] | None = None,
