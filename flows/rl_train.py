@@ -60,7 +60,8 @@ def _train(config: RunConfig, resume: bool, resume_step: int | None) -> dict[str
         elif config.sft is not None:  # a warm start: trained here, or an earlier run's result
             warm = config.sft.reuse or sft(config, parent_run_id=tracker.run_id)
             config = config.with_model_path(warm)
-        rt = prepare_runtime(config, prepare_model(config, workdir), tracker, resume, resume_step)
+        model_dir = prepare_model(config, workdir, tracker)
+        rt = prepare_runtime(config, model_dir, tracker, resume, resume_step)
 
         log = StepLog(tracker, reporter(), config.train.num_steps)
         mark("steps_start")

@@ -24,7 +24,7 @@ def check_inputs(config: RunConfig, resume: bool = False, resume_step: int | Non
 def resumed_config(config: RunConfig, resume_step: int | None = None) -> RunConfig:
     """On resume: the config with `model.path` = the model the run started from (e.g. its SFT output)."""
     start = latest_state(config, resume_step).get("init_model")
-    return config.with_model_path(start or config.model.path)
+    return config.with_start_model(start)
 
 
 @step_task(name="start_tracking")
@@ -53,7 +53,12 @@ def start_tracking(
 
 
 @step_task(name="prepare_model")
-def prepare_model(config: RunConfig, workdir: Path) -> Path:
+def prepare_model(config: RunConfig, workdir: Path, tracker: Tracker | None = None) -> Path:
+    """The model the run starts from (an image run's pretraining runs here)."""
+    if config.diffusion is not None:
+        from miles_core.diffusion.runtime import prepare_image_model
+
+        return prepare_image_model(config, workdir, tracker)
     return prepare_model_dir(config, workdir)
 
 
@@ -67,7 +72,12 @@ def prepare_runtime(
 ) -> RLRuntime:
     """Builds engine, trainer and transport from `model_dir`; with `resume`, continues the run's
     latest checkpoint (or checkpoint `resume_step`)."""
-    rt = RLRuntime(config, model_dir, tracker)
+    if config.diffusion is not None:
+        from miles_core.diffusion.runtime import ImageRuntime
+
+        rt = ImageRuntime(config, model_dir, tracker)
+    else:
+        rt = RLRuntime(config, model_dir, tracker)
     if resume:
         step = rt.store.latest_step() if resume_step is None else resume_step
         if step is None:

@@ -66,7 +66,10 @@ def _sft_batch(tok):
             "cannot import trainer backend 'tests.plugins.nowhere:X': no module",
         ),
         ("train.backend=tests.plugins.backend:Missing", "has no 'Missing'"),
-        ("train.loss=kd", "unknown loss 'kd' in train.loss; known: distill, policy, sft"),
+        (
+            "train.loss=kd",
+            "unknown loss 'kd' in train.loss; known: diffusion_nft, distill, flow_grpo, policy, sft",
+        ),
         ("train.loss=tests.plugins.backend:Nope", "has no 'Nope'"),
         ("train.loss=miles_core.train.loss_terms:aggregate", "is not a loss: it needs"),
     ],
@@ -149,7 +152,7 @@ def test_a_custom_loss_is_used_by_name_or_import_path_and_an_unknown_one_refused
         assert m["grad_norm"] == pytest.approx(2 * base["grad_norm"], rel=1e-6)
     with pytest.raises(
         ValueError,
-        match="unknown loss 'nope' in train.loss; known: distill, doubled_sft, policy, sft",
+        match="unknown loss 'nope' in train.loss; known: diffusion_nft, distill, doubled_sft, flow_grpo, policy, sft",
     ):
         _trainer(tiny_dir).train_step(batch, loss="nope")
 

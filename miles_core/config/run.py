@@ -10,6 +10,7 @@ from miles_core.config.agent import AgentConfig
 from miles_core.config.base import Strict, in_trainer_process
 from miles_core.config.checkpoint import CheckpointConfig
 from miles_core.config.data import DataConfig
+from miles_core.config.diffusion import IMAGE_PRESETS, DiffusionConfig
 from miles_core.config.eval import EvalConfig
 from miles_core.config.model import ModelConfig
 from miles_core.config.network import NetworkConfig
@@ -43,6 +44,9 @@ class RunConfig(Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    diffusion: DiffusionConfig | None = Field(
+        None, description="an image run: a flow-matching image model and an image loss"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +106,9 @@ class RunConfig(Strict):
                 f"rollout.prompts_per_step × n_samples_per_prompt ({samples}) must be divisible by "
                 f"train.global_batch_size ({t.global_batch_size})"
             )
+        self._check_modality()
+        if self.diffusion is not None:
+            return self
         self._check_transport_fits_engine()
         if t.distill is not None:
             t.distill.add_to(self)
@@ -131,6 +138,78 @@ class RunConfig(Strict):
                 "sft.parallel must equal train.parallel (they share the trainer and its layout)"
             )
         return self
+
+    def _check_modality(self) -> None:
+        """An image loss needs a `diffusion:` section and a text loss none."""
+        from miles_core.diffusion.loss import modality_of
+        from miles_core.train.loss import LOSSES
+
+        t, d = self.train, self.diffusion
+        modality = modality_of(LOSSES.get(t.loss))
+        if d is None:
+            if modality == "image":
+                raise ValueError(
+                    f"train.loss {t.loss} trains an image model: add a diffusion: section"
+                )
+            return
+        if modality != "image":
+            raise ValueError(
+                f"train.loss {t.loss} is a text loss; an image run (diffusion:) trains with "
+                "flow_grpo or diffusion_nft"
+            )
+        self._check_images()
+
+    def _check_images(self) -> None:
+        """What an image run takes of the other sections; each refusal names its setting."""
+        from miles_core.eval.mode import EVAL_MODES
+        from miles_core.train.loss import LOSSES
+
+        r, t, d, ws = self.rollout, self.train, self.diffusion, self.weight_sync
+        assert d is not None
+        fitting = {"embedded": ("colocated",), "server": ("shared_memory", "disk")}
+        if r.engine not in fitting:
+            raise ValueError(
+                f"rollout.engine {r.engine}: an image run's engine is embedded (in the "
+                "trainer's process) or server (the image engine server)"
+            )
+        if ws.transport not in fitting[r.engine]:
+            raise ValueError(
+                f"weight_sync.transport {ws.transport} cannot push to an image engine "
+                f"{r.engine}: use {' | '.join(fitting[r.engine])}"
+            )
+        if ws.dtype != "float32":
+            raise ValueError(
+                "weight_sync.dtype: an image run pushes float32 (the trainer recomputes the "
+                "engine's log-probs bit for bit)"
+            )
+        loss = LOSSES.get(t.loss)
+        needs = loss.needs(loss.config(t.loss_options or {}))
+        if needs.trajectory and d.noise_level == 0:
+            raise ValueError(
+                f"train.loss {t.loss} trains on the SDE's per-step log-probs: "
+                "diffusion.noise_level must be > 0 (0 is the deterministic ODE)"
+            )
+        if d.pretrain_steps and d.model not in IMAGE_PRESETS:
+            raise ValueError(
+                "diffusion.pretrain_steps pretrains a new model of a preset "
+                f"({' | '.join(IMAGE_PRESETS)}); diffusion.model {d.model!r} is a saved model"
+            )
+        if t.world_size != 1:
+            raise ValueError("train.world_size: the image trainer runs one rank for now")
+        if EVAL_MODES.get(self.eval.mode).background:
+            raise ValueError(
+                f"eval.mode {self.eval.mode}: an image run evaluates on its own engine "
+                "between steps (eval.mode: shared)"
+            )
+        if self.sft is not None or self.agent.function is not None or t.distill is not None:
+            raise ValueError(
+                "sft, agent and train.distill are for text runs; an image run pretrains with "
+                "diffusion.pretrain_steps"
+            )
+        if t.lora is not None or t.true_on_policy or r.precision != "none":
+            raise ValueError(
+                "train.lora, train.true_on_policy and rollout.precision are for text runs"
+            )
 
     def _check_agentic(self) -> None:
         """What an agentic run needs of the other sections; each refusal names the one setting
@@ -284,6 +363,17 @@ class RunConfig(Strict):
                     f"eval.mode {e.mode} evaluates saved checkpoints: eval.every ({e.every}) "
                     f"must be a multiple of checkpoint.interval ({interval})"
                 )
+
+    def with_start_model(self, path: str | None) -> RunConfig:
+        """The same config starting from the model a checkpoint's run started from (`path`;
+        None: as configured): a text run's HF directory, an image run's saved model (already
+        pretrained)."""
+        if path is None:
+            return self
+        if self.diffusion is None:
+            return self.with_model_path(path)
+        image = self.diffusion.model_copy(update={"model": path, "pretrain_steps": 0})
+        return self.model_copy(update={"diffusion": image})
 
     def with_model_path(self, path: str | None) -> RunConfig:
         """The same config starting from the HF directory `path` (e.g. an SFT output)."""

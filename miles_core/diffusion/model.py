@@ -235,7 +235,7 @@ def save_image_model(model: ImageModel, directory: str | Path) -> Path:
     return directory
 
 
-def _check_model_dir(directory: Path) -> dict:
+def check_image_model_dir(directory: Path) -> dict:
     """The directory's model_index.json, once it is known to describe one of our models."""
     hint = "save one with save_image_model or miles_core.diffusion.pretrain.pretrain"
     index_file = directory / "model_index.json"
@@ -262,7 +262,7 @@ def _check_model_dir(directory: Path) -> dict:
 def load_image_model(directory: str | Path) -> ImageModel:
     """The model saved in `directory` by `save_image_model`, in eval mode."""
     directory = Path(directory)
-    index = _check_model_dir(directory)
+    index = check_image_model_dir(directory)
     transformer = SD3Transformer2DModel.from_pretrained(directory / "transformer")
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(directory / "scheduler")
     config = json.loads((directory / "text_encoder" / "config.json").read_text())

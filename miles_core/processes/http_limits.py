@@ -27,7 +27,8 @@ class BadJson(ValueError):
     """A body that is not strict JSON, or nests too deeply (the message says which)."""
 
 
-def _engine_style_error(status: int, message: str) -> Response:
+def engine_error(status: int, message: str) -> Response:
+    """An error in the engine servers' shape (SGLang's `message`, OpenAI's `error.message`)."""
     return JSONResponse(
         status_code=status,
         content={"error": {"message": message}, "success": False, "message": message},
@@ -43,7 +44,7 @@ class BodyLimit:
         self,
         app,
         limit: int = MAX_BODY_BYTES,
-        respond: Callable[[int, str], Response] = _engine_style_error,
+        respond: Callable[[int, str], Response] = engine_error,
     ):
         self.app = app
         self.limit = limit

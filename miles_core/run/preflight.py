@@ -362,6 +362,13 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
 
 def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None:
     _check_plugins(config)
+    if config.diffusion is not None:
+        from miles_core.diffusion.preflight import check_image_run
+
+        check_tracking_uri(resolve_tracking_uri(config.tracking.tracking_uri), "the tracking URI")
+        check_image_run(config, resume)
+        _check_store(config, resume, resume_step, None)
+        return
     if config.sft is not None and config.sft.reuse and not resume:  # RL starts from it
         _check_reused(config.sft.reuse, config.checkpoint.storage_options)
         config = config.with_model_path(config.sft.reuse)
@@ -423,6 +430,15 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
         if tok is not None and context:
             _check_lengths(sft_rows, tok, ("", 0), context, sft_where, "sft")
 
+    _check_store(config, resume, resume_step, model_config)
+
+
+def _check_store(
+    config: RunConfig, resume: bool, resume_step: int | None, model_config: dict | None
+) -> None:
+    """The checkpoint root is writable, the run's names are free, and on resume the checkpoint
+    exists, is short of train.num_steps and fits the model (`model_config`; None: an image
+    run's, checked by its modality)."""
     store = CheckpointStore(config.checkpoint.root, config.name, config.checkpoint.storage_options)
     try:
         store.check_writable()
@@ -449,6 +465,13 @@ def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None
                     f"--resume: run {config.name!r} is already at step {latest + 1} of "
                     f"{config.train.num_steps}; raise train.num_steps to continue it"
                 )
+            if model_config is None:  # an image run's
+                if store.read_state(latest).get("modality") != "image":
+                    raise ValueError(
+                        f"--resume: checkpoint step {latest} of run {config.name!r} is not an "
+                        "image run's"
+                    )
+                return
             check_checkpoint_matches(
                 architecture_of(model_config), store.uri(latest), config.checkpoint.storage_options
             )

@@ -122,6 +122,44 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
+def full_tensor_buckets(
+    params: list[tuple[str, torch.Tensor]],
+    rank: int,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+) -> Iterator[Bucket]:
+    """Buckets of the full tensors of `params` (plain or FSDP2 `DTensor`s) on rank 0, cast to
+    `dtype` if given. Every rank runs one all-gather per sharded tensor, so if rank 0's consumer
+    stops early (an error mid-push), the rest are still run in `finally`: the other ranks never
+    wait in a collective that rank 0 skipped."""
+    from torch.distributed.tensor import DTensor
+
+    done = 0
+    bucket: Bucket = []
+    size = 0
+    try:
+        with torch.no_grad():
+            for name, param in params:
+                full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+                done += 1
+                if rank != 0:
+                    continue
+                if dtype is not None:
+                    full = full.to(dtype)
+                bucket.append((name, full))
+                size += full.numel() * full.element_size()
+                if size >= bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+        if bucket:
+            yield bucket
+    finally:
+        with torch.no_grad():
+            for _, param in params[done:]:
+                if isinstance(param, DTensor):
+                    param.full_tensor()
+
+
 class TrainerWeights(Protocol):
     """What a trainer backend offers the weight transports (part of `TrainerBackend`)."""
 

@@ -39,7 +39,7 @@ from miles_core.engines.cpu.serving import PAUSE_MODES, ServingEngine
 from miles_core.engines.protocol import SERVER_ROUTES
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.models.moe import ROUTES
-from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit
+from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit, engine_error
 from miles_core.processes.managed import KEEP_ALIVE_S
 from miles_core.processes.roots import AllowedRoots
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
@@ -186,11 +186,7 @@ async def _paused_call(engine: ServingEngine, mode: str | None, call, continues:
     return result
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message}, "success": False, "message": message},
-    )
+_error = engine_error
 
 
 def create_app(

@@ -57,7 +57,14 @@ from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.true_on_policy import ops
 from miles_core.true_on_policy.contract import trainer_dtype
-from miles_core.weights.source import Placement, ShardPlan, TensorPlan, dim_chunks, dtype_name
+from miles_core.weights.source import (
+    Placement,
+    ShardPlan,
+    TensorPlan,
+    dim_chunks,
+    dtype_name,
+    full_tensor_buckets,
+)
 
 
 def has_dropout(config) -> bool:
@@ -400,34 +407,8 @@ class FSDPBackend(SPMDCalls):
     def _named_weights(
         self, bucket_bytes: int, dtype: torch.dtype | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Buckets of full tensors (rank 0). Every rank runs one all-gather per parameter, so if
-        rank 0's consumer stops early (an error mid-push), the rest are still run in `finally`:
-        the followers never wait in a collective that rank 0 skipped."""
-        params = self._pushed()
-        done = 0
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        try:
-            with torch.no_grad():
-                for name, param in params:
-                    full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                    done += 1
-                    if self.rank != 0:
-                        continue
-                    if dtype is not None:
-                        full = full.to(dtype)
-                    bucket.append((name, full))
-                    size += full.numel() * full.element_size()
-                    if size >= bucket_bytes:
-                        yield bucket
-                        bucket, size = [], 0
-            if bucket:
-                yield bucket
-        finally:
-            with torch.no_grad():
-                for _, param in params[done:]:
-                    if isinstance(param, DTensor):
-                        param.full_tensor()
+        """Buckets of full tensors (rank 0; the other ranks join the gathers)."""
+        return full_tensor_buckets(self._pushed(), self.rank, bucket_bytes, dtype)
 
     # ------------------------------------------------------------------ LoRA adapters
     def use_adapter(self, name: str) -> None:
