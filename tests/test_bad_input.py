@@ -468,6 +468,10 @@ CATALOGUE = [
     ("request naming an adapter not loaded, none while LoRA is on, a load past --max-loaded-loras, unloading one in use, an adapter of another base", "4xx / refused, the adapter table unchanged", "test_lora.py::test_requests_and_loads_the_adapter_table_cannot_take_are_refused"),
     ("adapter directory outside the weight roots, a pickled tensor payload", "400, nothing read or unpickled", "test_lora.py::test_the_servers_lora_routes_answer_as_sglangs"),
     ("miles convert to a format SGLang cannot load, or with an INT4 group that does not divide", "exit 2 with the reason, nothing written", "contract/test_sglang_quant_contract.py::test_the_cli_converts_with_a_runs_settings_and_refuses_what_cannot_load"),
+    ("image run settings that cannot work: η < 0, zero sampling steps, flow_grpo on the ODE, a grid prompt outside the vocabulary, a text loss, an engine or transport images lack", "refused in config validation, the setting named", "test_diffusion_rl.py::test_image_settings_that_cannot_work_are_refused"),
+    ("image run whose resolution or starting model the CLI cannot take", "exit 2 with the reason, nothing created", "test_diffusion_rl.py::test_the_cli_refuses_a_resolution_or_model_the_run_cannot_take"),
+    ("image rollout request: a word outside the vocabulary, another resolution, zero steps, η < 0, an unknown key", "400 with the reason, the server keeps serving", "test_diffusion_engine.py::test_the_server_refuses_bad_requests_with_400"),
+    ("any request the image engine server's schema allows or breaks, and raw bodies", "never a 5xx; serving afterwards", "test_diffusion_engine.py::test_the_image_engine_server_answers_every_fuzzed_request_below_500"),
 ]  # fmt: skip
 
 

@@ -107,11 +107,12 @@ class CheckpointStore:
                 shutil.rmtree(local, ignore_errors=True)
         return self._url(target)
 
-    def save_base(self, model_dir: Path) -> str:
-        """Copies the HF directory `model_dir` beside the checkpoints (`base_model`: a LoRA
-        run's frozen base, saved once) unless it is there; returns its URI."""
+    def save_base(self, model_dir: Path, marker: str = "config.json") -> str:
+        """Copies the model directory `model_dir` beside the checkpoints (`base_model`: a LoRA
+        run's frozen base, an image run's starting model; saved once) unless it is there (its
+        `marker` file exists); returns its URI."""
         target = f"{self.base}/{BASE_MODEL_DIR}"
-        if not self.fs.exists(f"{target}/config.json"):
+        if not self.fs.exists(f"{target}/{marker}"):
             if self.is_local:
                 partial = Path(f"{target}.tmp")
                 shutil.rmtree(partial, ignore_errors=True)

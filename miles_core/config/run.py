@@ -196,6 +196,12 @@ class RunConfig(Strict):
             )
         if t.world_size != 1:
             raise ValueError("train.world_size: the image trainer runs one rank for now")
+        if t.micro_batch_size % r.n_samples_per_prompt:
+            raise ValueError(
+                f"train.micro_batch_size ({t.micro_batch_size}) must be whole groups of "
+                f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): the engine samples "
+                "each micro-batch's images as one batch and the trainer recomputes them so"
+            )
         if EVAL_MODES.get(self.eval.mode).background:
             raise ValueError(
                 f"eval.mode {self.eval.mode}: an image run evaluates on its own engine "

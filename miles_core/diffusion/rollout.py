@@ -18,7 +18,7 @@ import torch
 
 from miles_core.diffusion.checker import check
 from miles_core.diffusion.scenes import Scene, prompt_ids
-from miles_core.diffusion.wire import RolloutRequest
+from miles_core.diffusion.wire import RolloutOutput, RolloutRequest
 from miles_core.train.advantage import ADVANTAGES
 from miles_core.types import Sample, SampleGroup, Status
 
@@ -123,12 +123,24 @@ def image_rollout(
     estimator: str,
     estimator_options,
     trajectory: bool,
+    per_request: int | None = None,
 ) -> ImageRollout:
-    """Step `step`'s rollout of `scenes` (one request to `engine`), scored and with
-    advantages. `trajectory`: sample the SDE and keep its trajectory (Flow-GRPO), else the ODE
-    (DiffusionNFT)."""
-    request = sampling.request(scenes, n, seed, rollout=trajectory)
-    out = engine.rollout(request)
+    """Step `step`'s rollout of `scenes`, scored and with advantages. `trajectory`: sample the
+    SDE and keep its trajectory (Flow-GRPO), else the ODE (DiffusionNFT).
+
+    The prompts go to the engine `per_request` at a time (None: all in one request), and the
+    engine samples each request's images as one batch. The trainer recomputes a trajectory's
+    log-probs in micro-batches of exactly those rows: a forward's rounding may depend on its
+    batch's shape (a GEMM's blocking), never on the other rows' values, so the same rows give
+    the same bits."""
+    per_request = per_request or len(scenes)
+    requests = [
+        sampling.request(scenes[i : i + per_request], n, seed + i, rollout=trajectory)
+        for i in range(0, len(scenes), per_request)
+    ]
+    outs = [engine.rollout(request) for request in requests]
+    out = _joined(outs)
+    request = requests[0]
     rows = [s for s in scenes for _ in range(n)]
     scores = score_images(out.images, rows)
     rewards = torch.tensor([s[reward] for s in scores], dtype=torch.float32)
@@ -157,4 +169,22 @@ def image_rollout(
         rewards=rewards,
         advantages=advantages,
         metrics=metrics,
+    )
+
+
+def _joined(outs: list[RolloutOutput]) -> RolloutOutput:
+    """The answers to several requests of one step as one, rows in request order."""
+    if len(outs) == 1:
+        return outs[0]
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(o, name) for o in outs]
+        return None if parts[0] is None else torch.cat(parts)
+
+    return RolloutOutput(
+        images=cat("images"),
+        latents=cat("latents"),
+        sigmas=outs[0].sigmas,
+        log_probs=cat("log_probs"),
+        weight_version=min(o.weight_version for o in outs),
     )

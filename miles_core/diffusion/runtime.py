@@ -209,6 +209,7 @@ class ImageRuntime:
             c.train.advantage_estimator,
             c.train.advantage_estimator_options,
             self.trajectory,
+            per_request=c.train.micro_batch_size // c.rollout.n_samples_per_prompt,
         )
 
     def rollout(self, step: int) -> ImageRollout:
@@ -267,7 +268,7 @@ class ImageRuntime:
         run state; the starting model once, beside the checkpoints."""
         if self.tracker is not None:
             self.tracker.flush()
-        base = self.store.save_base(self.model_dir)
+        base = self.store.save_base(self.model_dir, marker="model_index.json")
         with self.lock:
             checksum = self.trainer.weights_checksum()
             state = {

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -99,8 +100,11 @@ class ImageTrainer:
     ) -> dict[str, float]:
         """One rollout's optimizer steps; the step's metrics (`train/...`)."""
         rows = len(rollout.ids)
-        if rows % optimizer_steps:
-            raise ValueError(f"{rows} rows do not split into {optimizer_steps} optimizer steps")
+        if rows % optimizer_steps or (rows // optimizer_steps) % self.micro_batch_size:
+            raise ValueError(
+                f"{rows} rows do not split into {optimizer_steps} optimizer steps of whole "
+                f"micro-batches of {self.micro_batch_size}"
+            )
         batch = self._batch(rollout, seed)
         trained = 1 if batch.steps is None else batch.steps.shape[1]
         passes = self.loss.passes(self.loss_cfg, trained)
@@ -118,8 +122,7 @@ class ImageTrainer:
             denom = float(per_step * trained)
             step_sums: dict[str, float] = {}
             for start in range(m * per_step, (m + 1) * per_step, self.micro_batch_size):
-                end = min(start + self.micro_batch_size, (m + 1) * per_step)
-                mb = _rows(batch, start, end)
+                mb = _rows(batch, start, start + self.micro_batch_size)
                 for k in range(passes):
                     loss, stats = self.loss(models, mb, k, self.loss_cfg, denom)
                     loss.backward()
@@ -260,7 +263,10 @@ class ImageTrainer:
         if self.old is not None:
             self.old.load_state_dict(load_file(path / OLD_POLICY_FILE), strict=False)
         osd = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+        # parameters that never had a gradient (the null prompt, when guidance is detached in
+        # training) have no AdamW state in the checkpoint; they keep the fresh one, unused
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"), planner=planner)
         set_optimizer_state_dict(self.model, self.optimizer, osd)
         state = json.loads((path / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
