@@ -209,14 +209,18 @@ class CheckpointStore:
 
 
 def fetch_model_dir(
-    url: str, storage_options: dict[str, Any] | None = None, into: Path | None = None
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    into: Path | None = None,
+    marker: str = "config.json",
 ) -> Path:
-    """A local copy of an HF model directory given as a local path (used in place) or fsspec URL
-    (downloaded into a new `miles-model-*` folder, under `into` when given: a run passes its
-    work folder, so the copy goes when the run's temp folders do)."""
+    """A local copy of a model directory (HF: `marker` config.json; an image model's:
+    model_index.json) given as a local path (used in place) or fsspec URL (downloaded into a
+    new `miles-model-*` folder, under `into` when given: a run passes its work folder, so the
+    copy goes when the run's temp folders do)."""
     fs, path = url_to_fs(url, **(storage_options or {}))
-    if not fs.exists(f"{path}/config.json"):
-        raise FileNotFoundError(f"{url} is not a model directory (no config.json)")
+    if not fs.exists(f"{path}/{marker}"):
+        raise FileNotFoundError(f"{url} is not a model directory (no {marker})")
     if isinstance(fs, LocalFileSystem):
         return Path(path)
     local = Path(tempfile.mkdtemp(prefix="miles-model-", dir=into))

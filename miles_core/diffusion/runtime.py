@@ -57,7 +57,9 @@ def prepare_image_model(config: RunConfig, workdir: Path, tracker: Tracker | Non
     d = config.diffusion
     assert d is not None
     if d.model not in PRESETS:
-        return fetch_model_dir(d.model, config.checkpoint.storage_options, workdir)
+        return fetch_model_dir(
+            d.model, config.checkpoint.storage_options, workdir, marker="model_index.json"
+        )
     out = workdir / "init_model"
     if not d.pretrain_steps:
         from miles_core.diffusion.model import save_image_model
