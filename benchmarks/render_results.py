@@ -832,6 +832,34 @@ def distillation(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def diffusion_rl(r: dict[str, Any]) -> list[str]:
+    def change(run: dict[str, Any], attribute: str, digits: int) -> str:
+        h = run["held_out"][attribute]
+        return f"{h['first']:.{digits}f} → {h['last']:.{digits}f}"
+
+    out = _table(
+        ["seed", "held-out all: pretrained → RL", "count", "shape", "wall min"],
+        [
+            [
+                str(run["seed"]),
+                change(run, "all", 3),
+                change(run, "count", 2),
+                change(run, "shape", 2),
+                f"{run['wall_s'] / 60:.1f}",
+            ]
+            for run in r["runs"]
+        ],
+    )
+    out += [
+        "",
+        f"`{r['example']}`: {r['pretrain_steps']} pretraining steps, then {r['steps']} steps of "
+        f"`{r['loss']}` on {r['images_per_step']} images each; the smallest gain over the "
+        f"pretrained model is {r['min_gain']:+.3f}, the longest run {r['max_wall_s'] / 60:.1f} "
+        "min from `miles train` to its exit.",
+    ]
+    return out
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "engine_vs_hf": engine_vs_hf,
     "prefix_cache": prefix_cache,
@@ -847,6 +875,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "precision": precision,
     "lora": lora,
     "distillation": distillation,
+    "diffusion_rl": diffusion_rl,
     "session_load": session_load,
     "vs_trl": vs_trl,
     "time_to_result": time_to_result,
