@@ -79,10 +79,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--set", action="append", default=[], help="an override for every run")
+    ap.add_argument(
+        "--keep", default=None, help="a folder to keep the runs' MLflow store and logs in"
+    )
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    with tempfile.TemporaryDirectory(prefix="miles-diffusion-bench-") as tmp:
-        runs = [run_seed(s, Path(tmp), args.set) for s in seeds]
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+        runs = [run_seed(s, Path(args.keep).resolve(), args.set) for s in seeds]
+    else:
+        with tempfile.TemporaryDirectory(prefix="miles-diffusion-bench-") as tmp:
+            runs = [run_seed(s, Path(tmp), args.set) for s in seeds]
     print("| seed | held-out all: pretrained → RL | count | shape | wall min |")
     print("|---|---|---|---|---|")
     for r in runs:

@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from miles_core.diffusion.rollout import mean_scores, score_images
+from miles_core.diffusion.rollout import Sampling, mean_scores, score_images
 from miles_core.diffusion.scenes import Scene
-from miles_core.diffusion.wire import RolloutRequest
 
 EVAL_SEED = 1_000_003
 GRID_SEED = 2_000_003
@@ -48,9 +47,11 @@ def image_grid(images: torch.Tensor, columns: int) -> np.ndarray:
 class ImageEvaluation:
     background = False  # on the run's engine, between steps
 
-    def __init__(self, config, engine, held: list[Scene], train: list[Scene], tracker):
+    def __init__(
+        self, config, engine, sampling: Sampling, held: list[Scene], train: list[Scene], tracker
+    ):
         d = config.diffusion
-        self.config, self.engine, self.tracker = config, engine, tracker
+        self.config, self.engine, self.sampling, self.tracker = config, engine, sampling, tracker
         self.every = config.eval.every
         self.held = held
         self.samples = d.eval_samples_per_scene
@@ -68,24 +69,15 @@ class ImageEvaluation:
         last = self.config.train.num_steps
         return version in (0, last) or bool(self.every and version % self.every == 0)
 
-    def _request(self, scenes: list[Scene], n: int, seed: int) -> RolloutRequest:
-        d = self.config.diffusion
-        return RolloutRequest(
-            prompt=[s.prompt for s in scenes],
-            num_outputs_per_prompt=n,
-            num_inference_steps=d.sampling_steps,
-            guidance_scale=d.guidance,
-            seed=seed,
-            rollout=False,
-        )
-
     def _images(self, scenes: list[Scene], n: int, seed: int) -> torch.Tensor:
         """`n` ODE samples of each scene, in requests of at most `REQUEST_IMAGES` images (a
         batch past that is slower per image on a CPU)."""
         per = max(1, REQUEST_IMAGES // n)
         return torch.cat(
             [
-                self.engine.rollout(self._request(scenes[i : i + per], n, seed + i)).images
+                self.engine.rollout(
+                    self.sampling.request(scenes[i : i + per], n, seed + i, False)
+                ).images
                 for i in range(0, len(scenes), per)
             ]
         )

@@ -54,14 +54,17 @@ class Sampling:
     guidance: float | None
 
     def request(self, scenes: list[Scene], n: int, seed: int, rollout: bool) -> RolloutRequest:
+        """`n` images of each scene: the SDE with its trajectory when `rollout` (and η > 0),
+        else the ODE's images alone."""
+        sde = rollout and self.eta > 0
         return RolloutRequest(
             prompt=[s.prompt for s in scenes],
             num_outputs_per_prompt=n,
             num_inference_steps=self.steps,
             guidance_scale=self.guidance,
             seed=seed,
-            rollout=rollout and self.eta > 0,
-            rollout_noise_level=self.eta if rollout and self.eta > 0 else 0.7,
+            rollout=sde,
+            rollout_noise_level=self.eta if sde else 0.0,
         )
 
 

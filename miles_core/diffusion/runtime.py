@@ -152,7 +152,9 @@ class ImageRuntime:
             )
             started.callback(self.rollouts.close)
             self.evaluation = (
-                ImageEvaluation(config, self.engine, self.held_scenes, self.train_scenes, tracker)
+                ImageEvaluation(
+                    config, self.engine, self.sampling, self.held_scenes, self.train_scenes, tracker
+                )
                 if EVAL_MODES.get(config.eval.mode).enabled
                 else None
             )

@@ -24,8 +24,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from miles_core.diffusion.wire import RolloutRequest
@@ -45,7 +44,12 @@ from miles_core.engines.cpu.server import (
 )
 from miles_core.engines.protocol import DISK, PAUSED_PUSH, SHARED_MEMORY
 from miles_core.engines.wire import EngineRequestError
-from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit, engine_error
+from miles_core.processes.http_limits import (
+    MAX_BODY_BYTES,
+    BodyLimit,
+    add_engine_error_handlers,
+    engine_error,
+)
 from miles_core.processes.roots import AllowedRoots
 from miles_core.weights.shm import read_bucket
 
@@ -75,15 +79,7 @@ def create_app(
     async def run(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(compute, fn, *args)
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", []))
-        return engine_error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}")
-
-    @app.exception_handler(EngineRequestError)
-    async def engine_refused(_: Request, exc: EngineRequestError):
-        return engine_error(400, str(exc))
+    add_engine_error_handlers(app)
 
     @app.get("/health")
     async def health():

@@ -35,6 +35,25 @@ def engine_error(status: int, message: str) -> Response:
     )
 
 
+def add_engine_error_handlers(app) -> None:
+    """An engine server's answers to a body its models refuse (400 naming the first field)
+    and to a request the engine refuses (`EngineRequestError`: 400 with its reason)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+
+    from miles_core.engines.wire import EngineRequestError
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", []))
+        return engine_error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}")
+
+    @app.exception_handler(EngineRequestError)
+    async def engine_refused(_: Request, exc: EngineRequestError):
+        return engine_error(400, str(exc))
+
+
 class BodyLimit:
     """Refuses bodies over `limit` bytes with 413, whether they declare a Content-Length or come
     chunked: the body is read (at most `limit` bytes) before the app sees it. `respond(status,

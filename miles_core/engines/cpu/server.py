@@ -22,8 +22,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -39,7 +38,12 @@ from miles_core.engines.cpu.serving import PAUSE_MODES, ServingEngine
 from miles_core.engines.protocol import SERVER_ROUTES
 from miles_core.engines.wire import EngineRequestError, GenerateRequest, SamplingParams
 from miles_core.models.moe import ROUTES
-from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit, engine_error
+from miles_core.processes.http_limits import (
+    MAX_BODY_BYTES,
+    BodyLimit,
+    add_engine_error_handlers,
+    engine_error,
+)
 from miles_core.processes.managed import KEEP_ALIVE_S
 from miles_core.processes.roots import AllowedRoots
 from miles_core.true_on_policy.token_versions import TOKEN_VERSIONS
@@ -205,15 +209,7 @@ def create_app(
 
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", []))
-        return _error(400, f"invalid request: {where}: {first.get('msg', 'malformed body')}")
-
-    @app.exception_handler(EngineRequestError)
-    async def engine_refused(_: Request, exc: EngineRequestError):
-        return _error(400, str(exc))
+    add_engine_error_handlers(app)
 
     @app.get("/health")
     async def health():
