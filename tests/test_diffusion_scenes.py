@@ -87,7 +87,7 @@ def test_the_checker_accepts_every_rendered_scene(size):
     for scene in SCENES:
         for seed in seeds:
             result = check(render(scene, size, seed), scene)
-            assert result["all"] == 1.0 and result["reward"] == 1.0, (scene, seed, result)
+            assert result["all"] == result["reward"] == result["shaped"] == 1.0, (scene, result)
 
 
 def test_the_stacked_fallback_layout_is_accepted_too(monkeypatch):
@@ -114,13 +114,18 @@ def test_each_wrong_attribute_scores_zero_on_its_own():
                     others = [a for a in wrong if a != attribute]
                     assert all(result[a] == 1.0 for a in others), (scene, asked, result)
                     assert result["reward"] == 0.75
+                    # partial credit: a count off by k keeps 1 − k/3 of its share
+                    if attribute == "count":
+                        off = abs(value - scene.count) / 3
+                        assert result["shaped"] == pytest.approx(1 - off / 4), (scene, asked)
+                    assert 0.75 <= result["shaped"] < 1.0, (scene, asked, result)
 
 
 def test_blank_and_noise_images_score_nothing():
     blank = np.full((3, 32, 32), -1.0, dtype=np.float32)
     noise = np.random.default_rng(0).uniform(-1, 1, (3, 32, 32)).astype(np.float32)
     for scene in SCENES:
-        assert check(blank, scene)["reward"] == 0.0
+        assert check(blank, scene)["reward"] == check(blank, scene)["shaped"] == 0.0
         assert check(noise, scene)["all"] == 0.0
         assert check(noise * 3, scene)["all"] == 0.0  # out of range: clipped
 

@@ -45,10 +45,11 @@ class DiffusionConfig(Strict):
     guidance: float | None = Field(
         2.0, ge=0, le=100, description="classifier-free guidance w (null: none)"
     )
-    reward: Literal["reward", "all"] = Field(
+    reward: Literal["reward", "all", "shaped"] = Field(
         "reward",
         description="the checker's score that is the reward: reward (the mean of colour, "
-        "count, shape, position) or all (1 when all four hold)",
+        "count, shape, position), all (1 when all four hold) or shaped (their partial "
+        "credits' mean, diffusion/checker.py)",
     )
     eval_samples_per_scene: int = Field(
         4, gt=0, description="ODE samples of each held-out scene per evaluation"

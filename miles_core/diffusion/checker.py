@@ -12,6 +12,12 @@ rest are the objects, scored on four attributes, each 0 or 1:
 
 `all` is 1 when all four are, and `reward` is their mean: a dense reward in [0, 1]. With no
 object, every attribute is 0.
+
+`shaped` gives partial credit where the four give 0 or 1, a denser training signal: the asked
+colour's share of the foreground, a count off by k scores 1 − k/3, each object's shape scores
+by how far its fill and aspect lie outside the asked shape's band (0 past `SHAPE_MARGIN`), and
+the share of objects in the named half; `shaped` is their mean, 1 exactly when the image is a
+clean rendering of the scene.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-from miles_core.diffusion.scenes import COLOURS, PALETTE, Scene
+from miles_core.diffusion.scenes import COLOURS, COUNTS, PALETTE, Scene
 
 BRIGHTNESS = 0.5  # in [0, 1]: a pixel whose brightest channel is below this is background
 DOMINANT = 0.5  # the asked colour's objects' share of the non-background pixels
@@ -33,6 +39,16 @@ ASPECT = (2 / 3, 3 / 2)  # width / height of an object's bounding box; all three
 SQUARE_FILL = 0.945  # fill >= this: square
 CIRCLE_FILL = 0.68  # CIRCLE_FILL <= fill < SQUARE_FILL: circle; below: triangle
 TRIANGLE_FILL = 0.35  # fill below this is no shape (a thin diagonal, a ring)
+
+ATTRIBUTES = ("colour", "count", "shape", "position")
+SCORES = (*ATTRIBUTES, "all", "reward", "shaped")  # what `check` returns
+
+FILL_BANDS = {  # the fill each shape's objects have (shape_of's cuts)
+    "square": (SQUARE_FILL, 1.0),
+    "circle": (CIRCLE_FILL, SQUARE_FILL),
+    "triangle": (TRIANGLE_FILL, CIRCLE_FILL),
+}
+SHAPE_MARGIN = 0.25  # `shaped`: an object's shape credit falls to 0 this far outside its band
 
 _PALETTE = np.asarray([PALETTE[c] for c in COLOURS], dtype=np.float32)  # [colours, 3]
 
@@ -87,6 +103,17 @@ def shape_of(pixels: np.ndarray) -> str | None:
     return "circle" if fill >= CIRCLE_FILL else "triangle"
 
 
+def shape_credit(pixels: np.ndarray, shape: str) -> float:
+    """1 for an object of the asked shape, falling linearly to 0 as its fill and aspect move
+    `SHAPE_MARGIN` outside the shape's bands."""
+    fill, aspect = fill_and_aspect(pixels)
+    low, high = FILL_BANDS[shape]
+    off = max(low - fill, fill - high, 0.0) + max(ASPECT[0] - aspect, aspect - ASPECT[1], 0.0)
+    if shape != "square" and fill >= SQUARE_FILL:  # the band's top is exclusive
+        off = max(off, 1e-3)
+    return max(0.0, 1.0 - off / SHAPE_MARGIN)
+
+
 def in_half(pixels: np.ndarray, position: str, height: int, width: int) -> bool:
     """Whether the component's centroid (of pixel centres) lies in the named half."""
     row, col = pixels.mean(0) + 0.5
@@ -118,4 +145,14 @@ def check(image: np.ndarray, scene: Scene) -> dict[str, float]:
     result = {name: float(ok) for name, ok in scores.items()}
     result["all"] = float(all(scores.values()))
     result["reward"] = sum(scores.values()) / len(scores)
+    partial = [0.0, 0.0, 0.0, 0.0]
+    if objects:
+        inside = [in_half(p, scene.position, height, width) for p in objects]
+        partial = [
+            covered / foreground,
+            max(0.0, 1 - abs(len(objects) - scene.count) / max(COUNTS)),
+            float(np.mean([shape_credit(p, scene.shape) for p in objects])),
+            float(np.mean(inside)),
+        ]
+    result["shaped"] = sum(partial) / len(partial)
     return result

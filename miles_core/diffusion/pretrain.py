@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from miles_core.diffusion.checker import check
+from miles_core.diffusion.checker import SCORES, check
 from miles_core.diffusion.model import (
     PRESETS,
     ImageModel,
@@ -36,7 +36,6 @@ PROMPT_DROPOUT = 0.1  # the share of prompts trained as the null prompt
 WARMUP_STEPS = 50  # the learning rate rises linearly over these steps,
 FINAL_LR_FRACTION = 0.1  # then falls along a cosine to this fraction of `lr` at the last step
 GRAD_CLIP = 1.0
-ATTRIBUTES = ("colour", "count", "shape", "position", "all", "reward")
 
 
 def flow_matching_batch(
@@ -135,7 +134,7 @@ def evaluate(
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     todo = [scene for scene in scenes for _ in range(samples_per_scene)]
-    totals = dict.fromkeys(ATTRIBUTES, 0.0)
+    totals = dict.fromkeys(SCORES, 0.0)
     start = time.perf_counter()
     for at in range(0, len(todo), batch_size):
         chunk = todo[at : at + batch_size]

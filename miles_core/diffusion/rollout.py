@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from miles_core.diffusion.checker import check
+from miles_core.diffusion.checker import ATTRIBUTES, SCORES, check
 from miles_core.diffusion.scenes import Scene, prompt_ids
 from miles_core.diffusion.wire import RolloutOutput, RolloutRequest
 from miles_core.train.advantage import ADVANTAGES
 from miles_core.types import Sample, SampleGroup, Status
-
-ATTRIBUTES = ("colour", "count", "shape", "position", "all", "reward")
 
 
 @dataclass
@@ -81,7 +79,7 @@ def score_images(images: torch.Tensor, scenes: list[Scene]) -> list[dict[str, fl
 
 
 def mean_scores(
-    scores: list[dict[str, float]], prefix: str, names: tuple[str, ...] = ATTRIBUTES
+    scores: list[dict[str, float]], prefix: str, names: tuple[str, ...] = SCORES
 ) -> dict[str, float]:
     """`<prefix><name>`: the mean of each checker attribute in `names` over `scores`."""
     return {
@@ -149,7 +147,7 @@ def image_rollout(
     rewards = torch.tensor([s[reward] for s in scores], dtype=torch.float32)
     advantages = advantages_of(rewards, n, step, estimator, estimator_options)
     grouped = rewards.reshape(-1, n)
-    metrics = mean_scores(scores, "rollout/reward_", ATTRIBUTES[:-1])
+    metrics = mean_scores(scores, "rollout/reward_", (*ATTRIBUTES, "all"))
     metrics |= {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
