@@ -22,7 +22,8 @@ def check_inputs(config: RunConfig, resume: bool = False, resume_step: int | Non
 
 @step_task(name="resumed_config")
 def resumed_config(config: RunConfig, resume_step: int | None = None) -> RunConfig:
-    """On resume: the config with `model.path` = the model the run started from (e.g. its SFT output)."""
+    """On resume: the config starting from the model the run started from (e.g. its SFT output,
+    an image run's pretrained model)."""
     start = latest_state(config, resume_step).get("init_model")
     return config.with_start_model(start)
 

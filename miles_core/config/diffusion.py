@@ -11,7 +11,7 @@ for text. What only images have is here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -73,3 +73,63 @@ class DiffusionConfig(Strict):
         for text in prompts or ():
             Scene.parse(text)  # ValueError naming the word or the form
         return prompts
+
+    def check_run(self, run: Any) -> None:
+        """What an image run takes of the other sections (`run`: the RunConfig); each refusal
+        names its setting."""
+        from miles_core.diffusion.server import IMAGE_ENGINE_ROUTES
+        from miles_core.eval.mode import EVAL_MODES
+        from miles_core.train.loss import LOSSES
+        from miles_core.weights.transport import TRANSPORTS
+
+        r, t, ws = run.rollout, run.train, run.weight_sync
+        if r.engine not in IMAGE_ENGINE_ROUTES:
+            raise ValueError(
+                f"rollout.engine {r.engine}: an image run's engine is one of "
+                f"{' | '.join(IMAGE_ENGINE_ROUTES)}"
+            )
+        routes = IMAGE_ENGINE_ROUTES[r.engine]
+        if TRANSPORTS.get(ws.transport).route not in routes:
+            fitting = [n for n in TRANSPORTS.names() if TRANSPORTS.get(n).route in routes]
+            raise ValueError(
+                f"weight_sync.transport {ws.transport} cannot push to an image engine "
+                f"{r.engine}: use {' | '.join(fitting)}"
+            )
+        if ws.dtype != "float32":
+            raise ValueError(
+                "weight_sync.dtype: an image run pushes float32 (the trainer recomputes the "
+                "engine's log-probs bit for bit)"
+            )
+        loss = LOSSES.get(t.loss)
+        if loss.needs(loss.config(t.loss_options or {})).trajectory and self.noise_level == 0:
+            raise ValueError(
+                f"train.loss {t.loss} trains on the SDE's per-step log-probs: "
+                "diffusion.noise_level must be > 0 (0 is the deterministic ODE)"
+            )
+        if self.pretrain_steps and self.model not in IMAGE_PRESETS:
+            raise ValueError(
+                "diffusion.pretrain_steps pretrains a new model of a preset "
+                f"({' | '.join(IMAGE_PRESETS)}); diffusion.model {self.model!r} is a saved model"
+            )
+        if t.world_size != 1:
+            raise ValueError("train.world_size: the image trainer runs one rank for now")
+        if t.micro_batch_size % r.n_samples_per_prompt:
+            raise ValueError(
+                f"train.micro_batch_size ({t.micro_batch_size}) must be whole groups of "
+                f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): the engine samples "
+                "each micro-batch's images as one batch and the trainer recomputes them so"
+            )
+        if EVAL_MODES.get(run.eval.mode).background:
+            raise ValueError(
+                f"eval.mode {run.eval.mode}: an image run evaluates on its own engine between "
+                "steps (a mode that is not background)"
+            )
+        if run.sft is not None or run.agent.function is not None or t.distill is not None:
+            raise ValueError(
+                "sft, agent and train.distill are for text runs; an image run pretrains with "
+                "diffusion.pretrain_steps"
+            )
+        if t.lora is not None or t.true_on_policy or r.precision != "none":
+            raise ValueError(
+                "train.lora, train.true_on_policy and rollout.precision are for text runs"
+            )

@@ -10,7 +10,7 @@ from miles_core.config.agent import AgentConfig
 from miles_core.config.base import Strict, in_trainer_process
 from miles_core.config.checkpoint import CheckpointConfig
 from miles_core.config.data import DataConfig
-from miles_core.config.diffusion import IMAGE_PRESETS, DiffusionConfig
+from miles_core.config.diffusion import DiffusionConfig
 from miles_core.config.eval import EvalConfig
 from miles_core.config.model import ModelConfig
 from miles_core.config.network import NetworkConfig
@@ -153,69 +153,12 @@ class RunConfig(Strict):
                 )
             return
         if modality != "image":
+            image = [n for n in LOSSES.names() if modality_of(LOSSES.get(n)) == "image"]
             raise ValueError(
                 f"train.loss {t.loss} is a text loss; an image run (diffusion:) trains with "
-                "flow_grpo or diffusion_nft"
+                f"{' | '.join(image)}"
             )
-        self._check_images()
-
-    def _check_images(self) -> None:
-        """What an image run takes of the other sections; each refusal names its setting."""
-        from miles_core.eval.mode import EVAL_MODES
-        from miles_core.train.loss import LOSSES
-
-        r, t, d, ws = self.rollout, self.train, self.diffusion, self.weight_sync
-        assert d is not None
-        fitting = {"embedded": ("colocated",), "server": ("shared_memory", "disk")}
-        if r.engine not in fitting:
-            raise ValueError(
-                f"rollout.engine {r.engine}: an image run's engine is embedded (in the "
-                "trainer's process) or server (the image engine server)"
-            )
-        if ws.transport not in fitting[r.engine]:
-            raise ValueError(
-                f"weight_sync.transport {ws.transport} cannot push to an image engine "
-                f"{r.engine}: use {' | '.join(fitting[r.engine])}"
-            )
-        if ws.dtype != "float32":
-            raise ValueError(
-                "weight_sync.dtype: an image run pushes float32 (the trainer recomputes the "
-                "engine's log-probs bit for bit)"
-            )
-        loss = LOSSES.get(t.loss)
-        needs = loss.needs(loss.config(t.loss_options or {}))
-        if needs.trajectory and d.noise_level == 0:
-            raise ValueError(
-                f"train.loss {t.loss} trains on the SDE's per-step log-probs: "
-                "diffusion.noise_level must be > 0 (0 is the deterministic ODE)"
-            )
-        if d.pretrain_steps and d.model not in IMAGE_PRESETS:
-            raise ValueError(
-                "diffusion.pretrain_steps pretrains a new model of a preset "
-                f"({' | '.join(IMAGE_PRESETS)}); diffusion.model {d.model!r} is a saved model"
-            )
-        if t.world_size != 1:
-            raise ValueError("train.world_size: the image trainer runs one rank for now")
-        if t.micro_batch_size % r.n_samples_per_prompt:
-            raise ValueError(
-                f"train.micro_batch_size ({t.micro_batch_size}) must be whole groups of "
-                f"rollout.n_samples_per_prompt ({r.n_samples_per_prompt}): the engine samples "
-                "each micro-batch's images as one batch and the trainer recomputes them so"
-            )
-        if EVAL_MODES.get(self.eval.mode).background:
-            raise ValueError(
-                f"eval.mode {self.eval.mode}: an image run evaluates on its own engine "
-                "between steps (eval.mode: shared)"
-            )
-        if self.sft is not None or self.agent.function is not None or t.distill is not None:
-            raise ValueError(
-                "sft, agent and train.distill are for text runs; an image run pretrains with "
-                "diffusion.pretrain_steps"
-            )
-        if t.lora is not None or t.true_on_policy or r.precision != "none":
-            raise ValueError(
-                "train.lora, train.true_on_policy and rollout.precision are for text runs"
-            )
+        d.check_run(self)
 
     def _check_agentic(self) -> None:
         """What an agentic run needs of the other sections; each refusal names the one setting

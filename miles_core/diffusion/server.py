@@ -42,7 +42,7 @@ from miles_core.engines.cpu.server import (
     VersionBody,
     parse_version,
 )
-from miles_core.engines.protocol import DISK, PAUSED_PUSH, SHARED_MEMORY
+from miles_core.engines.protocol import DISK, PAUSED_PUSH, SHARED_MEMORY, TENSOR
 from miles_core.engines.wire import EngineRequestError
 from miles_core.processes.http_limits import (
     MAX_BODY_BYTES,
@@ -61,6 +61,8 @@ log = logging.getLogger("miles.image_engine")
 # how the server takes weights; a push's pause is the load itself (it waits for the rollout
 # in progress), so the transports need no separate pause and continue calls
 IMAGE_SERVER_ROUTES = frozenset({SHARED_MEMORY, DISK, PAUSED_PUSH})
+# an image run's engines by `rollout.engine`, and the weight routes each takes
+IMAGE_ENGINE_ROUTES = {"embedded": frozenset({TENSOR}), "server": IMAGE_SERVER_ROUTES}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
