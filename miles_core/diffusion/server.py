@@ -40,10 +40,11 @@ from miles_core.engines.cpu.server import (
     PauseBody,
     TensorBody,
     VersionBody,
+    check_pause_mode,
     parse_version,
+    tensor_body_refusal,
 )
 from miles_core.engines.protocol import DISK, PAUSED_PUSH, SHARED_MEMORY, TENSOR
-from miles_core.engines.wire import EngineRequestError
 from miles_core.processes.http_limits import (
     MAX_BODY_BYTES,
     BodyLimit,
@@ -63,7 +64,6 @@ log = logging.getLogger("miles.image_engine")
 IMAGE_SERVER_ROUTES = frozenset({SHARED_MEMORY, DISK, PAUSED_PUSH})
 # an image run's engines by `rollout.engine`, and the weight routes each takes
 IMAGE_ENGINE_ROUTES = {"embedded": frozenset({TENSOR}), "server": IMAGE_SERVER_ROUTES}
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 def create_app(
@@ -121,7 +121,7 @@ def create_app(
 
     @app.post("/pause_generation")
     async def pause(body: PauseBody):
-        _check_pause_mode(body.mode)
+        check_pause_mode(body.mode)
         engine.pause(body.mode)
         return {"success": True}
 
@@ -159,16 +159,11 @@ def create_app(
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: TensorBody):
         """Shared-memory buckets (weights/shm.py), all checked before the first copy."""
-        if body.load_format != "shared_memory":
-            return engine_error(
-                400,
-                f"load_format {body.load_format!r} is not supported by this engine; "
-                "use 'shared_memory' (buckets in /dev/shm on this host)",
-            )
+        refused = tensor_body_refusal(body)
+        if refused is not None:
+            return refused
         version = parse_version(body.weight_version) if body.weight_version is not None else None
-        if not body.serialized_named_tensors:
-            return engine_error(400, "serialized_named_tensors is empty: a push names its buckets")
-        _check_pause_mode(body.pause_mode)
+        check_pause_mode(body.pause_mode)
         try:
             limit = max_load_bytes(engine.named_tensors())
             buckets = [read_bucket(d, limit) for d in body.serialized_named_tensors]
@@ -193,11 +188,6 @@ def create_app(
         compute.shutdown(wait=False, cancel_futures=True)
 
     return app
-
-
-def _check_pause_mode(mode: str | None) -> None:
-    if mode is not None and mode not in PAUSE_MODES:
-        raise EngineRequestError(f"unknown pause mode {mode!r}; choose one of {list(PAUSE_MODES)}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -166,7 +166,21 @@ def parse_version(value: str) -> int:
     return version
 
 
-def _check_pause_mode(mode: str | None) -> None:
+def tensor_body_refusal(body: TensorBody) -> JSONResponse | None:
+    """The 400 for an `/update_weights_from_tensor` body our engine servers do not take (a load
+    format other than shared memory, no buckets), or None."""
+    if body.load_format != "shared_memory":
+        return _error(
+            400,
+            f"load_format {body.load_format!r} is not supported by this engine; "
+            "use 'shared_memory' (buckets in /dev/shm on this host)",
+        )
+    if not body.serialized_named_tensors:
+        return _error(400, "serialized_named_tensors is empty: a push names its buckets")
+    return None
+
+
+def check_pause_mode(mode: str | None) -> None:
     if mode is not None and mode not in PAUSE_MODES:
         raise EngineRequestError(f"unknown pause mode {mode!r}; choose one of {list(PAUSE_MODES)}")
 
@@ -351,16 +365,11 @@ def create_app(
     async def update_weights_from_tensor(body: TensorBody):
         """Same-host push: each item describes a bucket in shared memory (weights/shm.py). All
         buckets are checked before the first copy, so a bad push changes nothing."""
-        if body.load_format != "shared_memory":
-            return _error(
-                400,
-                f"load_format {body.load_format!r} is not supported by this engine; "
-                "use 'shared_memory' (buckets in /dev/shm on this host)",
-            )
+        refused = tensor_body_refusal(body)
+        if refused is not None:
+            return refused
         version = parse_version(body.weight_version) if body.weight_version is not None else None
-        if not body.serialized_named_tensors:
-            return _error(400, "serialized_named_tensors is empty: a push names its buckets")
-        _check_pause_mode(body.pause_mode)
+        check_pause_mode(body.pause_mode)
 
         async def load():
             try:
@@ -407,7 +416,7 @@ def create_app(
         """One broadcast bucket, or every trainer rank's p2p shards (weights/receiver.py);
         loaded all or nothing by the call that carries `weight_version`."""
         version = parse_version(body.weight_version) if body.weight_version is not None else None
-        _check_pause_mode(body.pause_mode)
+        check_pause_mode(body.pause_mode)
 
         async def receive():
             try:
