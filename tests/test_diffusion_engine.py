@@ -140,6 +140,10 @@ def test_the_server_answers_what_the_engine_answers_bitwise(engine, app_client):
         ({"prompt": PROMPTS, "num_inference_steps": 0}, "num_inference_steps"),
         ({"prompt": PROMPTS, "rollout_noise_level": -1}, "rollout_noise_level"),
         ({"prompt": PROMPTS, "sampler": "dpm"}, "sampler"),
+        (
+            {"prompt": PROMPTS, "num_outputs_per_prompt": 512, "num_inference_steps": 200},
+            "more than 16384 in one request",
+        ),
         ({"prompt": "two red squares on the left"}, "prompt"),
     ],
 )

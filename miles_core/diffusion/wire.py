@@ -27,6 +27,8 @@ MAX_PROMPTS = 256
 MAX_IMAGES = 1024  # prompts × outputs per prompt in one request
 MAX_STEPS = 200
 MAX_GUIDANCE = 100.0
+# images × (steps + 1) in one request: the latents a rollout returns (24×24: 113 MB of float32)
+MAX_IMAGE_STEPS = 16384
 SDE_TYPES = ("sde", "ode")
 
 
@@ -64,6 +66,11 @@ class RolloutRequest(BaseModel):
             raise ValueError(
                 f"{len(self.prompt)} prompts × {self.num_outputs_per_prompt} outputs is more "
                 f"than {MAX_IMAGES} images in one request"
+            )
+        if self.images * (self.num_inference_steps + 1) > MAX_IMAGE_STEPS:
+            raise ValueError(
+                f"{self.images} images × {self.num_inference_steps + 1} latents each is more "
+                f"than {MAX_IMAGE_STEPS} in one request: send fewer images or steps per request"
             )
         if self.rollout and self.eta == 0:
             raise ValueError(
