@@ -90,14 +90,16 @@ def main() -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="miles-diffusion-bench-") as tmp:
             runs = [run_seed(s, Path(tmp), args.set) for s in seeds]
-    print("| seed | held-out all: pretrained → RL | count | shape | wall min |")
-    print("|---|---|---|---|---|")
+    print("| seed | held-out all: pretrained → RL | count | shape | position | wall min |")
+    print("|---|---|---|---|---|---|")
     for r in runs:
         h = r["held_out"]
         print(
             f"| {r['seed']} | {h['all']['first']:.3f} → {h['all']['last']:.3f} "
             f"| {h['count']['first']:.2f} → {h['count']['last']:.2f} "
-            f"| {h['shape']['first']:.2f} → {h['shape']['last']:.2f} | {r['wall_s'] / 60:.1f} |"
+            f"| {h['shape']['first']:.2f} → {h['shape']['last']:.2f} "
+            f"| {h['position']['first']:.2f} → {h['position']['last']:.2f} "
+            f"| {r['wall_s'] / 60:.1f} |"
         )
     from miles_core.config import load_config
 

@@ -838,13 +838,14 @@ def diffusion_rl(r: dict[str, Any]) -> list[str]:
         return f"{h['first']:.{digits}f} → {h['last']:.{digits}f}"
 
     out = _table(
-        ["seed", "held-out all: pretrained → RL", "count", "shape", "wall min"],
+        ["seed", "held-out all: pretrained → RL", "count", "shape", "position", "wall min"],
         [
             [
                 str(run["seed"]),
                 change(run, "all", 3),
                 change(run, "count", 2),
                 change(run, "shape", 2),
+                change(run, "position", 2),
                 f"{run['wall_s'] / 60:.1f}",
             ]
             for run in r["runs"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from miles_core.diffusion.model import (
+    MODEL_CLASS,
     ImageModel,
     build_image_model,
     load_image_model,
@@ -38,11 +39,14 @@ def _inputs(model: ImageModel, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return torch.randn((len(PROMPTS), 3, size, size), generator=generator), model.encode(PROMPTS)
 
 
-def test_save_load_round_trip_gives_the_same_velocity_bitwise(model, tmp_path):
+@pytest.mark.parametrize(("preset", "component"), [("tiny", "transformer"), ("unet-tiny", "unet")])
+def test_save_load_round_trip_gives_the_same_velocity_bitwise(preset, component, tmp_path):
+    model = build_image_model(preset, seed=0)
     directory = save_image_model(model, tmp_path / "model")
     for name in ("model_index.json", "vocabulary.json", "scheduler/scheduler_config.json"):
         assert (directory / name).is_file()
-    assert (directory / "transformer" / "config.json").is_file()
+    assert (directory / component / "config.json").is_file()
+    assert json.loads((directory / "model_index.json").read_text())[component][0] == "diffusers"
     assert (directory / "text_encoder" / "model.safetensors").is_file()
     loaded = load_image_model(directory)
     x, ids = _inputs(model)
@@ -59,6 +63,11 @@ def test_a_directory_that_is_not_a_model_is_refused(tmp_path):
         json.dumps({"_class_name": "StableDiffusion3Pipeline"})
     )
     with pytest.raises(ValueError, match="names 'StableDiffusion3Pipeline'"):
+        load_image_model(tmp_path)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": MODEL_CLASS}))
+    with pytest.raises(
+        ValueError, match=r"one denoiser component, one of \['transformer', 'unet'\]"
+    ):
         load_image_model(tmp_path)
 
 

@@ -37,8 +37,15 @@ OPTIM = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_image_model(build_image_model("tiny", 0), tmp_path_factory.mktemp("rl") / "m")
+def model_dirs(tmp_path_factory):
+    """A saved model of each denoiser family: the MMDiT and the UNet."""
+    root = tmp_path_factory.mktemp("rl")
+    return {p: save_image_model(build_image_model(p, 0), root / p) for p in ("tiny", "unet-tiny")}
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs):
+    return model_dirs["tiny"]
 
 
 def _rollout(engine, step: int = 0, eta: float = 0.7, prompts: int = 3, n: int = 4, per=None):
@@ -57,12 +64,15 @@ def _with_signal(rollout):
     return rollout
 
 
-@pytest.mark.parametrize("timesteps", ["random", "first"])
+@pytest.mark.parametrize(
+    ("preset", "timesteps"), [("tiny", "random"), ("tiny", "first"), ("unet-tiny", "random")]
+)
 def test_flow_grpo_recomputes_the_engines_log_probs_bitwise_before_its_first_step(
-    model_dir, timesteps
+    model_dirs, preset, timesteps
 ):
     from miles_core.diffusion.model import load_image_model
 
+    model_dir = model_dirs[preset]
     engine = ImageEngine(load_image_model(model_dir))
     # 16 rows sampled 4 to a request, trained in micro-batches of those 4, two optimizer steps
     rollout = _with_signal(_rollout(engine, prompts=4, per=1))
@@ -76,35 +86,40 @@ def test_flow_grpo_recomputes_the_engines_log_probs_bitwise_before_its_first_ste
     assert trainer.weights_checksum() != engine.weights_checksum()
 
 
+@pytest.mark.parametrize("preset", ["tiny", "unet-tiny"])
 def test_the_fsdp2_trainer_steps_as_the_plain_module_and_its_checkpoint_loads_back(
-    model_dir, tmp_path
+    model_dirs, preset, tmp_path
 ):
     """One rank, `fully_shard`ed per block as on a GPU or several ranks: the recomputation is
-    still exact, and the step is the plain module's up to the gradient norm's summation order
-    (DTensor reduces it differently), which Adam's first, sign-like steps carry into the
-    low-gradient coordinates: the two updates agree to 1e-4 of their norm."""
+    still exact, and the step's gradient (Adam's first moment after one step) is the plain
+    module's up to the gradient norm's summation order, which DTensor changes: the clip scale,
+    and so every gradient, may differ in its last bits (64 float32 epsilons of the norm)."""
+    from torch.distributed.tensor import DTensor
+
     from miles_core.diffusion.model import load_image_model
 
+    model_dir = model_dirs[preset]
     engine = ImageEngine(load_image_model(model_dir))
     rollout = _with_signal(_rollout(engine, prompts=4, per=1))
-    before = dict(load_image_model(model_dir).named_parameters())
-    updates, norms = {}, {}
+    grads, norms = {}, {}
     for shard in (False, True):
         trainer = ImageTrainer(
             model_dir, OPTIM, "flow_grpo", {"kl_coef": 0.1}, total_steps=4, shard=shard
         )
-        metrics = trainer.train_step(rollout, optimizer_steps=2, seed=3)
+        metrics = trainer.train_step(rollout, optimizer_steps=1, seed=3)
         assert metrics["train/log_prob_mean_abs_diff"] == 0.0
-        after = dict(trainer.named_parameters())
-        updates[shard] = torch.cat([(after[n] - before[n]).flatten() for n in before])
+        state = trainer.optimizer.state  # parameters without a gradient have none
+        moments = [state[p]["exp_avg"] for p in trainer.model.parameters() if p in state]
+        full = [m.full_tensor() if isinstance(m, DTensor) else m for m in moments]
+        grads[shard] = torch.cat([m.flatten() for m in full]) / (1 - OPTIM["adam_beta1"])
         norms[shard] = metrics["train/grad_norm"]
         trainer.save(tmp_path / str(shard))
         again = ImageTrainer(model_dir, OPTIM, "flow_grpo", {"kl_coef": 0.1}, 4, shard=shard)
         again.load(tmp_path / str(shard))
         assert again.weights_checksum() == trainer.weights_checksum()
     assert norms[True] == pytest.approx(norms[False], rel=1e-5)
-    gap = (updates[True] - updates[False]).norm() / updates[False].norm()
-    assert float(gap) < 1e-4
+    gap = (grads[True] - grads[False]).norm() / grads[False].norm()
+    assert float(gap) < 64 * torch.finfo(torch.float32).eps, float(gap)
 
 
 def test_the_kl_is_the_gaussian_steps_kl_and_carries_the_policys_gradient(model_dir):

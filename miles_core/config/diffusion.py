@@ -17,14 +17,14 @@ from pydantic import Field, field_validator
 
 from miles_core.config.base import Strict
 
-IMAGE_PRESETS = ("tiny", "small")  # diffusion/model.py: PRESETS
+IMAGE_PRESETS = ("tiny", "small", "unet-tiny", "unet-small")  # diffusion/model.py: PRESETS
 
 
 class DiffusionConfig(Strict):
     model: str = Field(
-        "small",
-        description="an image model preset to build (tiny, small) or the directory of a saved "
-        "image model (local path)",
+        "unet-small",
+        description="an image model preset to build (tiny, small, unet-tiny, unet-small) or "
+        "the directory of a saved image model (local path)",
     )
     pretrain_steps: int = Field(
         0,

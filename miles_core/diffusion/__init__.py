@@ -3,7 +3,7 @@
     scenes.py       the compositional prompts (count, colour, shape, position), the held-out split
     render.py       training images drawn to match a scene
     checker.py      the GenEval-style checker: an image against its scene, per attribute
-    model.py        the image model (diffusers' MMDiT over pixels, word embeddings, the
+    model.py        the image model (diffusers' UNet or MMDiT over pixels, word embeddings, the
                     flow-matching scheduler), saved and loaded as a diffusers-style directory
     sde.py          Flow-GRPO's SDE step and its per-step log-prob, shared by engine and trainer
     pretrain.py     flow-matching pretraining (the SFT stage) and the checker's evaluation

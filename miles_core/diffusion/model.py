@@ -1,19 +1,28 @@
-"""The image model: a small text-conditioned flow-matching transformer over pixels.
+"""The image model: a small text-conditioned flow-matching network over pixels.
 
-Images are float [3, S, S] in [-1, 1], generated in pixel space (no VAE). The network is
-diffusers' `SD3Transformer2DModel` (MMDiT): the image's patches and the prompt's per-word states
-attend to each other jointly in every block, and a pooled prompt vector joins the timestep in
-the blocks' adaptive norms. Prompts are fixed-length rows of word ids; `WordEncoder` turns them
-into those states with learned word and position embeddings, and holds the learned null prompt
-that the unconditional branch of classifier-free guidance uses. diffusers'
-`FlowMatchEulerDiscreteScheduler` gives the sigma schedule.
+Images are float [3, S, S] in [-1, 1], generated in pixel space (no VAE). The denoising network
+is one of diffusers' two families, chosen by the preset:
+
+- `SD3Transformer2DModel` (MMDiT, the `transformer` component): the image's patches and the
+  prompt's per-word states attend to each other jointly in every block, and a pooled prompt
+  vector joins the timestep in the blocks' adaptive norms.
+- `UNet2DConditionModel` (the `unet` component): convolutional blocks at two or more scales,
+  cross-attention to the per-word states below the top scale, and the pooled prompt vector
+  projected into the timestep embedding (`class_embed_type="projection"`). Convolutions draw
+  clean object edges on pixels where a small transformer over patches leaves ragged ones; being
+  translation-equivariant, it learns where to put objects more slowly than what to draw.
+
+Prompts are fixed-length rows of word ids; `WordEncoder` turns them into those states with
+learned word and position embeddings, and holds the learned null prompt that the unconditional
+branch of classifier-free guidance uses. diffusers' `FlowMatchEulerDiscreteScheduler` gives the
+sigma schedule.
 
 The rectified-flow convention: `x_σ = (1 − σ)·x0 + σ·ε` and the model predicts the velocity
 `v = ε − x0` (`ImageModel.velocity`). A saved model is a diffusers-style directory
 (`save_image_model`, `load_image_model`):
 
     model_index.json    the components and the image size
-    transformer/        diffusers `save_pretrained`
+    transformer/ or unet/   the denoiser, diffusers `save_pretrained`
     scheduler/          diffusers `save_pretrained`
     text_encoder/       config.json + model.safetensors of the WordEncoder
     vocabulary.json     the words, in id order
@@ -27,7 +36,7 @@ from pathlib import Path
 
 import diffusers
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -35,12 +44,18 @@ from miles_core.diffusion.scenes import VOCABULARY
 
 PROMPT_LENGTH = 6  # every scene prompt has six words (scenes.py)
 MODEL_CLASS = "MilesFlowImageModel"  # model_index.json's `_class_name`: marks our directories
-COMPONENTS = ("transformer", "scheduler", "text_encoder")
+COMPONENTS = ("scheduler", "text_encoder")  # besides the denoiser's (DENOISERS)
+# the denoiser's component name in a diffusers directory, for each network class
+DENOISERS: dict[str, type[nn.Module]] = {
+    "transformer": SD3Transformer2DModel,
+    "unet": UNet2DConditionModel,
+}
+NORM_GROUPS = 8  # the UNet's group norms: its channel counts are multiples of this
 
 
 @dataclass(frozen=True)
 class ImagePreset:
-    """The sizes of one image model."""
+    """The sizes of one MMDiT image model."""
 
     image_size: int  # S: images are [3, S, S]
     patch_size: int  # the transformer sees (S / patch_size)² patches
@@ -53,12 +68,64 @@ class ImagePreset:
     def width(self) -> int:
         return self.heads * self.head_dim
 
+    def build(self) -> nn.Module:
+        return SD3Transformer2DModel(
+            sample_size=self.image_size,
+            patch_size=self.patch_size,
+            in_channels=3,
+            out_channels=3,
+            num_layers=self.layers,
+            attention_head_dim=self.head_dim,
+            num_attention_heads=self.heads,
+            joint_attention_dim=self.text_dim,
+            caption_projection_dim=self.width,
+            pooled_projection_dim=self.text_dim,
+            pos_embed_max_size=self.image_size // self.patch_size,
+            qk_norm="rms_norm",
+        )
 
-PRESETS: dict[str, ImagePreset] = {
+
+@dataclass(frozen=True)
+class UNetPreset:
+    """The sizes of one UNet image model."""
+
+    image_size: int  # S: images are [3, S, S]; halved at each scale but the last
+    channels: tuple[int, ...]  # per scale, top first; multiples of NORM_GROUPS
+    layers_per_block: int  # residual blocks per scale
+    head_dim: int  # cross-attention's head width
+    text_dim: int  # the WordEncoder's width (per-word states and the pooled vector)
+
+    def build(self) -> nn.Module:
+        scales = len(self.channels)
+        return UNet2DConditionModel(
+            sample_size=self.image_size,
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=self.channels,
+            layers_per_block=self.layers_per_block,
+            norm_num_groups=NORM_GROUPS,
+            cross_attention_dim=self.text_dim,
+            attention_head_dim=self.head_dim,
+            down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (scales - 1),
+            up_block_types=("CrossAttnUpBlock2D",) * (scales - 1) + ("UpBlock2D",),
+            class_embed_type="projection",
+            projection_class_embeddings_input_dim=self.text_dim,
+        )
+
+
+PRESETS: dict[str, ImagePreset | UNetPreset] = {
     # for tests: a training step in milliseconds (≈0.08M parameters)
     "tiny": ImagePreset(image_size=24, patch_size=4, layers=2, heads=2, head_dim=16, text_dim=32),
-    # for the 2-core pretraining run (≈1.3M parameters)
+    # ≈1.3M parameters
     "small": ImagePreset(image_size=24, patch_size=2, layers=4, heads=4, head_dim=24, text_dim=64),
+    # for tests of the UNet family
+    "unet-tiny": UNetPreset(
+        image_size=24, channels=(8, 16), layers_per_block=1, head_dim=8, text_dim=32
+    ),
+    # for the 2-core RL example (≈1.0M parameters)
+    "unet-small": UNetPreset(
+        image_size=24, channels=(32, 64), layers_per_block=1, head_dim=8, text_dim=64
+    ),
 }
 
 
@@ -97,18 +164,21 @@ class WordEncoder(nn.Module):
 
 
 class ImageModel(nn.Module):
-    """The transformer, the word encoder, the sigma schedule and the vocabulary, as one model."""
+    """The denoiser (an MMDiT or a UNet), the word encoder, the sigma schedule and the
+    vocabulary, as one model."""
 
     def __init__(
         self,
-        transformer: SD3Transformer2DModel,
+        denoiser: nn.Module,
         text_encoder: WordEncoder,
         scheduler: FlowMatchEulerDiscreteScheduler,
         vocabulary: tuple[str, ...],
         image_size: int,
     ) -> None:
         super().__init__()
-        self.transformer = transformer
+        if not isinstance(denoiser, tuple(DENOISERS.values())):
+            raise TypeError(f"the denoiser is one of {list(DENOISERS.values())}; got {denoiser}")
+        self.denoiser = denoiser
         self.text_encoder = text_encoder
         self.scheduler = scheduler
         self.vocabulary = tuple(vocabulary)
@@ -145,13 +215,29 @@ class ImageModel(nn.Module):
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
         states, pooled = self.text_encoder(prompt_ids, null)
         timestep = sigma * self.scheduler.config.num_train_timesteps
-        return self.transformer(
+        if isinstance(self.denoiser, UNet2DConditionModel):
+            return self.denoiser(
+                x, timestep, encoder_hidden_states=states, class_labels=pooled, return_dict=False
+            )[0]
+        return self.denoiser(
             hidden_states=x,
             encoder_hidden_states=states,
             pooled_projections=pooled,
             timestep=timestep,
             return_dict=False,
         )[0]
+
+    @property
+    def component(self) -> str:
+        """The denoiser's component name in a diffusers directory (`transformer` or `unet`)."""
+        return next(name for name, cls in DENOISERS.items() if isinstance(self.denoiser, cls))
+
+    def blocks(self) -> list[nn.Module]:
+        """The denoiser's blocks, the units a sharded trainer wraps one by one."""
+        if isinstance(self.denoiser, UNet2DConditionModel):
+            d = self.denoiser
+            return [*d.down_blocks, d.mid_block, *d.up_blocks]
+        return list(self.denoiser.transformer_blocks)
 
     def velocity(
         self,
@@ -182,27 +268,14 @@ def build_image_model(preset: str, seed: int) -> ImageModel:
     if preset not in PRESETS:
         raise ValueError(f"unknown image model preset {preset!r}: use one of {tuple(PRESETS)}")
     p = PRESETS[preset]
-    if p.image_size % p.patch_size:
+    if isinstance(p, ImagePreset) and p.image_size % p.patch_size:
         raise ValueError(f"preset {preset!r}: image_size must be a multiple of patch_size")
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(seed)
-        transformer = SD3Transformer2DModel(
-            sample_size=p.image_size,
-            patch_size=p.patch_size,
-            in_channels=3,
-            out_channels=3,
-            num_layers=p.layers,
-            attention_head_dim=p.head_dim,
-            num_attention_heads=p.heads,
-            joint_attention_dim=p.text_dim,
-            caption_projection_dim=p.width,
-            pooled_projection_dim=p.text_dim,
-            pos_embed_max_size=p.image_size // p.patch_size,
-            qk_norm="rms_norm",
-        )
+        denoiser = p.build()
         text_encoder = WordEncoder(len(VOCABULARY), p.text_dim)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
-    model = ImageModel(transformer, text_encoder, scheduler, VOCABULARY, p.image_size)
+    model = ImageModel(denoiser, text_encoder, scheduler, VOCABULARY, p.image_size)
     return model.eval()
 
 
@@ -214,7 +287,7 @@ def save_image_model(model: ImageModel, directory: str | Path) -> Path:
     """Writes the model as a diffusers-style directory (the module docstring's layout)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.transformer.save_pretrained(directory / "transformer", safe_serialization=True)
+    model.denoiser.save_pretrained(directory / model.component, safe_serialization=True)
     model.scheduler.save_pretrained(directory / "scheduler")
     text_dir = directory / "text_encoder"
     text_dir.mkdir(exist_ok=True)
@@ -226,7 +299,7 @@ def save_image_model(model: ImageModel, directory: str | Path) -> Path:
     index = {
         "_class_name": MODEL_CLASS,
         "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", "SD3Transformer2DModel"],
+        model.component: ["diffusers", type(model.denoiser).__name__],
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["miles_core.diffusion.model", "WordEncoder"],
         "image_size": model.image_size,
@@ -249,9 +322,15 @@ def check_image_model_dir(directory: Path) -> dict:
             f"{directory} is not an image model directory: model_index.json names "
             f"{index.get('_class_name')!r}, not {MODEL_CLASS!r}; {hint}"
         )
+    denoisers = [name for name in DENOISERS if name in index]
+    if len(denoisers) != 1:
+        raise ValueError(
+            f"{directory}: model_index.json must name one denoiser component, one of "
+            f"{list(DENOISERS)}; it names {denoisers}: {hint}"
+        )
     missing = [
         name
-        for name in (*COMPONENTS, "vocabulary.json", "text_encoder/model.safetensors")
+        for name in (*denoisers, *COMPONENTS, "vocabulary.json", "text_encoder/model.safetensors")
         if not (directory / name).exists()
     ]
     if missing:
@@ -263,7 +342,8 @@ def load_image_model(directory: str | Path) -> ImageModel:
     """The model saved in `directory` by `save_image_model`, in eval mode."""
     directory = Path(directory)
     index = check_image_model_dir(directory)
-    transformer = SD3Transformer2DModel.from_pretrained(directory / "transformer")
+    component = next(name for name in DENOISERS if name in index)
+    denoiser = DENOISERS[component].from_pretrained(directory / component)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(directory / "scheduler")
     config = json.loads((directory / "text_encoder" / "config.json").read_text())
     text_encoder = WordEncoder(config["vocab_size"], config["dim"], config["length"])
@@ -274,7 +354,7 @@ def load_image_model(directory: str | Path) -> ImageModel:
             f"{directory}: vocabulary.json has {len(vocabulary)} words but the text encoder "
             f"embeds {config['vocab_size']}; save the model again with save_image_model"
         )
-    model = ImageModel(transformer, text_encoder, scheduler, vocabulary, index["image_size"])
+    model = ImageModel(denoiser, text_encoder, scheduler, vocabulary, index["image_size"])
     return model.to(torch.float32).eval()
 
 

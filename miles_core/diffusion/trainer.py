@@ -9,7 +9,7 @@ steps of a trajectory a row trains (Flow-GRPO) and the noise of DiffusionNFT are
 mini-batch, before the first optimizer step: the trainer's recomputed log-probs against the
 engine's, which are equal bit for bit (the same fp32 step code, diffusion/sde.py).
 
-The model is `fully_shard`ed per MMDiT block and at the root when it has several ranks or a
+The model is `fully_shard`ed per denoiser block and at the root when it has several ranks or a
 GPU (`shard`), in fp32 like the engine; one CPU rank trains the plain module, whose AdamW
 steps are the same. Weights leave as full tensors by name (`named_weights`, the weight
 transports' contract) and a checkpoint is an image model directory plus the optimizer's state.
@@ -86,7 +86,7 @@ class ImageTrainer:
         self.sharded = (self.world > 1 or self.device.type == "cuda") if shard is None else shard
         if self.sharded:  # fp32 parameters and compute, as the engine samples
             mesh = init_device_mesh(self.device.type, (self.world,))
-            for block in model.transformer.transformer_blocks:
+            for block in model.blocks():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         self.model: ImageModel = model
