@@ -54,7 +54,7 @@ NORM_GROUPS = 8  # the UNet's group norms: its channel counts are multiples of t
 
 
 @dataclass(frozen=True)
-class ImagePreset:
+class MMDiTPreset:
     """The sizes of one MMDiT image model."""
 
     image_size: int  # S: images are [3, S, S]
@@ -113,11 +113,11 @@ class UNetPreset:
         )
 
 
-PRESETS: dict[str, ImagePreset | UNetPreset] = {
+PRESETS: dict[str, MMDiTPreset | UNetPreset] = {
     # for tests: a training step in milliseconds (≈0.08M parameters)
-    "tiny": ImagePreset(image_size=24, patch_size=4, layers=2, heads=2, head_dim=16, text_dim=32),
+    "tiny": MMDiTPreset(image_size=24, patch_size=4, layers=2, heads=2, head_dim=16, text_dim=32),
     # ≈1.3M parameters
-    "small": ImagePreset(image_size=24, patch_size=2, layers=4, heads=4, head_dim=24, text_dim=64),
+    "small": MMDiTPreset(image_size=24, patch_size=2, layers=4, heads=4, head_dim=24, text_dim=64),
     # for tests of the UNet family
     "unet-tiny": UNetPreset(
         image_size=24, channels=(8, 16), layers_per_block=1, head_dim=8, text_dim=32
@@ -268,7 +268,7 @@ def build_image_model(preset: str, seed: int) -> ImageModel:
     if preset not in PRESETS:
         raise ValueError(f"unknown image model preset {preset!r}: use one of {tuple(PRESETS)}")
     p = PRESETS[preset]
-    if isinstance(p, ImagePreset) and p.image_size % p.patch_size:
+    if isinstance(p, MMDiTPreset) and p.image_size % p.patch_size:
         raise ValueError(f"preset {preset!r}: image_size must be a multiple of patch_size")
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(seed)
