@@ -64,6 +64,12 @@ class MMDiTPreset:
     head_dim: int  # the transformer's width is heads × head_dim
     text_dim: int  # the WordEncoder's width (per-word states and the pooled vector)
 
+    def __post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size {self.image_size} must be a multiple of patch_size {self.patch_size}"
+            )
+
     @property
     def width(self) -> int:
         return self.heads * self.head_dim
@@ -268,8 +274,6 @@ def build_image_model(preset: str, seed: int) -> ImageModel:
     if preset not in PRESETS:
         raise ValueError(f"unknown image model preset {preset!r}: use one of {tuple(PRESETS)}")
     p = PRESETS[preset]
-    if isinstance(p, MMDiTPreset) and p.image_size % p.patch_size:
-        raise ValueError(f"preset {preset!r}: image_size must be a multiple of patch_size")
     with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
         torch.manual_seed(seed)
         denoiser = p.build()
