@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
 from miles_core.config.distill import DistillSettings
 from miles_core.config.lora import LoraSettings
+from miles_core.config.offload import OffloadSettings
 
 
 def _registry(name: str):
@@ -71,6 +72,7 @@ class OptimConfig(Strict):
         None, ge=1, description="torch threads per process (default: all cores)"
     )
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    offload: OffloadSettings = Field(default_factory=OffloadSettings)
 
     @property
     def dp_world(self) -> int:

@@ -45,6 +45,7 @@ from miles_core.diffusion.rollout import ImageRollout
 from miles_core.train import distributed as spmd
 from miles_core.train.loss import LOSSES
 from miles_core.train.lr_schedule import build_optimizer
+from miles_core.train.optimizer_offload import materialized
 from miles_core.weights.checker import weights_checksum
 from miles_core.weights.source import Bucket, full_tensor_buckets
 
@@ -245,8 +246,9 @@ class ImageTrainer:
         if self.old is not None:
             state = {n: p.detach().contiguous() for n, p in self.old.named_parameters()}
             save_file(state, path / OLD_POLICY_FILE)
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
-        dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+        with materialized(self.optimizer):
+            osd = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
         (path / "trainer_state.json").write_text(
             json.dumps({"scheduler": self.scheduler.state_dict()}) + "\n"
         )
@@ -262,12 +264,13 @@ class ImageTrainer:
         )
         if self.old is not None:
             self.old.load_state_dict(load_file(path / OLD_POLICY_FILE), strict=False)
-        osd = get_optimizer_state_dict(self.model, self.optimizer)
-        # parameters that never had a gradient (the null prompt, when guidance is detached in
-        # training) have no AdamW state in the checkpoint; they keep the fresh one, unused
-        planner = DefaultLoadPlanner(allow_partial_load=True)
-        dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"), planner=planner)
-        set_optimizer_state_dict(self.model, self.optimizer, osd)
+        with materialized(self.optimizer):
+            osd = get_optimizer_state_dict(self.model, self.optimizer)
+            # parameters that never had a gradient (the null prompt, when guidance is detached
+            # in training) have no AdamW state in the checkpoint; they keep the fresh one
+            planner = DefaultLoadPlanner(allow_partial_load=True)
+            dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"), planner=planner)
+            set_optimizer_state_dict(self.model, self.optimizer, osd)
         state = json.loads((path / "trainer_state.json").read_text())
         self.scheduler.load_state_dict(state["scheduler"])
 

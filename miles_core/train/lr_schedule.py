@@ -30,15 +30,25 @@ def build_scheduler(optimizer, lr: float, min_lr: float, warmup: int, total: int
 
 def build_optimizer(params, optim: dict, total_steps: int):
     """(AdamW over `params`, its LR schedule) from a config section's optim settings (lr,
-    min_lr, warmup, decay style, betas, weight decay)."""
-    optimizer = torch.optim.AdamW(
-        params,
+    min_lr, warmup, decay style, betas, weight decay; `offload`: its state kept in host memory
+    or on disk between steps, `train/optimizer_offload.py`)."""
+    from miles_core.train.optimizer_offload import OffloadedAdamW, make_store, offload_settings
+
+    kwargs = dict(
         lr=optim["lr"],
         betas=(optim["adam_beta1"], optim["adam_beta2"]),
         weight_decay=optim["weight_decay"],
         eps=1e-8,
         fused=True,  # one kernel over all parameters: 5x the for-loop's speed on CPU
     )
+    offload = offload_settings(optim)
+    if offload["optimizer"] == "none":
+        optimizer = torch.optim.AdamW(params, **kwargs)
+    else:
+        bucket_numel = int(offload.get("bucket_mb", 256) * (1 << 20)) // 4  # fp32 elements
+        optimizer = OffloadedAdamW(
+            params, store=make_store(offload), bucket_numel=bucket_numel, **kwargs
+        )
     scheduler = build_scheduler(
         optimizer,
         optim["lr"],

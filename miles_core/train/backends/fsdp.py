@@ -13,6 +13,7 @@ gradients in fp32 (`MixedPrecisionPolicy`); on CPU everything is fp32.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Iterator
@@ -52,6 +53,7 @@ from miles_core.train.loss_terms import (
     token_log_probs,
 )
 from miles_core.train.lr_schedule import build_optimizer
+from miles_core.train.optimizer_offload import materialized
 from miles_core.train.routing_replay import RouteReplay, RouterReplay
 from miles_core.train.shared_prefix import response_logits
 from miles_core.train.spmd_calls import SPMDCalls
@@ -279,8 +281,9 @@ class FSDPBackend(SPMDCalls):
             schedulers = self._per_optimizer(lambda _, sched: sched.state_dict())
             with open(path / "trainer_state.json", "w") as f:
                 json.dump({"scheduler": schedulers, "world_size": self.world}, f)
-        osd = self._per_optimizer(lambda opt, _: get_optimizer_state_dict(self.model, opt))
-        dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+        with self._optimizers_materialized():
+            osd = self._per_optimizer(lambda opt, _: get_optimizer_state_dict(self.model, opt))
+            dcp.save({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
         if self.world > 1:
             dist.barrier()
 
@@ -308,16 +311,26 @@ class FSDPBackend(SPMDCalls):
             ),
         )
         if (path / "optimizer").exists():
-            osd = self._per_optimizer(lambda opt, _: get_optimizer_state_dict(self.model, opt))
-            dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
-            for name, (opt, _) in self._optimizer_items():
-                set_optimizer_state_dict(self.model, opt, osd if name is None else osd[name])
+            with self._optimizers_materialized():
+                osd = self._per_optimizer(lambda opt, _: get_optimizer_state_dict(self.model, opt))
+                dcp.load({"optimizer": osd}, checkpoint_id=str(path / "optimizer"))
+                for name, (opt, _) in self._optimizer_items():
+                    set_optimizer_state_dict(self.model, opt, osd if name is None else osd[name])
         state_file = path / "trainer_state.json"
         if state_file.exists():
             with open(state_file) as f:
                 saved = json.load(f)["scheduler"]
             for name, (_, sched) in self._optimizer_items():
                 sched.load_state_dict(saved if name is None else saved[name])
+
+    @contextlib.contextmanager
+    def _optimizers_materialized(self):
+        """Every optimizer's state in memory (an offloaded one's brought in) while a
+        checkpoint reads or writes it."""
+        with contextlib.ExitStack() as stack:
+            for _, (opt, _) in self._optimizer_items():
+                stack.enter_context(materialized(opt))
+            yield
 
     def _optimizer_items(self) -> list[tuple[str | None, tuple]]:
         if self.lora:

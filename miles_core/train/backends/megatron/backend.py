@@ -40,6 +40,7 @@ from miles_core.train.loss_terms import (
     token_log_probs,
 )
 from miles_core.train.lr_schedule import build_optimizer
+from miles_core.train.optimizer_offload import materialized
 from miles_core.train.spmd_calls import SPMDCalls
 from miles_core.true_on_policy import ops
 from miles_core.true_on_policy.contract import trainer_dtype
@@ -441,14 +442,16 @@ class MegatronBackend(SPMDCalls):
                 json.dump(state, f)
         if self.world > 1:
             dist.barrier()
-        checkpoint.save(self, path / MEGATRON_DIR)
+        with materialized(self.optimizer):
+            checkpoint.save(self, path / MEGATRON_DIR)
 
     def _load(self, directory: str) -> None:
         from miles_core.train.backends.megatron import checkpoint
 
         path = Path(directory)
         if (path / MEGATRON_DIR).exists():
-            checkpoint.load(self, path / MEGATRON_DIR)
+            with materialized(self.optimizer):
+                checkpoint.load(self, path / MEGATRON_DIR)
         else:  # an HF directory (e.g. FSDP's checkpoint): the weights, a fresh optimizer
             self._set_full(self.model, convert.hf_to_megatron(self._hf_file(path), self.shapes))
         state_file = path / "trainer_state.json"
