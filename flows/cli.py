@@ -97,6 +97,25 @@ def _parser() -> argparse.ArgumentParser:
         help="override a dotted config key (rollout.precision_options.group_size=32, "
         "precision.keep_bf16.first_layers=1, …)",
     )
+    plan = sub.add_parser(
+        "plan", help="lay a run config out on a GPU fleet without starting it (plan/plan.py)"
+    )
+    plan.add_argument("--config", required=True, help="YAML config file")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs of the fleet, in all")
+    plan.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: rollout.max_new_tokens)",
+    )
+    plan.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a dotted config key",
+    )
     engine = sub.add_parser("engine", help="rollout engine commands")
     engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
     engine.add_argument("rest", nargs=argparse.REMAINDER, help="--model DIR --port P ...")
@@ -207,6 +226,21 @@ def _relaunch_under_torchrun(world_size: int, port_range=None) -> int:
     return subprocess.call([*cmd, *sys.argv[1:]])
 
 
+def _plan(args) -> int:
+    from miles_core.plan.plan import PlanError, make_plan
+    from miles_core.plan.report import render
+
+    if args.gpus < 1 or (args.seq_len is not None and args.seq_len < 1):
+        return _fail("--gpus and --seq-len must be positive")
+    try:
+        config = load_config(args.config, args.overrides)
+        plan = make_plan(config, args.gpus, args.seq_len)
+    except (PlanError, ValueError, OSError) as e:
+        return _fail(str(e))
+    print(render(plan, config))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     mark("main")
     args = _parser().parse_args(argv)
@@ -249,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify(args.family, args.conversations, args.turns, args.seed, args.model)
     if args.command == "convert":
         return _convert(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "run":
         return _unlock(args.name, args.checkpoint_root, args.storage_options)
     if args.command == "prefect":

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from miles_core.config.agent import AgentConfig
 from miles_core.config.base import Strict, in_trainer_process
 from miles_core.config.checkpoint import CheckpointConfig
+from miles_core.config.cluster import ClusterConfig
 from miles_core.config.data import DataConfig
 from miles_core.config.diffusion import DiffusionConfig
 from miles_core.config.eval import EvalConfig
@@ -43,6 +44,7 @@ class RunConfig(Strict):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     diffusion: DiffusionConfig | None = Field(
         None, description="an image run: a flow-matching image model and an image loss"

@@ -43,6 +43,24 @@ class ParallelConfig(Strict):
         description="expert parallel (MoE models): each of ep data-parallel ranks holds 1/ep of "
         "every layer's routed experts and runs them for the tokens of all ep",
     )
+    etp: int | None = Field(
+        None,
+        ge=1,
+        description="expert tensor parallel: each expert's columns split over etp ranks "
+        "(Megatron-core: etp × ep × expert-dp × pp = world_size); default tp",
+    )
+    pp_layers: list[int] | None = Field(
+        None,
+        description="layers of each pipeline stage, first to last (an uneven split, e.g. a "
+        "last stage that also holds the output layer); default: layers / pp each",
+    )
+
+    @field_validator("pp_layers")
+    @classmethod
+    def _positive_stages(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(n < 1 for n in v):
+            raise ValueError(f"pp_layers must be positive layer counts, got {v}")
+        return v
 
     @property
     def model_parallel(self) -> int:

@@ -105,6 +105,23 @@ class EngineKind:
         return "it does not run the invariant forward"
 
     @classmethod
+    def gpus_per_engine(cls, options: Any) -> int:
+        """The GPUs each of its engines spans under these options (0: it runs on CPUs)."""
+        return 0
+
+    @classmethod
+    def layout_problems(cls, options: Any, hf_config: dict[str, Any]) -> list[str]:
+        """What of the model does not split over its engines' GPUs under these options (each
+        naming the sizes; `miles plan`)."""
+        return []
+
+    @classmethod
+    def gpu_share(cls, options: Any) -> float | None:
+        """The share of each GPU's memory its engines take for weights and KV cache (None:
+        the engine's own default)."""
+        return None
+
+    @classmethod
     def in_trainer_process(cls) -> bool:
         """Its engine runs in the trainer's process (weights handed over as tensors), as
         opposed to engine servers."""

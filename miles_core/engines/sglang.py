@@ -30,6 +30,7 @@ class SGLangLaunch:
     port: int = 0
     host: str = "127.0.0.1"
     tp_size: int = 1
+    ep_size: int = 1
     dtype: str = "auto"
     context_length: int | None = None
     mem_fraction_static: float | None = None
@@ -66,6 +67,7 @@ class SGLangLaunch:
             "host": self.host,
             "port": self.port,
             "tp_size": self.tp_size,
+            "ep_size": self.ep_size if self.ep_size > 1 else None,
             "dtype": self.dtype,
             "context_length": self.context_length,
             "mem_fraction_static": self.mem_fraction_static,

@@ -21,6 +21,9 @@ class SGLangOptions(PluginOptions):
     )
     url: str | None = Field(None, description="an SGLang server already running: attach to it")
     tp_size: int = Field(1, ge=1, description="tensor-parallel GPUs of a launched server")
+    ep_size: int = Field(
+        1, ge=1, description="expert-parallel size within those GPUs (MoE models; divides tp_size)"
+    )
     mem_fraction_static: float | None = Field(
         None, gt=0, lt=1, description="GPU memory share of a launched server's weights and KV"
     )
@@ -28,6 +31,12 @@ class SGLangOptions(PluginOptions):
         default_factory=list, description="more sglang.launch_server flags, as on its command line"
     )
     start_timeout_s: float = Field(900.0, gt=0, description="how long a launch may take")
+
+    @model_validator(mode="after")
+    def _ep_within_tp(self) -> SGLangOptions:
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size})")
+        return self
 
     @model_validator(mode="after")
     def _launch_or_attach(self) -> SGLangOptions:
@@ -43,6 +52,29 @@ class SGLang(EngineKind):
     Options = SGLangOptions
 
     @classmethod
+    def gpus_per_engine(cls, options: SGLangOptions) -> int:
+        return options.tp_size
+
+    @classmethod
+    def layout_problems(cls, options: SGLangOptions, hf_config: dict) -> list[str]:
+        from miles_core.models.check import moe_sizes
+
+        bad = []
+        heads = int(hf_config.get("num_attention_heads") or 0)
+        if heads % options.tp_size:
+            bad.append(
+                f"num_attention_heads ({heads}) is not divisible by tp_size ({options.tp_size})"
+            )
+        experts = moe_sizes(hf_config).get("experts", 0)
+        if options.ep_size > 1 and experts % options.ep_size:
+            bad.append(f"its {experts} experts are not divisible by ep_size ({options.ep_size})")
+        return bad
+
+    @classmethod
+    def gpu_share(cls, options: SGLangOptions) -> float | None:
+        return options.mem_fraction_static
+
+    @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:
         from miles_core.engines.http import HttpEngine
         from miles_core.engines.sglang import SGLangLaunch, SGLangProcess, attach
@@ -55,6 +87,7 @@ class SGLang(EngineKind):
             python=o.python,
             model_path=str(setup.model_dir),
             tp_size=o.tp_size,
+            ep_size=o.ep_size,
             mem_fraction_static=o.mem_fraction_static,
             max_running_requests=setup.max_in_flight,
             random_seed=setup.seed,

@@ -31,7 +31,12 @@ from transformers import AutoConfig
 from miles_core.device import resolve_device
 from miles_core.train import distributed as spmd
 from miles_core.train.backends.megatron import convert
-from miles_core.train.backends.megatron.layout import Layout, check_model_divides, resolve_layout
+from miles_core.train.backends.megatron.layout import (
+    Layout,
+    check_buildable,
+    check_model_divides,
+    resolve_layout,
+)
 from miles_core.train.batch import TrainBatch
 from miles_core.train.forward import LossNeeds, MicroBatch, TokenOutputs
 from miles_core.train.loss_terms import (
@@ -123,6 +128,7 @@ class MegatronBackend(SPMDCalls):
         check_architecture(hf)
         self.shapes = convert.Shapes.of(hf)
         self.layout = resolve_layout(optim.get("parallel"), self.world)
+        check_buildable(self.layout)
         check_model_divides(self.layout, hf)
         apply_cpu_shim()
         init_model_parallel(self.layout)
@@ -208,6 +214,7 @@ class MegatronBackend(SPMDCalls):
         if resolve_device(settings.get("device") or "auto").type != "cpu":
             raise ValueError(CUDA_NOT_BUILT)
         layout = resolve_layout(settings.get("parallel"), int(settings.get("world_size", 1)))
+        check_buildable(layout)
         check_model_divides(layout, hf)
 
     def _no_pad_gradient(self, module, args, out: torch.Tensor) -> torch.Tensor:
