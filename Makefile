@@ -38,7 +38,7 @@ system:
 # if uv is not available
 $(STAMP): pyproject.toml infra/install.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m infra.install '.[test,openenv,server]'
+	$(BIN)/python -m infra.install '.[test,openenv,server,ray]'
 	touch $(STAMP)
 
 # torchao 0.18, an independent MX quantizer the precision tests compare against, kept out of the

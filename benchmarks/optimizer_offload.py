@@ -2,7 +2,7 @@
 resident, in host memory (`cpu`) and in bucket files (`disk`), side by side in one run.
 
 Each mode trains the same model (a Qwen3 of about 94M parameters, built here) for the same SFT
-steps in a fresh process. Per mode: the process's peak RSS, the optimizer state the process
+steps in a fresh process, on one thread. Per mode: the process's peak RSS, the optimizer state the process
 holds between steps, the median step time, and a checksum of the weights after the last step
 (the same in every mode: the offloaded optimizer is bitwise the resident one).
 
@@ -68,7 +68,10 @@ def child(mode: str, model_dir: str, state_dir: str) -> dict:
     offload = {"optimizer": mode, "bucket_mb": BUCKET_MB}
     if mode == "disk":
         offload["dir"] = state_dir
-    settings = RunConfig().train.model_copy(update={"lr": 1e-4, "micro_batch_size": 8})
+    # one thread: a CPU embedding's backward sums rows in a thread-dependent order, and the
+    # weights must be comparable bit for bit across the modes' processes
+    update = {"lr": 1e-4, "micro_batch_size": 8, "threads": 1}
+    settings = RunConfig().train.model_copy(update=update)
     settings = settings.model_dump() | {"offload": offload}
     trainer = BACKENDS.get("fsdp")(model_dir=model_dir, optim=settings, loss=settings)
     tok = AutoTokenizer.from_pretrained(model_dir)

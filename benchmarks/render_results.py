@@ -879,7 +879,8 @@ def optimizer_offload(r: dict[str, Any]) -> list[str]:
     out += [
         "",
         f"The FSDP trainer on a {r['params'] / 1e6:.0f}M-parameter Qwen3, {r['steps']} SFT steps "
-        f"per mode in a fresh process, {r['bucket_mb']} MB buckets; step s: the median after "
+        f"per mode in a fresh process on one thread, {r['bucket_mb']} MB buckets; step s: the "
+        "median after "
         "the first. On a CPU trainer `cpu` keeps the state where `none` does (host memory is "
         "the device's); on a GPU it moves it off the GPU. `disk` holds one bucket at a time: "
         f"peak RSS ×{r['disk_peak_rss_ratio']:.2f}, step time ×{r['disk_step_time_ratio']:.2f}.",

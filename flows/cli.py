@@ -299,7 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         return _fail(str(e))
 
-    world = config.train.world_size
+    from miles_core.cluster.backend import CLUSTERS
+
+    # the ranks this command's processes hold: the cluster backend may place them elsewhere
+    world = (
+        config.train.world_size if CLUSTERS.get(config.cluster.backend).ranks_under_torchrun else 1
+    )
     if world > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return _relaunch_under_torchrun(world, config.network.ports)
     if int(os.environ.get("RANK", "0")) > 0:

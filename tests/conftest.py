@@ -134,6 +134,7 @@ def session_stack(tmp_path_factory):
 LONGEST_MODULES = (
     "test_kill_resume",
     "test_multirank",
+    "test_ray",
     "test_flow",
     "test_agentic_run",
     "test_engine_recovery",

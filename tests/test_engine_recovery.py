@@ -81,6 +81,9 @@ class Saboteur:
                 return
         self.popen = self.process.proc
         self.at = time.monotonic()
+        self.strike()
+
+    def strike(self) -> None:
         os.kill(self.popen.pid, self.sig)
 
     def join(self) -> None:
@@ -96,7 +99,7 @@ class Saboteur:
             self.popen.wait(10)
 
 
-def _run(cfg, sig: int | None, during_step: int = 1):
+def _run(cfg, sig: int | None, during_step: int = 1, saboteur_class: type | None = None):
     """STEPS steps on an RLRuntime; `sig` is sent to the engine mid-rollout in `during_step`.
     Returns the trained rollout ids and data indices per step, metrics, and the runtime's
     supervisor and saboteur after close."""
@@ -106,7 +109,7 @@ def _run(cfg, sig: int | None, during_step: int = 1):
         first_pid = rt.engine_process.pid
         for step in range(STEPS):
             if sig is not None and step == during_step:
-                saboteur = Saboteur(rt.engine_process, sig).start()
+                saboteur = (saboteur_class or Saboteur)(rt.engine_process, sig).start()
             result = rt.rollout(step)
             trained.append(
                 [(s.rollout_id, s.metadata["data_index"], s.tokens) for s in result.samples]

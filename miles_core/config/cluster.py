@@ -1,13 +1,26 @@
-"""The `cluster:` section: the GPUs a run is laid out on (`miles plan`, `plan/`)."""
+"""The `cluster:` section: where a run's processes run (`cluster.backend`, `cluster/`) and the
+GPUs it is laid out on (`miles plan`, `plan/`)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from miles_core.config.base import Strict
+from miles_core.config.base import PluginOptionsField, Strict, options_field, plugin_validators
+
+
+def _clusters():
+    from miles_core.cluster.backend import CLUSTERS
+
+    return CLUSTERS
 
 
 class ClusterConfig(Strict):
+    backend: str = Field(
+        "local",
+        description="where trainer ranks and engine servers run: local (this machine: torchrun "
+        "ranks, subprocesses), ray (actors placed on a Ray cluster), or 'package.module:Class'",
+    )
+    backend_options: PluginOptionsField = options_field("backend")
     colocate: bool = Field(
         False,
         description="trainer ranks and rollout engines share the same GPUs (taking turns: the "
@@ -22,3 +35,5 @@ class ClusterConfig(Strict):
         description="of each GPU's memory, what the plan keeps out of its estimates: the CUDA "
         "context, communication buffers, the allocator's fragmentation",
     )
+
+    _backend, _backend_options = plugin_validators("backend", _clusters)

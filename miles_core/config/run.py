@@ -84,6 +84,22 @@ class RunConfig(Strict):
             )
 
     @model_validator(mode="after")
+    def _cluster_runs_it(self) -> RunConfig:
+        """The cluster backend runs this kind of run (`ClusterBackend.runs`)."""
+        from miles_core.cluster.backend import CLUSTERS
+
+        runs = CLUSTERS.get(self.cluster.backend).runs
+        for kind, section, present in (
+            ("sft", "an SFT warm start (sft:)", self.sft is not None),
+            ("image", "an image run (diffusion:)", self.diffusion is not None),
+        ):
+            if present and kind not in runs:
+                raise ValueError(
+                    f"cluster.backend {self.cluster.backend!r} does not run {section} yet"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _batch_invariant(self) -> RunConfig:
         r, t = self.rollout, self.train
         if (t.routing_replay or t.check_routing_replay) and moe.PATH not in r.token_fields:

@@ -36,7 +36,7 @@ class EngineFleet:
     engine servers (none for an in-process engine), each with its own client (weight pushes and
     checks) and its supervisor (from `supervise`), and the router in front of several."""
 
-    def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path):
+    def __init__(self, config, model, tokenizer, model_dir: Path, workdir: Path, cluster=None):
         from miles_core.lora.adapter import engine_spec
         from miles_core.precision.plan import QuantPlan
         from miles_core.processes.auth import run_key
@@ -70,6 +70,8 @@ class EngineFleet:
             QuantPlan.spec_of(config),
             engine_spec(config.train.lora, model),
         )
+        if cluster is not None:  # the run's cluster places the engine servers (cluster/)
+            setup.start_process = cluster.start_process
         built = ENGINES.get(r.engine).build(setup)
         self.config = config
         self.engine: RolloutEngine = built.engine

@@ -6,6 +6,7 @@ each (`@ENGINES.register(name)`); another is an import path `package.module:Kind
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ class EngineSetup:
     lora: dict | None = (
         None  # adapters served per request (train.lora: lora/adapter.py engine_spec)
     )
+    # starts engine server `i`'s process (a ManagedProcess) where the run's cluster puts it
+    start_process: Callable[[Any, int], Any] = field(default=lambda process, i: process.start())
 
     @property
     def batch(self) -> int:
@@ -103,6 +106,12 @@ class EngineKind:
         """Why its engines cannot generate with the invariant forward of `train.true_on_policy`
         under these options (`rollout.engine_options`); None: they can."""
         return "it does not run the invariant forward"
+
+    @classmethod
+    def num_engines(cls, options: Any) -> int:
+        """The engine servers it starts under these options (0: it runs in the trainer's
+        process)."""
+        return 0 if cls.in_trainer_process() else 1
 
     @classmethod
     def gpus_per_engine(cls, options: Any) -> int:

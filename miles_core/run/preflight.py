@@ -128,6 +128,14 @@ def _call_budget(config: RunConfig) -> tuple[str, int]:
     return "rollout.max_new_tokens", config.rollout.max_new_tokens
 
 
+def _check_cluster(config: RunConfig) -> None:
+    """The cluster backend can start the run (the Ray cluster answers, …)."""
+    from miles_core.cluster.backend import CLUSTERS
+
+    c = config.cluster
+    CLUSTERS.get(c.backend).check(config, CLUSTERS.options(c.backend, c.backend_options))
+
+
 def _check_plugins(config: RunConfig) -> None:
     """Every agent plug-in path imports and names a callable of the right kind."""
     from miles_core.agents.layers import load_plugin
@@ -362,6 +370,7 @@ def preflight(config: RunConfig, resume: bool = False, resume_step: int | None =
 
 def _check_all(config: RunConfig, resume: bool, resume_step: int | None) -> None:
     _check_plugins(config)
+    _check_cluster(config)
     if config.diffusion is not None:
         from miles_core.diffusion.preflight import check_image_run
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from miles_core.checkpoint.checkpointing import Checkpointing
 from miles_core.checkpoint.store import CheckpointStore, fetch_model_dir
+from miles_core.cluster.backend import start_cluster
 from miles_core.config import RunConfig
 from miles_core.data import TASKS, PromptSource, rl_examples
 from miles_core.engines.fleet import EngineFleet
@@ -74,9 +75,13 @@ class RLRuntime:
         with contextlib.ExitStack() as started:  # unwound if any start below fails
             self.workdir = new_workdir()
             started.callback(shutil.rmtree, self.workdir, ignore_errors=True)
-            self.fleet = EngineFleet(config, model, self.tokenizer, model_dir, self.workdir)
+            self.cluster = start_cluster(config)  # where the ranks and servers run
+            started.callback(self.cluster.close)
+            self.fleet = EngineFleet(
+                config, model, self.tokenizer, model_dir, self.workdir, self.cluster
+            )
             started.callback(self.fleet.close)
-            self.trainer = build_trainer(config, model_dir)
+            self.trainer = build_trainer(config, model_dir, self.cluster)
             started.callback(self.trainer.close)
             plan = QuantPlan.of(config, int(model.config.num_hidden_layers))
             self.weights = WeightSync(config, self.trainer, self.fleet, self.workdir, plan)

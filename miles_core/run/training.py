@@ -20,18 +20,20 @@ from miles_core.true_on_policy.contract import TRUE_ON_POLICY
 from miles_core.types import SampleGroup
 
 
-def build_trainer(config, model_dir: Path) -> TrainerBackend:
-    """The trainer backend of `config.train`, loaded from the HF directory `model_dir`. Its
-    settings are `config.train`'s, plus, with `train.true_on_policy`, the compute dtype of the
-    invariant forward it shares with the engines (`true_on_policy_dtype`), and with `train.qat`
-    the format and keep-list its forward fake-quantizes with (`qat_precision`)."""
+def build_trainer(config, model_dir: Path, cluster=None) -> TrainerBackend:
+    """The trainer backend of `config.train`, loaded from the HF directory `model_dir`, built
+    where `cluster` (the run's `cluster/backend.py: Cluster`; none: in this process) puts its
+    ranks. Its settings are `config.train`'s, plus, with `train.true_on_policy`, the compute
+    dtype of the invariant forward it shares with the engines (`true_on_policy_dtype`), and
+    with `train.qat` the format and keep-list its forward fake-quantizes with
+    (`qat_precision`)."""
     train = config.train
     settings = train.model_dump()
     if train.true_on_policy:
         settings["true_on_policy_dtype"] = TRUE_ON_POLICY.dtype(config)
     if train.qat:
         settings["qat_precision"] = QuantPlan.spec_of(config)
-    return BACKENDS.get(train.backend)(
+    kwargs = dict(
         model_dir=str(model_dir),
         optim=settings,
         loss=train.model_dump(),
@@ -39,6 +41,9 @@ def build_trainer(config, model_dir: Path) -> TrainerBackend:
         seed=config.seed,
         device=train.device,
     )
+    if cluster is None:
+        return BACKENDS.get(train.backend)(**kwargs)
+    return cluster.trainer(train.backend, kwargs)
 
 
 def adapters_of(groups: list[SampleGroup]) -> dict[str, list[SampleGroup]]:

@@ -68,6 +68,10 @@ class Server(Serving):
     Options = ServerOptions
 
     @classmethod
+    def num_engines(cls, options: ServerOptions) -> int:
+        return options.num_engines
+
+    @classmethod
     def build(cls, setup: EngineSetup) -> BuiltEngine:
         from miles_core.engines.http import EngineProcess, HttpEngine
 
@@ -84,6 +88,7 @@ class Server(Serving):
             args += ["--lora", json.dumps(s.lora)]
         supervision = Supervision(o.health_interval_s, o.health_timeout_s, o.max_engine_restarts)
         servers: list[tuple[Any, RolloutEngine]] = []
+        processes: list[Any] = []
         router = None
         try:
             for i in range(o.num_engines):
@@ -95,7 +100,10 @@ class Server(Serving):
                     port_range=s.port_range,
                     api_key=s.api_key,  # in the child's environment, not its command line
                     weight_roots=s.weight_roots,  # the disk transport's root (miles_core/processes/roots.py)
-                ).start()
+                )
+                # started here, or where the run's cluster puts it (maybe all at once)
+                processes.append(s.start_process(process, i))
+            for process in processes:
                 # our engine server takes SGLang's batch form: one call per group
                 client = HttpEngine(
                     process.url,
@@ -120,8 +128,9 @@ class Server(Serving):
             )
             return BuiltEngine(routed, servers, router, supervision=supervision)
         except BaseException:
-            for process, client in servers:
+            for _, client in servers:
                 client.close()
+            for process in processes:
                 process.stop()
             if router is not None:
                 router.stop()

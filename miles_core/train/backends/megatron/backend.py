@@ -58,6 +58,18 @@ CUDA_NOT_BUILT = (
 )
 
 
+def _groups_alive() -> bool:
+    """Megatron's groups belong to the current default group (one destroyed and made anew, a
+    later run in the same process, leaves them stale)."""
+    from megatron.core import parallel_state as ps
+
+    try:
+        dist.get_rank(ps.get_model_parallel_group())
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
 def init_model_parallel(layout: Layout) -> None:
     """Megatron's process groups for `layout` (kept if they exist for the same layout)."""
     from megatron.core import parallel_state as ps
@@ -69,7 +81,7 @@ def init_model_parallel(layout: Layout) -> None:
             and ps.get_context_parallel_world_size() == layout.cp
             and ps.get_expert_model_parallel_world_size() == layout.ep
         )
-        if same:
+        if same and _groups_alive():
             return
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

@@ -1,0 +1,1 @@
+"""The built-in cluster backends: `local` and `ray`."""
