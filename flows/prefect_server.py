@@ -216,6 +216,8 @@ def _spawn(folder: Path):
         "PREFECT_HOME": str(folder.parent),
         _KEPT_ENV: str(folder),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # the UI asks the API at this address (its default is port 4200's: "Can't connect")
+        "PREFECT_UI_API_URL": url,
     }
     command = server_command(port, factory="flows.prefect_server:kept_app")
     return spawn(NAME, command, env, port, url, f"{url}/health", folder / f"{NAME}.log")

@@ -85,6 +85,11 @@ def test_runs_share_one_kept_server_which_keeps_their_logs_and_stops_once_idle(t
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.splitlines()[-1])["steps"] == 2.0
         assert f"Prefect UI: {record.url.removesuffix('/api')}" in done.stderr  # the same one
+        # the UI served there asks this server's API, not port 4200's
+        assert (
+            httpx.get(record.url.removesuffix("/api") + "/ui-settings").json()["api_url"]
+            == record.url
+        )
         runs = httpx.post(f"{record.url}/flow_runs/filter", json={}).json()
         assert [r["state_type"] for r in runs] == ["COMPLETED"]
         logs = httpx.post(
