@@ -36,6 +36,15 @@ from miles_core.config import RunConfig, load_config
 from miles_core.run.timeline import mark
 
 
+def _overrides_argument(
+    parser: argparse.ArgumentParser, help_text: str = "override a dotted config key"
+) -> None:
+    """`--set KEY=VALUE`, repeatable: the config overrides of a command that reads a config."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="miles", description="RL post-training on Prefect + MLflow")
     sub = p.add_subparsers(dest="command", required=True)
@@ -45,14 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         c = sub.add_parser(name, help=help_text)
         c.add_argument("--config", required=False, help="YAML config file")
-        c.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a dotted config key",
-        )
+        _overrides_argument(c)
         c.add_argument(
             "--no-progress", action="store_true", help="log lines instead of a progress bar"
         )
@@ -88,13 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument(
         "--config", default=None, help="a run config: its rollout.precision and precision.keep_bf16"
     )
-    conv.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a dotted config key (rollout.precision_options.group_size=32, "
+    _overrides_argument(
+        conv,
+        "override a dotted config key (rollout.precision_options.group_size=32, "
         "precision.keep_bf16.first_layers=1, …)",
     )
     plan = sub.add_parser(
@@ -108,14 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per sequence (default: rollout.max_new_tokens)",
     )
-    plan.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a dotted config key",
-    )
+    _overrides_argument(plan)
     engine = sub.add_parser("engine", help="rollout engine commands")
     engine.add_argument("action", choices=["serve"], help="serve: the HTTP engine server")
     engine.add_argument("rest", nargs=argparse.REMAINDER, help="--model DIR --port P ...")
