@@ -141,7 +141,10 @@ def test_sharded_parameters_keep_their_layout_through_the_store(tmp_path):
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend, mode", [("fsdp", "disk"), ("megatron", "disk")])
+@pytest.mark.parametrize(
+    "backend, mode",
+    [("fsdp", "disk"), pytest.param("megatron", "disk", marks=pytest.mark.slow)],
+)
 def test_a_trainer_trains_and_resumes_bitwise_with_offloaded_state(
     backend, mode, tiny_dir, tiny, tmp_path
 ):
