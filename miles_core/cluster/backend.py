@@ -22,9 +22,10 @@ class Cluster:
         public calls behave as the local trainer's."""
         raise NotImplementedError
 
-    def start_process(self, process: Any, engine: int) -> Any:
+    def start_process(self, process: Any, engine: int, timeout: float = 120.0) -> Any:
         """Starts the engine server `process` (a `ManagedProcess` not yet started) for engine
-        `engine`; returns what the supervisor watches (`url`, `pid`, `proc`, `start`, `stop`)."""
+        `engine`, healthy within `timeout` s; returns what the supervisor watches (`url`, `pid`,
+        `proc`, `start`, `stop`)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -36,8 +36,11 @@ class EngineSetup:
     lora: dict | None = (
         None  # adapters served per request (train.lora: lora/adapter.py engine_spec)
     )
-    # starts engine server `i`'s process (a ManagedProcess) where the run's cluster puts it
-    start_process: Callable[[Any, int], Any] = field(default=lambda process, i: process.start())
+    # starts engine server `i`'s process (a ManagedProcess) where the run's cluster puts it,
+    # healthy within `timeout` seconds
+    start_process: Callable[..., Any] = field(
+        default=lambda process, i, timeout=120.0: process.start(timeout=timeout)
+    )
 
     @property
     def batch(self) -> int:

@@ -180,6 +180,7 @@ def test_sglang_launch_flags_are_sglang_server_args():
         model_path="/ckpt/policy",
         port=30001,
         tp_size=2,
+        ep_size=2,  # experts over the same GPUs (miles plan's engine layout)
         context_length=4096,
         mem_fraction_static=0.7,
         max_running_requests=128,
@@ -200,6 +201,7 @@ def test_sglang_launch_flags_are_sglang_server_args():
     assert (
         cmd[cmd.index("--model-path") + 1] == "/ckpt/policy"
         and cmd[cmd.index("--tp-size") + 1] == "2"
+        and cmd[cmd.index("--ep-size") + 1] == "2"
     )
     flags = [a[2:].replace("-", "_") for a in cmd if a.startswith("--")]
     assert set(flags) <= set(API["server_args"]), set(flags) - set(API["server_args"])

@@ -14,8 +14,8 @@ class LocalCluster(Cluster):
 
         return BACKENDS.get(backend)(**kwargs)
 
-    def start_process(self, process: Any, engine: int) -> Any:
-        return process.start()
+    def start_process(self, process: Any, engine: int, timeout: float = 120.0) -> Any:
+        return process.start(timeout=timeout)
 
 
 @CLUSTERS.register("local")

@@ -116,11 +116,11 @@ class RayCluster(Cluster):
         self._ranks = []  # the trainer owns them now
         return RayTrainer(ranks, following, built, timeout)
 
-    def start_process(self, process: Any, engine: int) -> Any:
+    def start_process(self, process: Any, engine: int, timeout: float = 120.0) -> Any:
         bundle = self.layout.engine_bundles(engine)[0]
         spawn = lambda: self._on(bundle, EngineHost, ENGINE_GPU).remote({})  # noqa: E731
         log.info("engine %d: starting its server from a Ray actor on bundle %d", engine, bundle)
-        return PlacedProcess(process, spawn, self.options.actor_timeout_s).launch()
+        return PlacedProcess(process, spawn, self.options.actor_timeout_s).launch(timeout)
 
     def close(self) -> None:
         import ray

@@ -96,7 +96,9 @@ class SGLang(EngineKind):
         ).serve_adapters(setup.lora)
         process = SGLangProcess(
             launch, log_path=setup.workdir / "sglang.log", port_range=setup.port_range
-        ).start(o.start_timeout_s)
+        )
+        # started here, or by an actor where the run's cluster places it
+        process = setup.start_process(process, 0, o.start_timeout_s)
         client = HttpEngine(
             process.url,
             concurrency=setup.max_in_flight,
