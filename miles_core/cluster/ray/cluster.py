@@ -120,7 +120,7 @@ class RayCluster(Cluster):
         bundle = self.layout.engine_bundles(engine)[0]
         spawn = lambda: self._on(bundle, EngineHost, ENGINE_GPU).remote({})  # noqa: E731
         log.info("engine %d: starting its server from a Ray actor on bundle %d", engine, bundle)
-        return PlacedProcess(process, spawn, self.options.actor_timeout_s).launch(timeout)
+        return PlacedProcess(process, spawn).launch(timeout)
 
     def close(self) -> None:
         import ray

@@ -84,10 +84,9 @@ class PlacedProcess:
     waiting (several engines start at once); the first use of its URL, PID or process waits
     until it serves. `start()` (the supervisor's, for a replacement) waits at once."""
 
-    def __init__(self, process: Any, spawn: Callable[[], Any], timeout_s: float):
+    def __init__(self, process: Any, spawn: Callable[[], Any]):
         self._process = process
         self._spawn = spawn
-        self._timeout_s = timeout_s
         self._pending: tuple[Any, Any, float] | None = None  # (actor, its start, timeout)
         self._pid: int | None = None
         self._proc: RemoteProc | None = None
