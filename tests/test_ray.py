@@ -56,7 +56,8 @@ def test_bundles_follow_the_gpus_and_what_cannot_be_placed_fails_clearly(ray_add
     from ray.util.placement_group import remove_placement_group
 
     from miles_core.cluster.ray.connect import connect
-    from miles_core.cluster.ray.placement_group import Layout, create
+    from miles_core.cluster.ray.placement_group import create
+    from miles_core.plan.placement import Layout
 
     connect(ray_address)
     layout = Layout(train=2, engines=2, per_engine=1, colocate=False)

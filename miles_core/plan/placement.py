@@ -11,6 +11,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How many bundles a run takes and which ones each side gets (`miles plan` prints it,
+    `cluster/ray/` places by it)."""
+
+    train: int  # trainer ranks, one bundle each
+    engines: int
+    per_engine: int  # bundles (GPUs) of one engine
+    colocate: bool
+
+    @property
+    def total(self) -> int:
+        rollout = self.engines * self.per_engine
+        return max(self.train, rollout) if self.colocate else self.train + rollout
+
+    def engine_bundles(self, engine: int) -> list[int]:
+        offset = 0 if self.colocate else self.train
+        g = self.per_engine
+        return list(range(offset + engine * g, offset + (engine + 1) * g))
+
+    def describe(self) -> str:
+        engines = f"{self.engines} engine(s) × {self.per_engine} GPU(s)"
+        how = "sharing the trainer's" if self.colocate else "after the trainer's"
+        return f"{self.train} trainer rank(s) and {engines}, {how}"
+
+
 @dataclass
 class Bundle:
     index: int
@@ -22,15 +48,22 @@ class Bundle:
 @dataclass
 class Placement:
     bundles: list[Bundle]
-    train_ranks: int
-    engines: int
-    gpus_per_engine: int
-    colocate: bool
+    layout: Layout
+
+    @property
+    def engines(self) -> int:
+        return self.layout.engines
+
+    @property
+    def gpus_per_engine(self) -> int:
+        return self.layout.per_engine
+
+    @property
+    def colocate(self) -> bool:
+        return self.layout.colocate
 
     def engine_bundles(self, engine: int) -> list[int]:
-        offset = 0 if self.colocate else self.train_ranks
-        g = self.gpus_per_engine
-        return list(range(offset + engine * g, offset + (engine + 1) * g))
+        return self.layout.engine_bundles(engine)
 
 
 def rollout_gpus(total: int, train_ranks: int, colocate: bool) -> int:
@@ -46,7 +79,7 @@ def place(
         rollout_gpus(total, train_ranks, colocate) // gpus_per_engine if gpus_per_engine else 0
     )
     bundles = [Bundle(i, i // gpus_per_node, i % gpus_per_node) for i in range(total)]
-    placement = Placement(bundles, train_ranks, engines, gpus_per_engine, colocate)
+    placement = Placement(bundles, Layout(train_ranks, engines, gpus_per_engine, colocate))
     for rank in range(train_ranks):
         bundles[rank].roles.append(f"train rank {rank}")
     for e in range(engines):

@@ -8,8 +8,9 @@ from typing import Any
 from miles_core.cluster.backend import Cluster
 from miles_core.cluster.ray.connect import connect
 from miles_core.cluster.ray.engines import EngineHost, PlacedProcess
-from miles_core.cluster.ray.placement_group import Layout, create
+from miles_core.cluster.ray.placement_group import create
 from miles_core.cluster.ray.trainer import RayTrainer, TrainerRank
+from miles_core.plan.placement import Layout
 
 log = logging.getLogger("miles")
 

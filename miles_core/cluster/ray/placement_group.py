@@ -11,36 +11,11 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from miles_core.plan.placement import Layout
+
 POLL_S = 2.0
-
-
-@dataclass
-class Layout:
-    """How many bundles a run takes, and which ones each side gets."""
-
-    train: int  # trainer ranks, one bundle each
-    engines: int
-    per_engine: int  # bundles (GPUs) of one engine
-    colocate: bool
-
-    @property
-    def total(self) -> int:
-        rollout = self.engines * self.per_engine
-        return max(self.train, rollout) if self.colocate else self.train + rollout
-
-    def engine_bundles(self, engine: int) -> list[int]:
-        offset = 0 if self.colocate else self.train
-        return list(
-            range(offset + engine * self.per_engine, offset + (engine + 1) * self.per_engine)
-        )
-
-    def describe(self) -> str:
-        engines = f"{self.engines} engine(s) × {self.per_engine} GPU(s)"
-        how = "sharing the trainer's" if self.colocate else "after the trainer's"
-        return f"{self.train} trainer rank(s) and {engines}, {how}"
 
 
 def _probe_class():
