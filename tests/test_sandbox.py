@@ -105,3 +105,67 @@ def test_huge_output_and_huge_files_are_cut(sandbox):
     r = sandbox.run("head -c 5000000 /dev/zero > big.bin")
     assert not r.ok
     assert (sandbox.workspace / "big.bin").stat().st_size <= 1 << 20
+
+
+def test_links_in_the_workspace_are_reported_and_never_followed(sandbox):
+    """A linked answer file is not the answer: the host-side helpers report a link as one, to a
+    file of the workspace or outside it, as the path or on the way, and never follow it."""
+    from miles_core.envs.terminal import TerminalTask
+    from miles_core.envs.workspace import WorkspaceLink
+
+    sandbox.write("real.txt", "the answer")
+    r = sandbox.run("ln -s real.txt answer.txt && ln -s /etc etc && mkdir d && ln -s d e")
+    assert r.ok, r.output
+    assert [sandbox.kind(p) for p in ("real.txt", "answer.txt", "etc/passwd", "e/x", "d")] == [
+        "file",
+        "link",
+        "link",
+        "link",
+        "directory",
+    ]
+    with pytest.raises(WorkspaceLink, match=r"'answer.txt' .* link \(to 'real.txt'\)"):
+        sandbox.read("answer.txt")
+    with pytest.raises(WorkspaceLink, match="'etc'"):
+        sandbox.read("etc/hostname")
+    with pytest.raises(WorkspaceLink):
+        sandbox.write("etc/evil", "x")  # through a link: refused, nothing written
+    assert not Path("/etc/evil").exists()
+    task = TerminalTask("create", "", checks=[{"file": "answer.txt", "equals": "the answer"}])
+    assert task.check(sandbox) == 0.0
+    sandbox.write("answer.txt", "restored")  # the link itself is replaced, not its target
+    assert sandbox.kind("answer.txt") == "file" and sandbox.read("real.txt") == "the answer"
+    assert task.check(sandbox) == 0.0 and sandbox.read("answer.txt") == "restored"
+
+
+def test_a_workspace_never_holds_more_than_its_disk_quota():
+    """1 MiB per file, 3 MiB in all: a command writing 1 MiB files without end is stopped
+    ("disk quota") and what it wrote past the quota is cut; what was there before is kept."""
+    limits = SandboxLimits(cpu_s=10, wall_s=20, file_mb=1, disk_mb=3)
+    with Sandbox(limits) as sb:
+        sb.write("kept.txt", "x" * 500_000)
+        r = sb.run("i=0; while true; do head -c 1048576 /dev/zero > f$i; i=$((i+1)); done")
+        assert r.killed_by == "disk quota" and r.seconds < 10, r
+        assert sb.files.usage() <= 3 << 20
+        assert sb.read("kept.txt") == "x" * 500_000
+        r = sb.run("head -c 4000000 /dev/zero | split -b 1000000 - g")  # faster than a poll
+        assert r.killed_by == "disk quota" and sb.files.usage() <= 3 << 20
+        assert sb.run("rm -f f* g* && echo ok").output == "ok\n"  # room again
+
+
+@pytest.mark.slow
+def test_every_sandboxed_process_is_reaped_here(sandbox):
+    """200 commands, some leaving a process behind: no zombie anywhere afterwards, and no
+    process of ours left (bwrap's namespace init is reaped inside the sandbox's own PID
+    namespace, not handed to PID 1)."""
+    import psutil
+
+    def zombies() -> set[int]:
+        return {p.pid for p in psutil.process_iter(["status"]) if p.info["status"] == "zombie"}
+
+    before = zombies()
+    for i in range(200):
+        assert sandbox.run("sleep 5 &" if i % 20 == 0 else "true").ok
+    assert sandbox.run("sleep 100").killed_by == "wall time"
+    assert zombies() - before == set()
+    chain = {"prlimit", "unshare", "setpriv", "bwrap", "sh", "sleep", "true"}
+    assert [p for p in psutil.Process().children(recursive=True) if p.name() in chain] == []

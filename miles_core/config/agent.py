@@ -20,6 +20,9 @@ class SandboxConfig(Strict):
     memory_mb: int | None = Field(None, gt=0, description="address space per command (MiB)")
     processes: int | None = Field(None, gt=0, description="processes (enforced as root)")
     file_mb: int | None = Field(None, gt=0, description="largest file a command may write (MiB)")
+    disk_mb: int | None = Field(
+        None, gt=0, description="disk the whole workspace may hold (MiB; enforced per command)"
+    )
 
     def overrides(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
