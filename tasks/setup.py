@@ -50,6 +50,7 @@ def start_tracking(
         run_id=latest_state(config, resume_step).get("mlflow_run_id") if resume else None,
         parent_run_id=parent_run_id,
         flush_interval_s=config.tracking.flush_interval_s,
+        artifact_location=config.tracking.artifact_location,
     )
 
 

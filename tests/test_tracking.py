@@ -325,3 +325,26 @@ def test_training_success_is_logged_as_a_9_step_average_across_a_resume(make_tra
     assert sorted(got) == list(range(13))
     assert {s: got[s] for s in rerun} == pytest.approx(want, abs=1e-12)
     assert got[12] != pytest.approx(sum(rerun.values()) / 4)  # not the resumed steps alone
+
+
+def test_artifacts_land_beside_a_new_sqlite_store_or_where_the_config_says(tmp_path, monkeypatch):
+    """Whatever the directory a run starts in: with `sqlite:////abs/path.db` the artifacts of
+    a new experiment and of the store's `Default` experiment (where evaluations of a version
+    with no run go) are under `<db folder>/mlruns`; `tracking.artifact_location` moves them."""
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    (tmp_path / "store").mkdir()
+    for experiment in ("mine", "Default"):
+        Tracker(uri, experiment, "run").log_dict_artifact({"a": 1}, "a.json")
+    found = sorted(p.relative_to(tmp_path).parts[:3] for p in tmp_path.rglob("a.json"))
+    assert found == [("store", "mlruns", "0"), ("store", "mlruns", "mine")]  # "0": Default
+    assert list(elsewhere.iterdir()) == []
+
+    there = tmp_path / "artifacts"
+    uri = f"sqlite:///{tmp_path}/other.db"
+    Tracker(uri, "mine", "run", artifact_location=str(there)).log_dict_artifact({}, "b.json")
+    [b] = list(tmp_path.rglob("b.json"))
+    assert b.is_relative_to(there / "mine")
+    assert list(elsewhere.iterdir()) == []

@@ -12,6 +12,12 @@ class TrackingConfig(Strict):
     tracking_uri: str | None = Field(
         None, description="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"
     )
+    artifact_location: str | None = Field(
+        None,
+        description="where a new experiment keeps its runs' artifacts (a folder or a URI, e.g. "
+        "s3://bucket/mlruns; one sub-folder per experiment); default: beside a SQLite store "
+        "(<db folder>/mlruns/<experiment>), else the tracking server's default",
+    )
     run_name: str | None = None
     register_policy: bool = Field(
         True, description="record each checkpoint as a registered model version"

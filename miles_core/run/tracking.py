@@ -7,6 +7,7 @@ used here, so a :class:`Tracker` can be driven from any thread or process.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -24,6 +25,8 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
+
+log = logging.getLogger("miles")
 
 # MLflow's per-request limits (mlflow.utils.validation).
 MAX_PARAMS_PER_BATCH = 100
@@ -89,14 +92,38 @@ def check_tracking_uri(uri: str, setting: str = "tracking.tracking_uri") -> None
             raise ValueError(f"{setting} {uri!r}: folder {folder} does not exist")
 
 
-def _artifact_root(tracking_uri: str, experiment: str) -> str | None:
-    """For a SQLite store, artifacts live beside the DB file (`<db dir>/mlruns/<experiment>`),
-    not in whatever directory the process happens to run in; other stores keep their default."""
-    if not tracking_uri.startswith("sqlite:///"):
-        return None
-    db = Path(tracking_uri.removeprefix("sqlite:///"))
+def _sqlite_path(tracking_uri: str) -> Path | None:
+    return (
+        Path(tracking_uri.removeprefix("sqlite:///"))
+        if tracking_uri.startswith("sqlite:///")
+        else None
+    )
+
+
+def _artifact_root(tracking_uri: str, experiment: str, configured: str | None = None) -> str | None:
+    """Where a new experiment keeps its runs' artifacts: `configured` (a folder or a URI; each
+    experiment in a sub-folder of its name), else, for a SQLite store, beside the DB file
+    (`<db dir>/mlruns/<experiment>`), not in whatever directory the process runs in; else the
+    store's default (None)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", experiment)
-    return (db.parent / "mlruns" / safe).resolve().as_uri()
+    if configured is not None:
+        if "://" in configured:
+            return f"{configured.rstrip('/')}/{safe}"
+        return (Path(configured).expanduser() / safe).resolve().as_uri()
+    db = _sqlite_path(tracking_uri)
+    return None if db is None else (db.parent / "mlruns" / safe).resolve().as_uri()
+
+
+def _create_sqlite_store(tracking_uri: str, configured: str | None) -> None:
+    """A new SQLite store, created with the artifact root of its `Default` experiment beside it
+    (or under `configured`): MLflow would give it `./mlruns` of the current directory."""
+    db = _sqlite_path(tracking_uri)
+    if db is None or db.exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    root = _artifact_root(tracking_uri, "", configured)
+    SqlAlchemyStore(tracking_uri, root.rstrip("/") if root else None)
 
 
 REDACTED = "<redacted>"
@@ -152,8 +179,11 @@ class Tracker:
         run_id: str | None = None,
         parent_run_id: str | None = None,
         flush_interval_s: float = 0.0,
+        artifact_location: str | None = None,
     ) -> None:
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
+        self.artifact_location = artifact_location
+        _create_sqlite_store(self.tracking_uri, artifact_location)
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_name = run_name
         self._buffer: list[Metric] = []
@@ -201,13 +231,19 @@ class Tracker:
             self.set_tags(changed)
 
     def _get_or_create_experiment(self, name: str) -> str:
+        wanted = _artifact_root(self.tracking_uri, name, self.artifact_location)
         existing = self.client.get_experiment_by_name(name)
         if existing is not None:
+            if wanted is not None and existing.artifact_location.rstrip("/") != wanted:
+                log.info(
+                    "experiment %r keeps its artifacts at %s, where it was created (not %s)",
+                    name,
+                    existing.artifact_location,
+                    wanted,
+                )
             return existing.experiment_id
         try:
-            return self.client.create_experiment(
-                name, artifact_location=_artifact_root(self.tracking_uri, name)
-            )
+            return self.client.create_experiment(name, artifact_location=wanted)
         except MlflowException as exc:  # created concurrently by another process
             if exc.error_code != _ALREADY_EXISTS:
                 raise
