@@ -4,6 +4,7 @@ the episode's turns come back as samples with the environment's reward; failing 
 agents yield FAILED samples; plug-ins load by import path or are refused clearly."""
 
 import asyncio
+import functools
 import json
 import random
 import threading
@@ -60,7 +61,16 @@ def _scripted_reply(
         "created": 0,
         "model": "scripted",
         "choices": [{"index": 0, "message": message, "finish_reason": reason}],
+        # what a session server of the tiny family says of such a reply (sessions/server.py)
+        "miles": {"broken_tool_call": _tiny().broken_tool_call(message)},
     }
+
+
+@functools.cache
+def _tiny():
+    from miles_core.tito import FAMILIES
+
+    return FAMILIES.get("tiny")()
 
 
 def _scripted_policy(
@@ -224,7 +234,7 @@ def test_bad_tool_calls_and_escapes_score_zero_without_stopping_anything():
 
 def test_broken_replies_after_a_solution_keep_the_grade_and_lose_the_shaped_reward():
     """The task is solved by its command; then the last reply is a tool call that did not parse
-    (plain text holding call markup), or is cut off at max_tokens, or is a clean answer. The raw
+    (plain text holding the family's call markup, which the session server reports), or is cut off at max_tokens, or is a clean answer. The raw
     grade is 1 each time; `well_formed` keeps it only for the clean one."""
     from miles_core.agents.rewards import Episode
     from miles_core.envs.shaping import well_formed

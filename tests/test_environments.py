@@ -5,6 +5,7 @@ by import path; the session token budget caps and ends episodes."""
 
 import asyncio
 
+import httpx
 import pytest
 from fastapi import FastAPI
 from test_agents import _scripted_reply, _Server
@@ -112,3 +113,53 @@ def test_the_session_token_budget_caps_each_call_and_ends_a_full_conversation(se
         long = [{"role": "user", "content": "a" * 80}]  # past the budget before any reply
         r = http.post(f"/sessions/{sid}/v1/chat/completions", json=body | {"messages": long})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_new_familys_broken_tool_call_is_a_bad_call_and_loses_the_shaped_reward():
+    """The headers family (tests/plugins/family.py) writes tool calls as `[[call]]…[[/call]]`,
+    markup of its own. Behind a session server of that family, a scripted engine answers with
+    the solving call, then with a call in that markup that does not parse: the session server
+    says so (`miles.broken_tool_call`), the agent counts it in `bad_calls`, and `well_formed`
+    zeroes the solved episode (its raw grade stays 1)."""
+    import json
+
+    from miles_core.agents.rewards import Episode
+    from miles_core.envs.shaping import well_formed
+    from miles_core.sessions.server import create_app
+    from tests.servers import served
+
+    family = HeadersFamily()
+    example = TASKS.generate(1, seed=0)[0]
+    env = TASKS.environment_of(example.label)
+    run = {"name": "run", "arguments": json.dumps({"cmd": env.solution[0]})}
+    replies = [
+        family.completion({"role": "assistant", "tool_calls": [{"function": run}]}),
+        family.completion({"role": "assistant", "content": '[[call]]{"name": "run", x}[[/call]]'}),
+    ]
+    engine = FastAPI()
+
+    @engine.post("/generate")
+    async def generate(body: dict):
+        ids = replies.pop(0)
+        return {
+            "output_ids": ids,
+            "meta_info": {
+                "finish_reason": {"type": "stop"},
+                "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(ids),
+                "weight_version": "1",
+                "output_token_logprobs": [[-0.5, t, None] for t in ids],
+            },
+        }
+
+    metadata = {"task": example.label} | episode_metadata(_config(), TASKS)
+    with served(engine) as engine_url, served(create_app(engine_url, family)) as sessions:
+        sid = httpx.post(f"{sessions}/sessions").json()["session_id"]
+        prompt = [{"role": "user", "content": example.prompt}]
+        out = asyncio.run(run_agent(f"{sessions}/sessions/{sid}/v1", prompt, {}, metadata))
+        broken = httpx.get(f"{sessions}/metrics").json()["broken_tool_calls"]
+    assert replies == [] and broken == 1
+    assert out["reward"] == 1.0 and out["metrics"]["commands"] == 1.0
+    assert out["metrics"]["bad_calls"] == 1.0
+    episode = Episode([], example.label, out["reward"], out["metrics"], out["reward"])
+    assert well_formed(episode) == 0.0

@@ -26,6 +26,7 @@ class MistralFamily(TitoFamily):
     expected_append_only = ("plain", "reasoning")
     renders_reasoning = False
     content_with_tool_calls = False
+    tool_call_markup = ("[TOOL_CALLS]",)
 
     def __init__(self):
         from mistral_common.tokens.tokenizers.mistral import MistralTokenizer

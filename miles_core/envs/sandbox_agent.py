@@ -7,12 +7,14 @@ provides setup / instruction / check / scripted solution.
 "environment", its class's import path (the data task's, never an episode's); "max_turns";
 "turn_slack" (optional: the turn limit is then the scripted solution's tool calls plus this
 many, at most max_turns); "limits", the sandbox limits (`SandboxLimits` fields). The agent sets
-the task up in a fresh sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat at `base_url`) for the
-next step: every `run` tool call is executed in the sandbox and its output returned as the tool
-result; a reply without tool calls ends the episode (`bad_calls` counts one that holds broken
-call markup, as it does calls it cannot run), and so do a reply cut off at max_tokens
-(`truncated`) and a conversation that has no room left (`context_full`: the model's context or
-the session's token budget). The checker's score of the final workspace is the reward. Where the
+the task up in a fresh sandbox, then, for up to `max_turns` turns, asks the model (OpenAI chat
+at `base_url`) for the next step: every `run` tool call is executed in the sandbox and its output
+returned as the tool result. A reply without tool calls ends the episode, and so do a reply cut
+off at max_tokens (`truncated`) and a conversation that has no room left (`context_full`: the
+model's context or the session's token budget). `bad_calls` counts replies holding a tool call
+that the run's TITO family could not parse (the session server says so with each reply,
+`miles.broken_tool_call`, from `TitoFamily.broken_tool_call`) and calls the agent cannot run.
+The checker's score of the final workspace is the reward. Where the
 episode's time went: `model_s` waiting for the model's replies (the session server, the router
 and the engine's queue included), `sandbox_s` in the sandbox (setup, commands, check, waiting
 for a worker thread included); the rollout adds the whole episode's `episode_s`. Tools
@@ -32,9 +34,6 @@ from miles_core.envs.sandbox import RunResult, Sandbox, SandboxLimits
 
 OBSERVATION_CHARS = 200
 CONTEXT_FULL = "context_length_exceeded"  # the OpenAI error code the session server answers
-# how our TITO families open a tool call (ChatML / Qwen3, Mistral): a reply that holds one but
-# came back without tool calls is a call that did not parse, not an answer
-CALL_MARKUP = ("<tool_call>", "[TOOL_CALLS]")
 
 
 def observation(result: RunResult) -> str:
@@ -125,8 +124,9 @@ async def run_agent(
                 if choice.finish_reason == "length":
                     truncated += 1  # cut off at max_tokens: whatever it was, it ends here
                     break
+                # the session server's family saw tool-call markup it could not parse
+                bad_calls += bool((r.model_extra or {}).get("miles", {}).get("broken_tool_call"))
                 if not calls:
-                    bad_calls += any(m in reply["content"] for m in CALL_MARKUP)
                     break
                 for call in calls:
                     cmd = command_of(call)

@@ -115,6 +115,7 @@ def completion_response(
     weight_version: int,
     output_ids: list[int],
     cached_tokens: int = 0,
+    broken_tool_call: bool = False,
 ) -> dict[str, Any]:
     if finish_reason == "stop" and reply.get("tool_calls"):
         finish_reason = "tool_calls"
@@ -136,6 +137,11 @@ def completion_response(
             # the prompt's ids the engine found in its prefix cache
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         },
-        # not OpenAI's: what the engine generated, for harnesses and tests that check tokens
-        "miles": {"weight_version": str(weight_version), "output_ids": output_ids},
+        # not OpenAI's: what the engine generated, for harnesses and tests that check tokens,
+        # and whether the reply holds a tool call the family could not parse
+        "miles": {
+            "weight_version": str(weight_version),
+            "output_ids": output_ids,
+            "broken_tool_call": broken_tool_call,
+        },
     }

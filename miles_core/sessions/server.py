@@ -386,6 +386,8 @@ def create_app(
         reply, how = await asyncio.to_thread(family.parse_exact, out.output_ids, tools)
         if how != "parsed":
             counters[f"replies_{how}"] += 1
+        broken = family.broken_tool_call(reply)
+        counters["broken_tool_calls"] += broken
         # the prefix this turn shares with its session's previous turn (prompt and reply): what
         # a cache that keeps each session on one engine can reuse, against the engine's hits
         counters["prompt_ids"] += len(turn.ids)
@@ -415,6 +417,7 @@ def create_app(
             version,
             out.output_ids,
             out.meta_info.cached_tokens,
+            broken,
         )
 
     @app.post("/sessions/{sid}/samples", openapi_extra=_json_body(SamplesBody))

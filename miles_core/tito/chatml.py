@@ -85,6 +85,8 @@ _TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 class ChatMLFamily(TitoFamily):
     """A family whose tokenizer is a HF tokenizer carrying one of the templates above."""
 
+    tool_call_markup = ("<tool_call>",)
+
     def __init__(self, tokenizer, keep_history_reasoning: bool):
         self.tokenizer = tokenizer
         self.tokenizer.chat_template = chat_template(keep_history_reasoning)

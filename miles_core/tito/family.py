@@ -38,6 +38,9 @@ class TitoFamily(ABC):
     renders_reasoning = True  # reasoning_content survives completion → parse
     ascii_only = False  # the vocabulary covers only printable ASCII
     content_with_tool_calls = True  # an assistant message may hold text and tool calls
+    # the text that opens a tool call in this family's format (as `decode` shows it): a reply
+    # whose text still holds one after parsing is a call that did not parse
+    tool_call_markup: tuple[str, ...] = ()
 
     @property
     @abstractmethod
@@ -65,6 +68,14 @@ class TitoFamily(ABC):
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included (for reports)."""
+
+    def broken_tool_call(self, reply: Message) -> bool:
+        """Whether `reply` (an assistant message as `parse_exact` made it) holds an attempt at a
+        tool call that did not parse: this family's `tool_call_markup` left in its text. The
+        session server reports it with each reply (`miles.broken_tool_call`); the sandbox agent
+        counts it in `bad_calls`. Override for a format where that is not enough."""
+        text = reply.get("content") or ""
+        return any(m in text for m in self.tool_call_markup)
 
     def parse_exact(self, ids: list[int], tools: list[dict] | None = None) -> tuple[Message, str]:
         """The assistant message for completion `ids` that renders back to exactly these ids

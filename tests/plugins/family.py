@@ -2,9 +2,9 @@
 (`agent.family: tests.plugins.family:HeadersFamily`, `miles tito verify --family ...`), nothing
 registered inside the package.
 
-Its chat format is not ChatML: markdown-style `### Role` headers, tool results headed by their
-call id, `<|endoftext|>` (not `<|im_end|>`) ending an assistant turn, over our character-level
-tokenizer. The renders are written in Python; `CHAT_TEMPLATE` is the same format as a Jinja chat
+Its chat format is not ChatML: markdown-style `### Role` headers, tool calls as `[[call]]` JSON
+`[[/call]]` (markup of its own: `tool_call_markup`), tool results headed by their call id,
+`<|endoftext|>` (not `<|im_end|>`) ending an assistant turn, over our character-level tokenizer. The renders are written in Python; `CHAT_TEMPLATE` is the same format as a Jinja chat
 template, for the model directory of a model that speaks it (what `--model DIR` and the session
 server's start-up check compare with).
 """
@@ -29,8 +29,8 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{{- m.content or '' -}}"
     "{%- for tc in (m.tool_calls or []) -%}"
-    '{{- \'<tool_call>{"name": "\' + tc.function.name + \'", "arguments": \' '
-    "+ tc.function.arguments + '}</tool_call>' -}}"
+    '{{- \'[[call]]{"name": "\' + tc.function.name + \'", "arguments": \' '
+    "+ tc.function.arguments + '}[[/call]]' -}}"
     "{%- endfor -%}"
     "{{- '" + EOS + "\\n\\n' -}}"
     "{%- elif m.role == 'tool' -%}{{- '### Tool ' + m.tool_call_id + '\\n' + m.content + '\\n\\n' -}}"
@@ -41,13 +41,14 @@ CHAT_TEMPLATE = (
 )
 
 _THINK = re.compile(r"^<think>(.*?)</think>", re.S)
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_CALL = re.compile(r"\[\[call\]\](.*?)\[\[/call\]\]", re.S)
 
 
 class HeadersFamily(TitoFamily):
     name = "headers"
     limits = ("characters outside printable ASCII become <|unk|>",)
     ascii_only = True
+    tool_call_markup = ("[[call]]",)
 
     def __init__(self):
         self.tokenizer = build_tokenizer()
@@ -67,9 +68,7 @@ class HeadersFamily(TitoFamily):
         text += m.get("content") or ""
         for c in m.get("tool_calls") or []:
             f = c["function"]
-            text += (
-                f'<tool_call>{{"name": "{f["name"]}", "arguments": {f["arguments"]}}}</tool_call>'
-            )
+            text += f'[[call]]{{"name": "{f["name"]}", "arguments": {f["arguments"]}}}[[/call]]'
         return text
 
     def _text(self, m: Message) -> str:
