@@ -172,11 +172,20 @@ def _convert(args) -> int:
             return _fail("convert: give a format with --to (or rollout.precision in --config)")
         summary = convert_checkpoint(args.src, args.dst, plan)
     except ValidationError as e:
-        return _fail(f"invalid config:\n{e}")
+        return _fail(invalid_config(e))
     except (ValueError, OSError, KeyError) as e:
         return _fail(str(e))
     print(json.dumps(summary), flush=True)
     return 0
+
+
+def invalid_config(e: ValidationError) -> str:
+    """A config's validation errors, one line each: the setting, then what is wrong."""
+    lines = []
+    for err in e.errors():
+        where = ".".join(str(part) for part in err["loc"]) or "config"
+        lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "invalid config: " + "\n".join(lines)
 
 
 def _fail(message: str) -> int:
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
     except ValidationError as e:
-        return _fail(f"invalid config:\n{e}")
+        return _fail(invalid_config(e))
     except (ValueError, OSError) as e:
         return _fail(str(e))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from miles_core.tito import FAMILIES
+from miles_core.tito import build_family
 from miles_core.tito.verify import model_template, verify
 
 
@@ -18,7 +18,7 @@ def run_verify(
     if not console.is_terminal:  # piped or captured: wide enough that rows stay on one line
         console = Console(width=120)
     try:
-        family = FAMILIES.get(name)()
+        family = build_family(name)
     except ValueError as e:
         console.print(f"miles: error: {e}", style="red", highlight=False, markup=False)
         return 2

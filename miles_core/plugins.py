@@ -23,16 +23,26 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import pkgutil
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 T = TypeVar("T")
 
-__all__ = ["NoOptions", "PluginOptions", "Registry", "import_object", "subclass_of"]
+__all__ = [
+    "NoOptions",
+    "PluginOptions",
+    "Registry",
+    "import_object",
+    "raised_at",
+    "subclass_of",
+]
 
 
 class PluginOptions(BaseModel):
@@ -57,7 +67,7 @@ def subclass_of(base: type, kind: str) -> Callable[[Any, str], Any]:
     return load
 
 
-def _where(e: BaseException) -> str:
+def raised_at(e: BaseException) -> str:
     """'FILE:LINE: ' of an error raised while importing a module: the line a SyntaxError names,
     else the innermost frame of its traceback (the plug-in's own code, or what it called)."""
     if isinstance(e, SyntaxError) and e.filename:
@@ -84,16 +94,43 @@ def import_object(
         missing = getattr(e, "name", None)
         if missing and missing != module_name and not module_name.startswith(f"{missing}."):
             # the module exists, and an import inside it fails: where
-            raise error(f"cannot import {kind} {path!r}: {_where(e)}{type(e).__name__}: {e}") from e
-        raise error(f"cannot import {kind} {path!r}: no module {module_name!r} ({e})") from e
+            raise error(
+                f"cannot import {kind} {path!r}: {raised_at(e)}{type(e).__name__}: {e}"
+            ) from e
+        raise error(f"cannot import {kind} {path!r}: {_not_found(module_name)}") from e
     except Exception as e:  # the module itself fails (SyntaxError, raises at import): where
-        raise error(f"cannot import {kind} {path!r}: {_where(e)}{type(e).__name__}: {e}") from e
+        raise error(f"cannot import {kind} {path!r}: {raised_at(e)}{type(e).__name__}: {e}") from e
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             raise error(f"cannot import {kind} {path!r}: {module_name!r} has no {attr!r}")
     return obj
+
+
+def _not_found(module_name: str) -> str:
+    """What was searched for a module that is not there, and how to make it found."""
+    top = module_name.split(".")[0]
+    if top != module_name:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            where = spec.origin or ", ".join(spec.submodule_search_locations or [])
+            return f"{top!r} (at {where}) has no module {module_name!r}"
+    install = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix)}
+    folders = []
+    for entry in sys.path:
+        folder = Path(entry or os.getcwd()).resolve()
+        if folder.is_dir() and not any(folder.is_relative_to(i) for i in install):
+            folders.append(str(folder))
+    searched = ", ".join(dict.fromkeys(folders)) or "no folder of yours"
+    return (
+        f"no module {module_name!r} in the folders searched ({searched}) or the installed "
+        f"packages; run from the folder that holds {top}/ (or {top}.py), or add that folder to "
+        f"PYTHONPATH: PYTHONPATH=/path/to/that/folder miles ..."
+    )
 
 
 _MISSING: Any = object()
@@ -245,5 +282,5 @@ class Registry(Generic[T]):
             importlib.import_module(module)
         except Exception as e:
             raise ValueError(
-                f"cannot import {self.kind} module {module}: {_where(e)}{type(e).__name__}: {e}"
+                f"cannot import {self.kind} module {module}: {raised_at(e)}{type(e).__name__}: {e}"
             ) from e

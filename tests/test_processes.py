@@ -84,7 +84,8 @@ def test_servers_started_at_once_bind_their_own_ports_inside_the_range_and_repor
 
 
 def test_a_server_without_a_range_reports_the_port_the_kernel_gave_it(tmp_path):
-    """`--port 0 --port-file F` by hand: the file holds the port the server listens on."""
+    """`--port 0 --port-file F` by hand: the file holds the port the server listens on, and the
+    first line on stderr says so."""
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles_core.eval.service", "--port", "0"]
@@ -93,7 +94,7 @@ def test_a_server_without_a_range_reports_the_port_the_kernel_gave_it(tmp_path):
         text=True,
     )
     try:
-        line = proc.stderr.readline()  # one line once bound, before the app starts
+        line = proc.stderr.readline()  # one line, once it is about to serve
         port = int(port_file.read_text())
         assert line.strip() == f"evaluation service listening on 127.0.0.1:{port}"
         assert port > 0

@@ -318,19 +318,30 @@ def test_a_family_from_the_test_tree_serves_a_three_turn_session(headers_engine,
     assert closed + family.append(messages[-1:], TOOLS) == family.prompt(messages, TOOLS)
 
 
-def test_a_session_server_whose_family_does_not_match_the_engine_model_refuses_to_start(
-    headers_engine,
-):
-    """`tiny` renders ChatML; the engine's model speaks the headers format: without the check
-    every turn would answer 200 with ids of the wrong format. (The server's `main`, in-process:
-    it exits before serving.)"""
+def test_a_session_server_that_cannot_serve_its_family_says_why_in_one_line(headers_engine, capsys):
+    """Exit 2 with one line saying what to do, and no "listening" line, for: `tiny` in front of
+    a model that speaks the headers format (without the check every turn would answer 200 with
+    ids of the wrong format), an unknown name, an import path that does not import (the folders
+    searched, the PYTHONPATH hint) and a family whose constructor fails (where, not a
+    traceback). (The server's `main`, in-process: it exits before serving.)"""
     from miles_core.sessions.server import main
 
-    argv = ["--engine-url", headers_engine.url, "--family", "tiny", "--port", "0"]
-    with pytest.raises(SystemExit) as refused:
-        main(argv)
-    message = str(refused.value.code)
-    assert "--family 'tiny' does not tokenize like the engine's model" in message, message
-    assert "choose the family of the model's tokenizer" in message
-    with pytest.raises(SystemExit, match="unknown TITO family 'gpt2'"):
-        main([*argv[:3], "gpt2", "--port", "0"])
+    cases = {
+        "tiny": ("--family 'tiny' does not tokenize like", "choose the family of the model's"),
+        "gpt2": ("unknown TITO family 'gpt2'",),
+        "mypkg.fam:Family": ("no module 'mypkg.fam' in the folders searched", "PYTHONPATH"),
+        "tests.plugins.family:BrokenFamily": (
+            "could not be built: ",
+            "family.py:",  # the constructor's own line
+            "RuntimeError: no vocabulary file at /nowhere",
+        ),
+    }
+    for family, expected in cases.items():
+        argv = ["--engine-url", headers_engine.url, "--family", family, "--port", "0"]
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        err = capsys.readouterr().err
+        assert refused.value.code == 2, (family, err)
+        [line] = err.splitlines()  # no traceback, no "listening" line
+        assert line.startswith("miles sessions serve: error: "), line
+        assert all(e in line for e in expected), line

@@ -20,8 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -182,10 +183,13 @@ def create_app(
         except ValueError as e:
             return engine_error(400, str(e))
 
-    @app.on_event("shutdown")
-    async def shutdown() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
         disk.close()
         compute.shutdown(wait=False, cancel_futures=True)
+
+    app.router.lifespan_context = lifespan
 
     return app
 
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     from miles_core.processes.auth import protect
     from miles_core.processes.managed import KEEP_ALIVE_S
     from miles_core.processes.parent_watch import watch_parent
-    from miles_core.processes.ports import add_port_arguments, bind_from_args
+    from miles_core.processes.ports import add_port_arguments, announce, bind_from_args
     from miles_core.weights.shm import unlink_mapped
 
     ap = argparse.ArgumentParser(prog="miles image-engine serve")
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     config = uvicorn.Config(
         app, host=args.host, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
     )
+    announce(sock, "image engine server")
     uvicorn.Server(config).run(sockets=[sock])
 
 

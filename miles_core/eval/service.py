@@ -22,11 +22,12 @@ AWS_SECRET_ACCESS_KEY, FSSPEC_S3_ENDPOINT_URL)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -40,7 +41,7 @@ from miles_core.eval.scoring import EvalSpec, score_model_dir
 from miles_core.processes.auth import protect
 from miles_core.processes.http_limits import MAX_BODY_BYTES, BodyLimit
 from miles_core.processes.managed import KEEP_ALIVE_S, ManagedProcess
-from miles_core.processes.ports import add_port_arguments, bind_from_args
+from miles_core.processes.ports import add_port_arguments, announce, bind_from_args
 from miles_core.processes.roots import AllowedRoots, MalformedUri, OutsideRoots
 
 MAX_JOBS = 1024
@@ -107,7 +108,14 @@ def create_app(
         if isinstance(checkpoint_roots, AllowedRoots)
         else AllowedRoots.parse(checkpoint_roots, "checkpoint root")
     )
-    app = FastAPI(title="miles evaluation service")
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="miles-eval-job")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="miles evaluation service", lifespan=lifespan)
     app.add_middleware(
         BodyLimit,
         limit=max_body_bytes,
@@ -127,7 +135,6 @@ def create_app(
 
     jobs: dict[str, JobState] = {}  # insertion order: the oldest first
     lock = threading.Lock()
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="miles-eval-job")
 
     def work(job: JobState, uri: str, spec: EvalSpec) -> None:
         job.status = "running"
@@ -158,10 +165,6 @@ def create_app(
                     )
                 del jobs[oldest]
             jobs[job.id] = job
-
-    @app.on_event("shutdown")
-    def _stop() -> None:
-        pool.shutdown(wait=False, cancel_futures=True)
 
     @app.get("/health")
     def health() -> dict:
@@ -281,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    announce(sock, "evaluation service")
     uvicorn.Server(config).run(sockets=[sock])
 
 

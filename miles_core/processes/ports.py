@@ -146,8 +146,9 @@ def add_port_arguments(ap: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def bind_from_args(args: argparse.Namespace, what: str) -> socket.socket:
-    """Binds as the parsed arguments say, reports the port (port file, and one line on stderr),
-    or exits non-zero naming the address and the reason. Resolves the server's key into
+    """Binds as the parsed arguments say and writes the port file (`--port-file`), or exits
+    non-zero naming the address and the reason; `announce` says "listening" once the server
+    has passed its start-up checks. Resolves the server's key into
     `args.api_key` (`--api-key`, else MILES_API_KEY; processes/auth.py) and refuses, before binding,
     an address other than loopback without one."""
     from miles_core.processes.auth import API_KEY_ENV, is_loopback, resolve_key
@@ -171,8 +172,13 @@ def bind_from_args(args: argparse.Namespace, what: str) -> socket.socket:
     except OSError as e:
         reason = (e.strerror or str(e)).lower()
         sys.exit(f"{what} on {args.host}:{port} failed: cannot bind: {reason}")
-    bound = sock.getsockname()[1]
     if args.port_file:
-        write_port_file(args.port_file, bound)
-    print(f"{what} listening on {args.host}:{bound}", file=sys.stderr, flush=True)
+        write_port_file(args.port_file, sock.getsockname()[1])
     return sock
+
+
+def announce(sock: socket.socket, what: str) -> None:
+    """The one line a server prints once it has passed its start-up checks (model loaded,
+    family checked) and is about to serve: "<what> listening on HOST:PORT" on stderr."""
+    host, port = sock.getsockname()[:2]
+    print(f"{what} listening on {host}:{port}", file=sys.stderr, flush=True)

@@ -88,10 +88,10 @@ def _check_episode_budget(config: RunConfig, task, context: int) -> None:
     from miles_core.envs.demonstration import call_lengths, demonstration
     from miles_core.envs.sandbox import SandboxLimits
     from miles_core.rollout.sources import episode_metadata
-    from miles_core.tito import FAMILIES
+    from miles_core.tito import build_family
 
     a = config.agent
-    family = FAMILIES.get(a.family)()
+    family = build_family(a.family)
     kinds = len(task.kinds) + len(getattr(task, "eval_kinds", ()))
     draw = getattr(task, "evaluation", task.generate)
     limits = SandboxLimits(**episode_metadata(config, task)["limits"])  # what episodes get

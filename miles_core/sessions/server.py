@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,7 @@ from miles_core.processes.managed import KEEP_ALIVE_S
 from miles_core.sessions.family_check import check_engine_family
 from miles_core.sessions.openai_api import ChatRequest, completion_response
 from miles_core.sessions.trajectory import Trajectory
-from miles_core.tito import FAMILIES, TitoFamily
+from miles_core.tito import FAMILIES, TitoFamily, build_family
 from miles_core.token_fields import declared_field, load_token_fields
 from miles_core.types import sample_to_json
 
@@ -169,16 +170,15 @@ def create_app(
             await asyncio.sleep(sweep_every)
             _expire_idle()
 
-    @app.on_event("startup")
-    async def _start_sweep() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         sweeper["task"] = asyncio.create_task(_sweep())
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        if "task" in sweeper:
-            sweeper.pop("task").cancel()
+        yield
+        sweeper.pop("task").cancel()
         if "session" in engine:
             await engine["session"].close()
+
+    app.router.lifespan_context = lifespan
 
     async def _body(request: Request, model: type[BaseModel]) -> BaseModel | JSONResponse:
         """The request's body as `model`, read as strict JSON (an empty body: the defaults)."""
@@ -444,7 +444,7 @@ def _sample_json(sample) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from miles_core.processes.ports import add_port_arguments, bind_from_args
+    from miles_core.processes.ports import add_port_arguments, announce, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles sessions serve")
     ap.add_argument("--engine-url", required=True, help="the engine (or router) /generate base")
@@ -511,15 +511,16 @@ def main(argv: list[str] | None = None) -> None:
     from miles_core.processes.parent_watch import watch_parent
 
     watch_parent()  # started by a run: exit with it
-    sock = bind_from_args(args, "session server")  # the port is reported before anything loads
+    sock = bind_from_args(args, "session server")  # a taken port fails before anything loads
     try:
         fields = load_token_fields(args.token_field)
         fields += [declared_field(raw) for raw in args.token_field_json]
-        family = FAMILIES.get(args.family)()
+        family = build_family(args.family)
         if not args.no_family_check:  # a wrong family would answer 200 with garbage
             check_engine_family(args.engine_url, family, args.family, api_key=args.api_key)
-    except ValueError as e:
-        sys.exit(f"miles sessions serve: error: {e}")
+    except ValueError as e:  # one line saying what to do, no traceback, exit 2
+        print(f"miles sessions serve: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     app = create_app(
         args.engine_url,
         family,
@@ -541,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
     )
+    announce(sock, "session server")
     uvicorn.Server(config).run(sockets=[sock])
 
 

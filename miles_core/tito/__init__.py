@@ -8,6 +8,6 @@ register it under a short name with `@FAMILIES.register(name)` (registry.py), as
 from __future__ import annotations
 
 from miles_core.tito.family import Message, NotAppendOnly, TitoFamily
-from miles_core.tito.registry import FAMILIES
+from miles_core.tito.registry import FAMILIES, build_family
 
-__all__ = ["FAMILIES", "Message", "NotAppendOnly", "TitoFamily"]
+__all__ = ["FAMILIES", "Message", "NotAppendOnly", "TitoFamily", "build_family"]

@@ -5,7 +5,7 @@ another vocabulary or format, and a session answers 200 with garbage."""
 from __future__ import annotations
 
 from miles_core.tito.family import Message, TitoFamily
-from miles_core.tito.registry import FAMILIES
+from miles_core.tito.registry import build_family
 
 PROBE: list[Message] = [{"role": "user", "content": "list the files"}]
 
@@ -29,7 +29,7 @@ def check_family_matches(
     exactly as `tokenizer`'s chat template does. `what` / `label`: the setting and the value it
     was given, for the message."""
     name = label or (family if isinstance(family, str) else family.name)
-    fam = FAMILIES.get(family)() if isinstance(family, str) else family
+    fam = build_family(family) if isinstance(family, str) else family
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{what} {name!r}: {model}'s tokenizer ships no chat template to check")
     ours = fam.prompt(PROBE)

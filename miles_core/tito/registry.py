@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from miles_core.plugins import Registry
+from miles_core.plugins import Registry, raised_at
 from miles_core.tito.family import TitoFamily
 
 Factory = Callable[[], TitoFamily]
@@ -50,3 +50,17 @@ def _checked(name: str, factory: Callable[[], object]) -> Factory:
         return family
 
     return build
+
+
+def build_family(name: str) -> TitoFamily:
+    """A new instance of the family `name` (a registered name or an import path). A
+    constructor that fails raises a ValueError naming the family and where it failed (file,
+    line, error), not its traceback."""
+    factory = FAMILIES.get(name)
+    try:
+        family = factory()
+    except Exception as e:  # noqa: BLE001  (a plug-in's constructor: any error is its own)
+        raise ValueError(
+            f"TITO family {name!r} could not be built: {raised_at(e)}{type(e).__name__}: {e}"
+        ) from e
+    return family

@@ -39,9 +39,9 @@ def sft_batches(
     if demo is not None:  # demonstrations run commands in sandboxes: a few at a time
         from concurrent.futures import ThreadPoolExecutor
 
-        from miles_core.tito import FAMILIES
+        from miles_core.tito import build_family
 
-        chat = FAMILIES.get(family)()
+        chat = build_family(family)
         with ThreadPoolExecutor(max_workers=4) as pool:
             encoded = list(pool.map(lambda ex: demo(ex, chat), examples))
     else:

@@ -130,6 +130,13 @@ class HeadersFamily(TitoFamily):
         return message
 
 
+class BrokenFamily(HeadersFamily):
+    """A family whose constructor fails, as one whose tokenizer file is missing would."""
+
+    def __init__(self):
+        raise RuntimeError("no vocabulary file at /nowhere")
+
+
 def save_model_dir(directory, max_positions: int | None = None):
     """The seeded tiny model saved with this family's chat template: a model that speaks it."""
     from miles_core.models import build_model, save_hf_dir
