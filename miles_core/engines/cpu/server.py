@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from miles_core.models import load_hf_dir
     from miles_core.processes.auth import protect
-    from miles_core.processes.ports import add_port_arguments, bind_from_args
+    from miles_core.processes.ports import add_port_arguments, announce, bind_from_args
 
     ap = argparse.ArgumentParser(prog="miles engine serve")
     ap.add_argument("--model", required=True, help="HF model directory")
@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # started by a run: exit with it, and drop the shared-memory weight files its trainer wrote
     watch_parent(on_gone=unlink_mapped)
-    # bound (and the port reported) before the model loads: a taken port fails at once
+    # bound (and the port file written) before the model loads: a taken port fails at once
     sock = bind_from_args(args, "engine server")
     port = sock.getsockname()[1]
     if args.threads:
@@ -751,6 +751,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     http = threading.Thread(target=serve, name="http", daemon=True)
+    announce(sock, "engine server")  # the model is loaded
     http.start()
     engine.run()
     engine.close()  # in-flight requests get their (aborted) responses before HTTP shuts down
