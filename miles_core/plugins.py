@@ -118,7 +118,7 @@ def _not_found(module_name: str) -> str:
             spec = None
         if spec is not None:
             where = spec.origin or ", ".join(spec.submodule_search_locations or [])
-            return f"{top!r} (at {where}) has no module {module_name!r}"
+            return f"no module {module_name!r}: package {top!r} (at {where}) has none of that name"
     install = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix)}
     folders = []
     for entry in sys.path:

@@ -138,14 +138,16 @@ def _sync_order(cfg) -> list[list[int]]:
     return [[i for i, _ in source.next_batch(B) for _ in range(N)] for _ in range(STEPS)]
 
 
-def _check_recovered(trained, metrics, supervisor, saboteur, pids, cfg) -> None:
+def _check_recovered(trained, metrics, supervisor, saboteur, pids, cfg, routed=False) -> None:
+    """`routed`: the engine was one of several behind sglang-router, which sends a call whose
+    engine died to another engine itself; nothing is left for the supervisor to re-issue."""
     assert saboteur is not None and saboteur.at is not None, "the engine was never signalled"
     assert supervisor.generation == 1 and len(supervisor.replacements) == 1
     event = supervisor.replacements[0]
     assert event.detected_at - saboteur.at <= 10.0, event
     assert event.old_pid == pids[0] == saboteur.popen.pid
     assert event.new_pid == pids[1] != pids[0]
-    assert supervisor.reissued >= 1  # requests were in flight when it died
+    assert supervisor.reissued >= (0 if routed else 1)  # requests were in flight when it died
     assert metrics[-1]["rollout/engine_restarts_total"] == 1.0
     assert metrics[-1]["rollout/reissued_requests_total"] == supervisor.reissued
     # every sample trained exactly once: no duplicate and no missing rollout id or prompt

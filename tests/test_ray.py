@@ -2,8 +2,8 @@
 module (`tests/ray_cluster.py`: 4 logical GPUs on CPUs). The placement group's bundles are ordered
 by GPU; a run asking for more GPUs than the cluster declares, or whose group never becomes
 ready, fails naming the counts; say_a on 2 Ray-placed trainer ranks and 2 engine actors is
-bitwise the local run (torchrun ranks, subprocess engines), colocated and disaggregated; a
-killed engine actor is replaced with the current weights and every sample is trained once."""
+bitwise the local run (torchrun ranks, subprocess engines); a killed engine actor of 2 behind the
+router is replaced with the current weights and every sample is trained once."""
 
 from __future__ import annotations
 
@@ -104,12 +104,13 @@ def _say_a(tmp_path: Path, name: str, *extra: str) -> list[str]:
 KEYS = ("rollout/reward_mean", "train/loss", "train/grad_norm", "train/policy_version")
 
 
-def _train(tmp_path: Path, api: str, sets: list[str]) -> dict[str, list[float]]:
-    """`miles train` as a subprocess against the session's Prefect server; its metrics."""
+def _train(tmp_path: Path, api: str, sets: list[str], *flags: str) -> dict[str, list[float]]:
+    """`miles train` as a subprocess against the session's Prefect server; its metrics, the
+    newest value of each step (a resumed run logs the steps after its checkpoint again)."""
     from mlflow.tracking import MlflowClient
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--no-progress"]
+    cmd = [sys.executable, "-m", "flows.cli", "train", "--no-progress", *flags]
     cmd += [a for s in sets for a in ("--set", s)]
     env = {**os.environ, "PREFECT_API_URL": api, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
@@ -117,30 +118,42 @@ def _train(tmp_path: Path, api: str, sets: list[str]) -> dict[str, list[float]]:
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     [run] = client.search_runs([client.get_experiment_by_name("miles").experiment_id])
     assert run.info.status == "FINISHED"
-    return {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in KEYS}
+    out = {}
+    for key in KEYS:
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp)
+        out[key] = list({m.step: m.value for m in history}.values())
+    return out
 
 
 @pytest.mark.slow
 def test_say_a_placed_by_ray_is_bitwise_the_local_run(prefect_server, tmp_path, ray_address):
-    """2 trainer ranks (actors forming their gloo group) and 2 engine servers (each started by
-    its actor on a bundle after the trainer's), in sync mode: the same rewards, losses and
-    gradient norms to the bit as torchrun ranks and subprocess engines. (Colocated placement is
-    the fully async test's below; both layouts gave the local run's metrics bitwise when this
-    test ran both.)"""
-    local = _train(tmp_path / "local", prefect_server, _say_a(tmp_path / "local", "local"))
+    """A local run (torchrun ranks, subprocess engines, shared memory) of 2 steps, checkpoint
+    after each; then the same run resumed from step 0 on Ray: 2 trainer ranks (actors forming
+    their gloo group) and 2 engine servers (each started by its actor on a bundle after the
+    trainer's), pushing over `p2p` (every trainer actor sends its shards into one process group
+    with the engines). Sync mode: the resumed step's rewards, losses and gradient norms are the
+    local run's to the bit, and the checkpoint the Ray actors write over the local one holds
+    the same weights. Colocated placement is the fully async test's below."""
+    from miles_core.checkpoint.store import CheckpointStore
+
+    sets = _say_a(tmp_path, "say-a", "checkpoint.interval=1")
+    local = _train(tmp_path, prefect_server, sets)
     assert len(local["train/loss"]) == 2
-    where = tmp_path / "ray"
-    sets = _say_a(where, "ray", *_ray(ray_address, "cluster.colocate=false"))
-    assert _train(where, prefect_server, sets) == local
+    store = CheckpointStore(f"{tmp_path}/ckpt", "say-a")
+    sha = store.read_state(1)["weights_sha256"]
+    placed = [*sets, *_ray(ray_address, "cluster.colocate=false"), "weight_sync.transport=p2p"]
+    assert _train(tmp_path, prefect_server, placed, "--resume-step", "0") == local
+    assert store.read_state(1)["weights_sha256"] == sha
 
 
 @pytest.mark.slow
 def test_a_killed_engine_actor_is_replaced_and_every_sample_trained_once(tmp_path, ray_address):
-    """Fully async, colocated (2 trainer ranks, the engine sharing the first's bundle): the
-    engine server's actor is killed (`ray.kill`) while requests are in flight. Its server exits
-    with it, the supervisor places a new actor on the same bundle, which restarts the server on
-    the same port with the trainer's current weights; the requests it was serving are
-    re-issued, and every sample is trained exactly once."""
+    """Fully async, colocated: 2 trainer ranks, 2 engine servers behind the router, each engine
+    sharing a trainer rank's bundle. The first engine's actor is killed (`ray.kill`) while
+    requests are in flight. Its server exits with it, the supervisor places a new actor on the
+    same bundle, which restarts the server on the same port with the trainer's current weights
+    and rejoins the router; the router sends the calls it was serving to the other engine, and
+    every sample is trained exactly once."""
     import signal
 
     import ray
@@ -155,9 +168,10 @@ def test_a_killed_engine_actor_is_replaced_and_every_sample_trained_once(tmp_pat
         tmp_path,
         "rollout.mode=fully_async",
         "rollout.mode_options.max_staleness=1",
+        "rollout.engine_options.num_engines=2",
         "train.world_size=2",
         "train.micro_batch_size=4",
         *_ray(ray_address, "cluster.colocate=true"),
     )
     trained, metrics, sup, sab, pids = _run(cfg, signal.SIGKILL, saboteur_class=KillActor)
-    _check_recovered(trained, metrics, sup, sab, pids, cfg)
+    _check_recovered(trained, metrics, sup, sab, pids, cfg, routed=True)

@@ -225,19 +225,24 @@ class WeightSync:
                 stats.seconds,
             )
             if self.config.weight_sync.check_equal:
-                self.check_now()
+                # the replacement alone: behind a router the others keep the last push until
+                # the next one, and the trainer may have stepped since
+                self.check_now(engine)
 
     def check_equal(self) -> None:
         """The engines hold exactly what was pushed: the trainer's weights, in the push dtype,
         loaded into the engine's own (fp32) parameters."""
         self.fleet.surviving("weights check", self.check_now)
 
-    def check_now(self) -> None:
+    def check_now(self, engine=None) -> None:
+        """`engine` (default: every engine of the fleet) holds the trainer's weights now."""
+        target = engine or self.fleet.engine
         with self.lock, self.push_lock:
             expected = self._as_loaded(self.trainer)
-            if self.fleet.engine.weights_checksum(self.scope) != weights_checksum(expected):
+            if target.weights_checksum(self.scope) != weights_checksum(expected):
+                where = getattr(target, "url", self.fleet.where)
                 raise RuntimeError(
-                    f"engine weights ({self.fleet.where}) differ from the trainer's after the push"
+                    f"engine weights ({where}) differ from the trainer's after the push"
                 )
 
     def check_base(self, base: dict[str, torch.Tensor]) -> None:
