@@ -6,6 +6,7 @@
     miles sft --config examples/reverse_sft_rl.yaml
     miles engine serve --model checkpoints/say-a/step_000039 --port 30000
     miles sessions serve --engine-url http://127.0.0.1:30000 --family tiny --port 30100
+    miles model init --family qwen3 --preset tiny models/qwen3-tiny   (--tokenizer DIR|PACKAGE)
     miles tito verify --family qwen3   (or --family package.module:Class [--model DIR])
     miles evaluate --model say-a [--version 3 | --alias best-eval] [--force]
     miles eval serve --port 30200      (the reference service of eval.mode: external)
@@ -137,6 +138,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--storage-options", default="{}", metavar="JSON", help="checkpoint.storage_options"
+    )
+    model = sub.add_parser("model", help="model folder commands")
+    model.add_argument(
+        "action", choices=["init"], help="init: a random-init model on a tokenizer, for a family"
+    )
+    model.add_argument("out", help="the new model folder (must not exist, or be empty)")
+    model.add_argument(
+        "--family", required=True, help="TITO family: a name or package.module:Class"
+    )
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR|PACKAGE",
+        help="a Hugging Face tokenizer folder, or an installed package that ships one "
+        "(default: the family's own tokenizer)",
+    )
+    model.add_argument("--preset", default="tiny", help="architecture preset (models/presets.py)")
+    model.add_argument("--seed", type=int, default=0, help="the random init's seed")
+    model.add_argument(
+        "--context", type=int, default=None, help="max_position_embeddings (default: the preset's)"
     )
     tito = sub.add_parser("tito", help="token-in-token-out tokenizer commands")
     tito.add_argument("action", choices=["verify"], help="verify: check a family's renders")
@@ -281,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         from flows.tito_verify import run_verify
 
         return run_verify(args.family, args.conversations, args.turns, args.seed, args.model)
+    if args.command == "model":
+        from miles_core.models.init import init_model
+
+        try:
+            summary = init_model(
+                args.family, args.tokenizer, args.preset, args.out, args.seed, args.context
+            )
+        except (ValueError, OSError) as e:
+            return _fail(str(e))
+        print(json.dumps(summary), flush=True)
+        return 0
     if args.command == "convert":
         return _convert(args)
     if args.command == "plan":

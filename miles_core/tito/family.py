@@ -69,6 +69,13 @@ class TitoFamily(ABC):
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens included (for reports)."""
 
+    def chat_template(self) -> str | None:
+        """The Jinja chat template a model folder ships for this family (what `miles model
+        init` writes, and what the session server's start-up check renders against): by
+        default the template of the family's own Hugging Face tokenizer (`self.tokenizer`),
+        if it has one."""
+        return getattr(getattr(self, "tokenizer", None), "chat_template", None) or None
+
     def broken_tool_call(self, reply: Message) -> bool:
         """Whether `reply` (an assistant message as `parse_exact` made it) holds an attempt at a
         tool call that did not parse: this family's `tool_call_markup` left in its text. The

@@ -58,6 +58,9 @@ class HeadersFamily(TitoFamily):
     def stop_ids(self) -> list[int]:
         return self._stop
 
+    def chat_template(self) -> str:
+        return CHAT_TEMPLATE
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
