@@ -21,7 +21,7 @@ from typing import Any
 
 from miles_core.engines.protocol import EngineUnavailable, RolloutEngine
 from miles_core.engines.registry import ENGINES, EngineSetup
-from miles_core.engines.supervisor import EngineSupervisor
+from miles_core.engines.supervisor import EngineSupervisor, RoutedSupervision, replaced_since
 from miles_core.rollout.mode import MODES
 from miles_core.rollout.rollout_fn import RolloutResult
 from miles_core.weights.remote import PushFailed
@@ -126,8 +126,11 @@ class EngineFleet:
                 on_dead=None if self.router is None else self._leave_router,
             ).start()
             self.supervisors.append(supervisor)
-        if self.router is None:
-            self.engine.supervisor = self.supervisors[0]  # its requests wait for a replacement
+        # generation calls that die with an engine wait for its replacement and are re-issued
+        # once (behind a router, through the router: engines/supervisor.py RoutedSupervision)
+        self.engine.supervisor = (
+            self.supervisors[0] if self.router is None else RoutedSupervision(self.supervisors)
+        )
 
     def _serve(self, serve_weights, client: RolloutEngine, process) -> None:
         serve_weights(client)
@@ -236,9 +239,9 @@ def wait_for_replacements(
     none died within a health timeout (the failure was not an engine's death)."""
     deadline = time.monotonic() + max(s.timeout_s + 2 * s.interval_s for s in supervisors)
     while True:
-        states = [s.settled(g) for s, g in zip(supervisors, seen, strict=True)]
-        if None not in states and True in states:
+        replaced = replaced_since(supervisors, seen)
+        if replaced:
             return
-        if None not in states and time.monotonic() > deadline:
+        if replaced is False and time.monotonic() > deadline:
             raise error
         time.sleep(0.05)

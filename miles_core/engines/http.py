@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from miles_core.engines.protocol import SERVER_ROUTES, EngineRequestRejected
-from miles_core.engines.supervisor import EngineSupervisor, reissue_once
+from miles_core.engines.supervisor import EngineSupervisor, RoutedSupervision, reissue_once
 from miles_core.engines.wire import GenerateRequest, GenerateResponse, version_number
 from miles_core.processes.auth import bearer
 from miles_core.processes.managed import ManagedProcess, ProcessUnavailable
@@ -179,7 +179,7 @@ class HttpEngine:
         # set by the owner of a supervised engine server: generate calls that die with the
         # engine wait for its replacement and are re-issued once (engines/supervisor.py);
         # control calls still fail fast
-        self.supervisor: EngineSupervisor | None = None
+        self.supervisor: EngineSupervisor | RoutedSupervision | None = None
 
     # ------------------------------------------------------------------ data plane
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResponse]:

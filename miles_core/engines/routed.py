@@ -4,9 +4,11 @@ engine.
 
 A request's routing key sticks to one engine (`router.py`: the `manual` policy): the session
 server sends each session's id, so an agent's turns reach the engine that holds its prefix. The
-router health-checks its engines and stops routing to one that fails; a call that was on a dead
-engine fails (its episode FAILED, masked, counted), and the supervisor of that engine replaces
-it, out of the router's rotation until it serves the current weights (`fleet.py`).
+router health-checks its engines and stops routing to one that fails; the supervisor of a dead
+engine replaces it, out of the router's rotation until it serves the current weights
+(`fleet.py`). A generation call that dies with its engine waits for the replacement and goes
+through the router once more (`supervisor.RoutedSupervision`); a call the session server makes
+fails its episode (FAILED, masked, counted).
 
 Control calls fan out: pause / resume / the weight version to every engine; the weights checksum
 is every engine's and must agree; load counters are summed. Weight pushes go to the engines

@@ -157,14 +157,15 @@ class EngineSupervisor:
                     return self.generation
             await asyncio.sleep(0.05)
 
-    async def await_replacement(self, seen: int, error: BaseException) -> None:
-        """`wait_for_replacement` for the event loop (polls; holds no thread)."""
+    async def await_replacement(self, seen: int, error: BaseException) -> EngineSupervisor:
+        """`wait_for_replacement` for the event loop (polls; holds no thread); returns itself,
+        the engine that was replaced."""
         deadline = time.monotonic() + self.timeout_s + 2 * self.interval_s
         while True:
             with self._cond:
                 settled = self.settled(seen)
             if settled:
-                return
+                return self
             if settled is False and time.monotonic() > deadline:
                 raise error
             await asyncio.sleep(0.05)
@@ -275,7 +276,9 @@ class EngineSupervisor:
 
 
 async def reissue_once(
-    supervisor: EngineSupervisor | None, call: Callable[[], Awaitable[T]], what: str
+    supervisor: EngineSupervisor | RoutedSupervision | None,
+    call: Callable[[], Awaitable[T]],
+    what: str,
 ) -> T:
     """Runs `call` (an engine request); if it fails because the engine died, waits for the
     replacement and runs it exactly once more. A second failure raises, naming `what`."""
@@ -285,9 +288,9 @@ async def reissue_once(
     try:
         return await call()
     except ProcessUnavailable as first:
-        await supervisor.await_replacement(seen, first)
-    supervisor.count_reissue()
-    log.info("re-issuing %s on the replaced engine server %s", what, supervisor.url)
+        replaced = await supervisor.await_replacement(seen, first)
+    replaced.count_reissue()
+    log.info("re-issuing %s after the engine server %s was replaced", what, replaced.url)
     try:
         return await call()
     except ProcessUnavailable as second:
@@ -295,3 +298,39 @@ async def reissue_once(
             f"{what} failed again after the engine server was replaced (re-issued once, not "
             f"again): {second}"
         ) from second
+
+
+def replaced_since(
+    supervisors: list[EngineSupervisor], seen: list[int]
+) -> EngineSupervisor | bool | None:
+    """`EngineSupervisor.settled` over several engines, supervisor i last seen serving
+    generation `seen[i]`: the first engine replaced since, once none is being replaced; None
+    while one is; False while every one still serves what it served."""
+    states = [s.settled(g) for s, g in zip(supervisors, seen, strict=True)]
+    if None in states:
+        return None
+    return supervisors[states.index(True)] if True in states else False
+
+
+class RoutedSupervision:
+    """The supervisors of the engine servers behind one router, as one for `reissue_once`. The
+    router itself sends a call to another engine when its engine is gone before the call
+    reaches it; a call that dies while its engine serves it comes back as an error (HTTP 500).
+    Such a call waits until every engine replaced since serves again, then goes through the
+    router once more. The re-issue counts on the engine that was replaced."""
+
+    def __init__(self, supervisors: list[EngineSupervisor]):
+        self.members = list(supervisors)
+
+    async def await_serving(self) -> list[int]:
+        return [await s.await_serving() for s in self.members]
+
+    async def await_replacement(self, seen: list[int], error: BaseException) -> EngineSupervisor:
+        deadline = time.monotonic() + max(s.timeout_s + 2 * s.interval_s for s in self.members)
+        while True:
+            replaced = replaced_since(self.members, seen)
+            if replaced:
+                return replaced
+            if replaced is False and time.monotonic() > deadline:
+                raise error
+            await asyncio.sleep(0.05)
