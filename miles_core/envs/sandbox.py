@@ -17,9 +17,9 @@
   ("disk quota") and what it wrote past the quota is truncated away (`Workspace.trim`), so the
   workspace never holds more than the quota after a command;
 - every process reaped here: the chain starts with util-linux `unshare --pid --fork`, whose
-  child is the init of a PID namespace around bwrap. bwrap's own namespace init exits after
-  its parent stops waiting for it; without that outer namespace it would be left a zombie for
-  the host's PID 1 to reap (and in a container whose PID 1 does not reap, they pile up).
+  child is the init of a PID namespace around bwrap. The outer bwrap exits without waiting for
+  the init of its own namespace; without the outer namespace that init would be left a zombie
+  for the host's PID 1 to reap (in a container whose PID 1 does not reap, they pile up).
 
 The host side of the workspace (`path`, `read`, `write`, `kind`) never follows a symbolic link
 (`workspace.py`).
@@ -133,7 +133,7 @@ class Sandbox:
         return self.workspace.joinpath(*self.files.parts(relative))
 
     def kind(self, relative: str) -> str:
-        """ "file", "directory", "link", "missing" or "other" (`Workspace.kind`)."""
+        """What is at `relative`: file, directory, link, missing or other (`Workspace.kind`)."""
         return self.files.kind(relative)
 
     def write(self, relative: str, text: str) -> None:
