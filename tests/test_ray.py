@@ -1,9 +1,10 @@
 """Runs placed by Ray (`cluster.backend: ray`) on a local Ray cluster started once for this
 module (`tests/ray_cluster.py`: 4 logical GPUs on CPUs). The placement group's bundles are ordered
 by GPU; a run asking for more GPUs than the cluster declares, or whose group never becomes
-ready, fails naming the counts; say_a on 2 Ray-placed trainer ranks and 2 engine actors is
-bitwise the local run (torchrun ranks, subprocess engines); a killed engine actor of 2 behind the
-router is replaced with the current weights and every sample is trained once."""
+ready, fails naming the counts; a local say_a run (torchrun ranks, subprocess engines) resumed
+on 2 Ray-placed trainer ranks and 2 engine actors gives the local run's next step bitwise; a
+killed engine actor of 2 behind the router is replaced with the current weights and every sample
+is trained once."""
 
 from __future__ import annotations
 
