@@ -113,12 +113,12 @@ def init_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         MODEL_FAMILIES.get(PRESETS[preset].family).init_extra(model, seed)
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # staged beside: a rename
         staged = save_hf_dir(model, tok, Path(tmp) / "model")
         check_family_matches(
             family, AutoTokenizer.from_pretrained(staged), "--family", str(out), family_name
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             out.rmdir()
         staged.rename(out)
